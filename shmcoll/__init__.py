@@ -1,0 +1,1 @@
+"""shmcoll: collective communication for multi-process CPU training."""

@@ -1,0 +1,35 @@
+"""The exceptions shmcoll raises; every one derives from CollectiveError (a RuntimeError)."""
+
+from __future__ import annotations
+
+
+class CollectiveError(RuntimeError):
+    """Base of every error raised by shmcoll."""
+
+
+class InvalidArgument(CollectiveError, ValueError):
+    """Bad input, detected before anything was sent; the group stays usable."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A blocking call ran past the group's timeout; the group is broken afterwards."""
+
+
+class PeerLost(CollectiveError, ConnectionError):
+    """A peer died or closed its connection; `.peer` is its rank (None when unknown)."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
+
+
+class CollectiveMismatch(CollectiveError):
+    """Ranks called different collectives, dtypes or lengths at the same sequence number."""
+
+
+class GroupBroken(CollectiveError):
+    """Raised by every call on a group that already failed; wraps the first failure."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause

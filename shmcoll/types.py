@@ -1,0 +1,89 @@
+"""Public enums (ReduceKind, DType), the reserved tag base, and the wire dtype table.
+
+Every element type that can cross the wire has a one-byte code. Reductions work on the
+*storage* array of a type: float16 and bfloat16 travel and are reduced as uint16 bit patterns,
+so bfloat16 works even without ml_dtypes installed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+try:  # optional: a real bfloat16 numpy dtype
+    import ml_dtypes as _ml_dtypes
+
+    BFLOAT16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - exercised only without ml_dtypes
+    BFLOAT16 = None
+
+#: Tags at or above this value belong to collectives; user tags must be below it.
+TAG_RESERVED_BASE = 1 << 30
+
+
+class ReduceKind(enum.IntEnum):
+    SUM = 0
+    PROD = 1
+    MIN = 2
+    MAX = 3
+    AVG = 4
+
+
+@dataclass(frozen=True)
+class WireType:
+    """One element type as it travels: code on the wire, name, storage dtype, reducibility."""
+
+    code: int
+    name: str
+    storage: np.dtype  # what the kernels see (uint16 for f16/bf16 bit patterns)
+    user: np.dtype | None  # what a user array of this type has (None: bf16 without ml_dtypes)
+    reducible: bool
+    is_float: bool
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+
+def _wt(code, name, storage, user=None, reducible=False, is_float=False):
+    storage = np.dtype(storage)
+    return WireType(code, name, storage, storage if user is None else user, reducible, is_float)
+
+
+F16 = _wt(1, "f16", np.uint16, np.dtype(np.float16), True, True)
+BF16 = WireType(2, "bf16", np.dtype(np.uint16), BFLOAT16, True, True)
+F32 = _wt(3, "f32", np.float32, reducible=True, is_float=True)
+F64 = _wt(4, "f64", np.float64, reducible=True, is_float=True)
+I32 = _wt(5, "i32", np.int32, reducible=True)
+I64 = _wt(6, "i64", np.int64, reducible=True)
+_MOVE_ONLY = [
+    _wt(7, "i8", np.int8), _wt(8, "u8", np.uint8), _wt(9, "i16", np.int16),
+    _wt(10, "u16", np.uint16), _wt(11, "u32", np.uint32), _wt(12, "u64", np.uint64),
+    _wt(13, "bool", np.bool_), _wt(14, "c64", np.complex64), _wt(15, "c128", np.complex128),
+]
+WIRE_TYPES: dict[int, WireType] = {t.code: t for t in [F16, BF16, F32, F64, I32, I64, *_MOVE_ONLY]}
+_BY_USER_DTYPE: dict[np.dtype, WireType] = {t.user: t for t in WIRE_TYPES.values() if t.user is not None}
+
+
+def wire_type_of(dtype: np.dtype) -> WireType | None:
+    """The wire type of a numpy dtype, or None if it cannot travel (object, strings, ...)."""
+    return _BY_USER_DTYPE.get(np.dtype(dtype))
+
+
+class DType(enum.Enum):
+    """Element types of `all_reduce_typed` buffers (raw little-endian bytes)."""
+
+    F16 = F16
+    BF16 = BF16
+    F32 = F32
+    F64 = F64
+
+    @property
+    def itemsize(self) -> int:
+        return self.value.itemsize
+
+    @property
+    def wire(self) -> WireType:
+        return self.value
