@@ -1,0 +1,225 @@
+"""Every environment setting shmcoll reads, resolved in one place into a frozen Config.
+
+Launchers disagree on names (torchrun, Open MPI, MPICH/PMI, Slurm), so each setting has an ordered
+list of fallbacks; the first non-empty one wins and an explicit argument beats all of them. Nothing
+here opens a socket or touches shared memory: the only I/O is reading the environment and the
+kernel's boot id, so the module is unit-testable with plain dicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shmcoll.errors import InvalidArgument
+
+RANK_VARS = ("SHMCOLL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+WORLD_SIZE_VARS = ("SHMCOLL_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARS = (
+    "SHMCOLL_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
+)
+MASTER_ADDR_VARS = ("SHMCOLL_MASTER_ADDR", "MASTER_ADDR")
+MASTER_PORT_VARS = ("SHMCOLL_MASTER_PORT", "MASTER_PORT")
+HOST_ID_VAR = "SHMCOLL_HOST_ID"
+TIMEOUT_VAR = "SHMCOLL_TIMEOUT"
+SECRET_VAR = "SHMCOLL_SECRET"
+JOB_ID_VAR = "SHMCOLL_JOB_ID"
+DEBUG_VAR = "SHMCOLL_DEBUG"
+
+DEFAULT_TIMEOUT = 300.0
+SINGLE_RANK_ADDR = "127.0.0.1"
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+# Job ids end up inside POSIX shared-memory and semaphore names: keep them short and path-safe.
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class Config:
+    """One rank's view of its job; every rank of a job must resolve the same addr/port/job_id."""
+
+    rank: int
+    world_size: int
+    local_rank: int | None
+    master_addr: str
+    master_port: int
+    host_id: str
+    timeout: float
+    secret: bytes | None
+    job_id: str
+    debug: bool
+
+
+def default_host_id() -> str:
+    """hostname:boot_id, so a rebooted host or a cloned container name never looks like the same memory."""
+    host = socket.gethostname()
+    boot = _read_boot_id()
+    return f"{host}:{boot}" if boot else host
+
+
+def _read_boot_id() -> str | None:
+    """The kernel's per-boot UUID, or None where /proc is unavailable (macOS, restricted sandboxes)."""
+    try:
+        with open(BOOT_ID_PATH, encoding="ascii") as f:
+            return f.read().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _lookup(environ: Mapping[str, str], names: tuple[str, ...], *, strip: bool = True) -> tuple[str, str] | None:
+    """(name, value) of the first variable that is set and not blank, in priority order."""
+    for name in names:
+        value = environ.get(name)
+        if value is not None and value.strip() != "":
+            return name, (value.strip() if strip else value)
+    return None
+
+
+def _hint(names: tuple[str, ...]) -> str:
+    """'SHMCOLL_RANK (or RANK, OMPI_COMM_WORLD_RANK, ...)' for error messages."""
+    return names[0] if len(names) == 1 else f"{names[0]} (or {', '.join(names[1:])})"
+
+
+def _as_int(value: object, what: str, names: tuple[str, ...]) -> int:
+    """Integer from an explicit argument or an environment string; bools and floats are refused."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip(), 10)
+        except ValueError:
+            pass
+    raise InvalidArgument(f"{what} must be an integer, got {value!r}; set {_hint(names)}")
+
+
+def _resolve_int(explicit, environ, names, what) -> int | None:
+    """Explicit argument first, then the environment fallbacks; None when nothing is set."""
+    if explicit is not None:
+        return _as_int(explicit, f"{what} argument", names)
+    found = _lookup(environ, names)
+    if found is None:
+        return None
+    return _as_int(found[1], f"{what} ({found[0]})", names)
+
+
+def _resolve_ranks(rank, world_size, environ) -> tuple[int, int, int | None]:
+    """rank, world_size and local rank, validated against each other."""
+    world = _resolve_int(world_size, environ, WORLD_SIZE_VARS, "world size")
+    r = _resolve_int(rank, environ, RANK_VARS, "rank")
+    missing = [f"{what}: set {_hint(names)} or pass {arg}=" for value, what, names, arg in (
+        (r, "rank", RANK_VARS, "rank"), (world, "world size", WORLD_SIZE_VARS, "world_size"))
+        if value is None]
+    if missing:
+        raise InvalidArgument("not set: " + "; ".join(missing) + " (shmcoll-run sets both)")
+    if world < 1:
+        raise InvalidArgument(f"world size must be >= 1, got {world}; set {_hint(WORLD_SIZE_VARS)}")
+    if not 0 <= r < world:
+        raise InvalidArgument(f"rank {r} is out of range for world size {world}; set {_hint(RANK_VARS)}")
+    local = _resolve_int(None, environ, LOCAL_RANK_VARS, "local rank")
+    if local is not None and not 0 <= local < world:
+        raise InvalidArgument(
+            f"local rank {local} is out of range for world size {world}; set {_hint(LOCAL_RANK_VARS)}")
+    return r, world, local
+
+
+def _resolve_master(addr, port, world, environ) -> tuple[str, int]:
+    """Rendezvous endpoint; a single rank needs none, so it gets loopback and port 0."""
+    if addr is None:
+        found = _lookup(environ, MASTER_ADDR_VARS)
+        addr = found[1] if found else None
+    elif not isinstance(addr, str) or not addr.strip():
+        raise InvalidArgument(f"master_addr must be a non-empty string, got {addr!r}")
+    p = _resolve_int(port, environ, MASTER_PORT_VARS, "master port")
+    if p is not None and not 0 <= p <= 65535:
+        raise InvalidArgument(f"master port must be in 0..65535, got {p}; set {_hint(MASTER_PORT_VARS)}")
+    if world == 1:
+        return (addr.strip() if addr else SINGLE_RANK_ADDR), (p if p is not None else 0)
+    if not addr:
+        raise InvalidArgument(
+            f"rendezvous address is not set for world size {world}; set {_hint(MASTER_ADDR_VARS)}")
+    if p is None:
+        raise InvalidArgument(
+            f"rendezvous port is not set (address {addr!r}); set {_hint(MASTER_PORT_VARS)}")
+    return addr.strip(), p
+
+
+def _resolve_timeout(explicit, environ) -> float:
+    """Positive finite seconds; an infinite wait would defeat the no-hang guarantee."""
+    if explicit is None:
+        found = _lookup(environ, (TIMEOUT_VAR,))
+        if found is None:
+            return DEFAULT_TIMEOUT
+        explicit = found[1]
+    try:
+        if isinstance(explicit, bool):
+            raise TypeError
+        value = float(explicit)
+    except (TypeError, ValueError):
+        raise InvalidArgument(
+            f"timeout must be a number of seconds, got {explicit!r}; set {TIMEOUT_VAR}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(f"timeout must be a finite number of seconds > 0, got {explicit!r}; set {TIMEOUT_VAR}")
+    return value
+
+
+def _resolve_debug(environ) -> bool:
+    """SHMCOLL_DEBUG=1 (or true/yes/on) enables debug output; typos are reported, not ignored."""
+    found = _lookup(environ, (DEBUG_VAR,))
+    if found is None:
+        return False
+    value = found[1].lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise InvalidArgument(f"{DEBUG_VAR} must be 1 or 0, got {found[1]!r}")
+
+
+def derive_job_id(master_addr: str, master_port: int, world_size: int) -> str:
+    """A name every rank computes alike without talking: a hash of the rendezvous endpoint.
+
+    A single rank rendezvouses with nobody and often uses port 0, so two such processes on one host
+    would collide; there the process id is mixed in (still stable across calls in one process).
+    """
+    key = f"{master_addr}:{master_port}"
+    if world_size == 1:
+        key += f"/pid{os.getpid()}"
+    return "j" + hashlib.sha256(key.encode()).hexdigest()[:15]
+
+
+def _resolve_job_id(environ, addr: str, port: int, world: int) -> str:
+    """SHMCOLL_JOB_ID as given (validated, since it lands in shm names), else derived."""
+    found = _lookup(environ, (JOB_ID_VAR,))
+    if found is None:
+        return derive_job_id(addr, port, world)
+    if not _JOB_ID_RE.match(found[1]):
+        raise InvalidArgument(
+            f"{JOB_ID_VAR} must be 1-64 characters of [A-Za-z0-9_.-], got {found[1]!r}")
+    return found[1]
+
+
+def load_config(*, rank=None, world_size=None, master_addr=None, master_port=None, timeout=None,
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Resolve one rank's Config: explicit arguments, then the environment, then defaults."""
+    env = os.environ if environ is None else environ
+    r, world, local = _resolve_ranks(rank, world_size, env)
+    addr, port = _resolve_master(master_addr, master_port, world, env)
+    host = _lookup(env, (HOST_ID_VAR,))
+    secret = _lookup(env, (SECRET_VAR,), strip=False)
+    return Config(
+        rank=r,
+        world_size=world,
+        local_rank=local,
+        master_addr=addr,
+        master_port=port,
+        host_id=host[1] if host else default_host_id(),
+        timeout=_resolve_timeout(timeout, env),
+        secret=secret[1].encode("utf-8") if secret else None,
+        job_id=_resolve_job_id(env, addr, port, world),
+        debug=_resolve_debug(env),
+    )

@@ -1,0 +1,106 @@
+"""`shmcoll-run`: start the ranks of one job and exit with the job's status.
+
+Parsing stops at PROGRAM, so the program's own options (even `-n`) are passed through untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shmcoll.launch.local import launch_local
+
+EXIT_USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 < value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shmcoll-run", allow_abbrev=False,
+        description="Start N ranks of PROGRAM on this host with the SHMCOLL_* environment set; "
+                    "exit with the first failing rank's status after stopping the others.")
+    p.add_argument("-n", "--np", dest="n", type=_positive_int, required=True, metavar="N",
+                   help="number of ranks (>= 1)")
+    p.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+                   help="stop every rank and exit 124 if the job runs longer than this")
+    p.add_argument("--master-port", type=_port, default=None, metavar="PORT",
+                   help="rendezvous port on 127.0.0.1 (default: a free one)")
+    p.add_argument("program", metavar="PROGRAM [ARGS...]", nargs="?",
+                   help="executable, or a .py file run with this Python, and its arguments")
+    return p
+
+
+def split_argv(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher options, PROGRAM and its args): the split is at the first token that is neither an
+    option nor an option's value, or after a `--`. argparse's REMAINDER would eat a `--` meant for
+    the program, so the program's part never goes through argparse.
+    """
+    takes_value = {s for a in parser._actions if a.option_strings and a.nargs is None
+                   for s in a.option_strings}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i], argv[i + 1:]
+        if not token.startswith("-") or token == "-":
+            break
+        i += 2 if token in takes_value else 1
+    return argv[:i], argv[i:]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parsed options plus `.command`; SystemExit (2 on a usage error, 0 for --help) like argparse."""
+    parser = build_parser()
+    options, command = split_argv(parser, argv)
+    args = parser.parse_args(options)
+    if not command:
+        parser.error("PROGRAM is required")
+    args.command = command
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch on the launch mode. Only local launch exists; a --hostfile mode slots in here."""
+    return launch_local(args.n, args.command,
+                        master_port=args.master_port, timeout=args.timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as e:  # usage error or --help: report its status instead of exiting
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
