@@ -25,11 +25,3 @@ class PeerLost(CollectiveError, ConnectionError):
 
 class CollectiveMismatch(CollectiveError):
     """Ranks called different collectives, dtypes or lengths at the same sequence number."""
-
-
-class GroupBroken(CollectiveError):
-    """Raised by every call on a group that already failed; wraps the first failure."""
-
-    def __init__(self, message: str, cause: BaseException | None = None):
-        super().__init__(message)
-        self.cause = cause

@@ -1,0 +1,47 @@
+"""What an algorithm gets to know about one collective call, and how it cuts arrays into pieces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..transport.base import Transport
+from ..transport.frame import Meta
+
+#: Bytes per frame when a large array streams through a ring or chain (send and reduce overlap).
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective call: the transport, its tag and description (Meta), dtype code and deadline."""
+
+    t: Transport
+    tag: int
+    meta: Meta
+    code: int
+    deadline: float
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    @property
+    def rank(self) -> int:
+        return self.t.rank
+
+    @property
+    def size(self) -> int:
+        return self.t.world_size
+
+
+def segment_bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """Split [0, length) into `parts` contiguous pieces whose lengths differ by at most one."""
+    return [(i * length // parts, (i + 1) * length // parts) for i in range(parts)]
+
+
+def chunk_count(max_elems: int, itemsize: int, chunk_bytes: int) -> int:
+    """How many frames a piece of up to max_elems elements streams in (at least one, even when empty)."""
+    per_chunk = max(1, chunk_bytes // max(1, itemsize))
+    return max(1, -(-max_elems // per_chunk))
+
+
+def sub_bounds(start: int, stop: int, pieces: int) -> list[tuple[int, int]]:
+    """Split [start, stop) into `pieces` nearly equal parts (so every segment has the same chunk count)."""
+    return [(start + a, start + b) for a, b in segment_bounds(stop - start, pieces)]

@@ -1,0 +1,242 @@
+"""ProcessGroup: validates every call, numbers collectives, orders them, and turns failures into
+the contract's errors. The algorithms and the transport below it know nothing of users.
+
+A group's state lives in one shared object, so `copy.copy(pg)` is a cheap handle on the same group
+(same transport, same sequence numbers), like the Arc clone of the original design.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import validate as v
+from .algorithms.barrier import dissemination_barrier
+from .algorithms.broadcast import chain_broadcast
+from .algorithms.call import Call
+from .algorithms.federated import federated_average
+from .algorithms.ring import one_shot_all_reduce, ring_all_gather, ring_all_reduce
+from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
+from .transport.base import Transport
+from .transport.frame import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, COLLECTIVE_NAMES,
+                              FEDERATED_AVERAGE, Meta)
+from .transport.mailbox import AbortReason
+from .types import TAG_RESERVED_BASE, WIRE_TYPES, ReduceKind
+from .worker import CollectiveHandle, OrderedWorker
+
+#: At or below this many bytes an all-reduce is one-shot (one hop of latency) rather than a ring.
+ONE_SHOT_MAX_BYTES = 16 << 10
+_BARRIER_CODE = 8  # barrier frames carry empty uint8 payloads
+_TAG_SPAN = (1 << 32) - TAG_RESERVED_BASE
+
+
+@dataclass
+class _State:
+    transport: Transport
+    debug: bool
+    on_close: list[Callable[[], None]]
+    seq: int = 0
+    broken: CollectiveError | None = None
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    worker: OrderedWorker = field(default_factory=OrderedWorker)
+
+
+class ProcessGroup:
+    def __init__(self, transport: Transport, *, debug: bool = False, on_close: list[Callable[[], None]] | None = None):
+        self._st = _State(transport, debug, list(on_close or []))
+
+    # ---- identity ----
+    @property
+    def rank(self) -> int:
+        return self._st.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._st.transport.world_size
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def transport(self) -> Transport:
+        return self._st.transport
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(rank={self.rank}, world_size={self.world_size}, transport={type(self.transport).__name__})"
+
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- point to point ----
+    def send(self, to: int, tag: int, data) -> None:
+        to, tag = v.rank_arg(to, self.world_size, "to"), v.tag_arg(tag)
+        arr = v.as_array(data, "data", writable=False)
+        wire = v.wire_of(arr, "data")
+        self._p2p(f"send to rank {to}", lambda d: self.transport.send(to, tag, arr.view(wire.storage), wire.code, Meta(), d))
+
+    def recv(self, src: int, tag: int) -> np.ndarray:
+        src, tag = v.rank_arg(src, self.world_size, "src"), v.tag_arg(tag)
+        msg = self._p2p(f"recv from rank {src}", lambda d: self.transport.recv(src, tag, d, strict=False))
+        wire = WIRE_TYPES[msg.header.dtype]
+        return msg.payload.view(wire.user if wire.user is not None else wire.storage).reshape(msg.header.shape)
+
+    def send_f32(self, to: int, tag: int, data) -> None:
+        arr = v.as_array(data, "data", writable=False)
+        if arr.dtype != np.float32:
+            raise InvalidArgument(f"send_f32 takes float32 data, not {arr.dtype}; use send() for other dtypes")
+        self.send(to, tag, arr)
+
+    def recv_f32(self, src: int, tag: int) -> np.ndarray:
+        out = self.recv(src, tag)
+        if out.dtype != np.float32:
+            raise CollectiveMismatch(f"recv_f32: rank {src} sent {out.dtype} on tag {tag}, not float32 (use recv())")
+        return out
+
+    # ---- collectives ----
+    def barrier(self) -> None:
+        self._collective(BARRIER, _BARRIER_CODE, 0, dissemination_barrier)
+
+    def all_reduce(self, data, op: ReduceKind = ReduceKind.SUM):
+        arr = v.as_array(data, "data", writable=True)
+        wire, kind = v.reducible_wire(arr, op, "data")
+        flat = v.storage_view(arr, wire)
+        self._collective(ALL_REDUCE, wire.code, flat.size, _all_reduce_body(flat, kind), op=kind)
+        return data
+
+    def all_reduce_typed(self, buf, dtype, op: ReduceKind = ReduceKind.SUM):
+        flat, wire = v.typed_buffer(buf, dtype)
+        kind = v.reduce_kind(op)
+        self._collective(ALL_REDUCE, wire.code, flat.size, _all_reduce_body(flat, kind), op=kind)
+        return buf
+
+    def spawn_all_reduce(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
+        arr = v.as_array(data, "data", writable=True)
+        wire, kind = v.reducible_wire(arr, op, "data")
+        flat = v.storage_view(arr, wire)
+        meta = self._next_meta(ALL_REDUCE, wire.code, flat.size, op=kind)
+        body = _all_reduce_body(flat, kind)
+        return self._st.worker.submit("all_reduce", lambda: (self._execute(meta, body), arr)[1])
+
+    def all_gather(self, local) -> np.ndarray:
+        arr = v.as_array(local, "local", writable=False)
+        wire = v.wire_of(arr, "local")
+        shape = arr.shape if arr.ndim else (1,)
+        out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype)
+        flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
+        self._collective(ALL_GATHER, wire.code, flat_in.size, lambda c: ring_all_gather(c, flat_in, flat_out))
+        return out
+
+    def broadcast(self, root: int, data):
+        root = v.rank_arg(root, self.world_size, "root")
+        arr = v.as_array(data, "data", writable=root != self.rank)
+        wire = v.wire_of(arr, "data")
+        flat = v.storage_view(arr, wire)
+        self._collective(BROADCAST, wire.code, flat.size, lambda c: chain_broadcast(c, root, flat), root=root)
+        return data
+
+    def federated_average(self, data, deadline) -> int:
+        arr = v.as_array(data, "data", writable=True)
+        wire = v.wire_of(arr, "data")
+        if not wire.is_float:
+            raise InvalidArgument(f"federated_average averages floating-point data, not {arr.dtype}")
+        window = v.seconds_arg(deadline, "deadline")
+        flat = v.storage_view(arr, wire)
+        return self._collective(FEDERATED_AVERAGE, wire.code, flat.size,
+                                lambda c: federated_average(c, flat, window))
+
+    # ---- life cycle ----
+    def close(self) -> None:
+        st = self._st
+        with st.lock:
+            if st.closed:
+                return
+            st.closed = True
+        st.worker.stop(timeout=st.transport.timeout)
+        st.transport.close()
+        for hook in st.on_close:
+            hook()
+
+    # ---- machinery ----
+    def _check_usable(self) -> None:
+        st = self._st
+        if st.closed:
+            raise InvalidArgument("this ProcessGroup is closed")
+        if st.broken is not None:
+            raise _same_kind(st.broken, f"this group is broken by an earlier failure and cannot be used: {st.broken}")
+
+    def _next_meta(self, coll: int, code: int, count: int, *, op: int = 0, root: int = 0) -> Meta:
+        self._check_usable()
+        with self._st.lock:
+            seq = self._st.seq
+            self._st.seq += 1
+        return Meta(seq=seq, coll=coll, dtype=code, count=count, op=int(op), root=root)
+
+    def _collective(self, coll: int, code: int, count: int, body: Callable[[Call], Any], *, op: int = 0, root: int = 0):
+        meta = self._next_meta(coll, code, count, op=op, root=root)
+        if not self._st.worker.wait_idle(self._st.transport.timeout):
+            raise self._fail(CollectiveTimeout("spawned collectives issued before it did not finish"), meta, time.monotonic())
+        self._check_usable()  # a spawned collective may have failed meanwhile
+        return self._execute(meta, body)
+
+    def _execute(self, meta: Meta, body: Callable[[Call], Any]):
+        t = self._st.transport
+        start = time.monotonic()
+        call = Call(t, TAG_RESERVED_BASE + meta.seq % _TAG_SPAN, meta, meta.dtype, start + t.timeout)
+        self._debug("start", meta, start)
+        try:
+            result = body(call)
+        except CollectiveError as exc:
+            raise self._fail(exc, meta, start) from exc
+        self._debug("end", meta, start)
+        return result
+
+    def _p2p(self, what: str, action: Callable[[float], Any]):
+        self._check_usable()
+        start = time.monotonic()
+        try:
+            return action(start + self._st.transport.timeout)
+        except (CollectiveTimeout, PeerLost) as exc:
+            raise self._fail(exc, None, start, what) from exc
+
+    def _fail(self, exc: CollectiveError, meta: Meta | None, start: float, what: str | None = None) -> CollectiveError:
+        """Describe the failure, break the group, and tell every peer so nobody waits for us."""
+        st = self._st
+        what = what or f"{COLLECTIVE_NAMES[meta.coll]} (sequence number {meta.seq})"
+        detail = str(exc)
+        if isinstance(exc, CollectiveTimeout):
+            silent = [r for r, t in enumerate(st.transport.last_heard()) if r != self.rank and t < start]
+            detail += f"; after {st.transport.timeout:g} s; ranks not heard from during this call: {silent}"
+        error = _same_kind(exc, f"rank {self.rank}: {what} failed: {detail}")
+        if st.broken is None:
+            st.broken = error
+        st.transport.abort(AbortReason(type(error).__name__, str(error), getattr(error, "peer", None)))
+        return error
+
+    def _debug(self, event: str, meta: Meta, start: float) -> None:
+        if self._st.debug:
+            took = f" in {1e6 * (time.monotonic() - start):.1f} us" if event == "end" else ""
+            print(f"[shmcoll rank {self.rank}] {event} {COLLECTIVE_NAMES[meta.coll]} seq={meta.seq} "
+                  f"count={meta.count}{took}", file=sys.stderr, flush=True)
+
+
+def _all_reduce_body(flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
+    if flat.nbytes <= ONE_SHOT_MAX_BYTES:
+        return lambda c: one_shot_all_reduce(c, flat, kind)
+    return lambda c: ring_all_reduce(c, flat, kind)
+
+
+def _same_kind(exc: CollectiveError, message: str) -> CollectiveError:
+    """A new error of exc's class (PeerLost keeps its peer) with a fuller message."""
+    if isinstance(exc, PeerLost):
+        return PeerLost(message, exc.peer)
+    return type(exc)(message)

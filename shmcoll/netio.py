@@ -1,0 +1,64 @@
+"""Blocking socket helpers that honour a deadline (time.monotonic() seconds); no protocol knowledge."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+class Deadline(TimeoutError):
+    """The deadline passed while waiting on a socket."""
+
+
+def remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Deadline("deadline passed")
+    return left
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Read exactly n bytes; EOFError if the peer closes first, Deadline if time runs out."""
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf), deadline)
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    """Fill `view` from the socket. deadline None: wait as long as the socket's own timeout loop allows."""
+    got, n = 0, len(view)
+    while got < n:
+        if deadline is not None:
+            sock.settimeout(remaining(deadline))
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except socket.timeout:
+            if deadline is not None:
+                continue  # remaining() raises once the deadline has passed
+            raise
+        if k == 0:
+            raise EOFError("connection closed by peer")
+        got += k
+
+
+def send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
+    sock.settimeout(remaining(deadline))
+    try:
+        sock.sendall(data)
+    except socket.timeout as exc:
+        raise Deadline("deadline passed while sending") from exc
+
+
+def connect_with_retry(addr: str, port: int, deadline: float) -> socket.socket:
+    """Connect, retrying with backoff while the listener is not up yet (ranks start in any order)."""
+    delay = 0.01
+    while True:
+        timeout = min(5.0, remaining(deadline))
+        try:
+            sock = socket.create_connection((addr, port), timeout=timeout)
+        except OSError:
+            time.sleep(min(delay, remaining(deadline)))
+            delay = min(delay * 2, 0.5)
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock

@@ -1,0 +1,80 @@
+"""The Transport interface: move arrays to and from one peer at a time. Knows nothing of collectives.
+
+Algorithms call `send` and `recv_into`; `recv_into` either copies a message into the destination or
+reduces it into it (op given), so a transport that can read in place (shared memory) needs no extra
+copy. Every wait takes an absolute deadline (time.monotonic() seconds).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from .. import kernels
+from ..errors import CollectiveMismatch
+from ..types import ReduceKind
+from .frame import Meta, describe_mismatch
+from .mailbox import AbortReason, Message
+
+
+class Transport(ABC):
+    rank: int
+    world_size: int
+    timeout: float  # seconds a group built on this transport gives each call
+
+    @abstractmethod
+    def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
+        """Send a C-contiguous array (its raw bytes, its shape, wire dtype `code`) to rank `to`."""
+
+    @abstractmethod
+    def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
+        """Next message from src with tag (see Mailbox.take for `strict`)."""
+
+    @abstractmethod
+    def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
+        """First message with tag from any of srcs, skipping lost peers; None once the deadline passes."""
+
+    @abstractmethod
+    def abort(self, reason: AbortReason) -> None:
+        """Fail every current and future wait here and tell every peer to do the same."""
+
+    @abstractmethod
+    def retire_below(self, seq: int) -> None:
+        """Discard collective frames older than seq, now and when they arrive later."""
+
+    @abstractmethod
+    def last_heard(self) -> list[float]:
+        """time.monotonic() of the last frame from each rank (0.0: never)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Say goodbye to peers and release every resource; idempotent."""
+
+    def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
+                  want: Meta | None = None, op: ReduceKind | None = None) -> None:
+        """Receive into `out` (a 1-D storage array): copy, or reduce with op. Checks the sender's call."""
+        msg = self.recv(src, tag, deadline)
+        place(msg, out, code, want, op)
+
+
+def check_meta(msg: Message, want: Meta | None) -> None:
+    """Raise CollectiveMismatch when the sender's collective call differs from ours."""
+    if want is not None:
+        problem = describe_mismatch(msg.header.meta, want, msg.header.src)
+        if problem:
+            raise CollectiveMismatch(problem)
+
+
+def place(msg: Message, out: np.ndarray, code: int, want: Meta | None, op: ReduceKind | None) -> None:
+    check_meta(msg, want)
+    h = msg.header
+    if h.dtype != code or h.nbytes != out.nbytes:
+        raise CollectiveMismatch(
+            f"rank {h.src} sent {h.nbytes} bytes of dtype code {h.dtype} where {out.nbytes} bytes "
+            f"of dtype code {code} were expected")
+    src = msg.payload.view(out.dtype)
+    if op is None:
+        out[...] = src
+    else:
+        kernels.reduce_into(out, src, code, op)

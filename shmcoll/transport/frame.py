@@ -1,0 +1,121 @@
+"""Wire frames: a fixed 116-byte little-endian header, then `nbytes` of payload.
+
+Pure functions, no I/O (tested alone). Every field is validated before the receiver allocates
+anything, so a hostile or corrupt peer can at worst get its connection closed.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+from ..types import WIRE_TYPES
+
+MAGIC = b"SHMC"
+VERSION = 1
+MAX_NDIM = 8
+#: Largest payload a peer may announce (SHMCOLL_MAX_MESSAGE can lower it); bigger frames are hostile.
+MAX_PAYLOAD = 1 << 40
+MAX_CONTROL_PAYLOAD = 1 << 16
+
+# kinds of frame
+DATA = 1
+ABORT = 2  # payload: utf-8 "<error class>\n<peer>\n<message>"
+GOODBYE = 3  # the sender closes on purpose; not a failure
+
+_STRUCT = struct.Struct("<4s6BH4I3Q8Q")
+HEADER_SIZE = _STRUCT.size
+
+
+#: Collective codes carried in every collective frame (Meta.coll), so ranks can name what each side called.
+P2P, BARRIER, ALL_REDUCE, ALL_GATHER, BROADCAST, FEDERATED_AVERAGE = range(6)
+COLLECTIVE_NAMES = {
+    P2P: "send", BARRIER: "barrier", ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
+    BROADCAST: "broadcast", FEDERATED_AVERAGE: "federated_average",
+}
+
+
+class FrameError(ValueError):
+    """A frame that breaks the protocol; the connection it came on must be closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """What a collective frame says about the call that sent it, so ranks can detect mismatches."""
+
+    seq: int = 0
+    coll: int = 0  # collective code (0: point-to-point)
+    dtype: int = 0
+    count: int = 0  # elements of the whole collective call (not of this chunk)
+    op: int = 0
+    root: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: int
+    src: int
+    tag: int
+    meta: Meta
+    dtype: int  # element type of this frame's payload
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def pack(kind: int, src: int, tag: int, meta: Meta, dtype: int, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """Serialise a header; the caller guarantees the fields are in range (they come from our own arrays)."""
+    dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
+    return _STRUCT.pack(
+        MAGIC, VERSION, kind, dtype, len(shape), meta.coll, meta.op, 0,
+        src, tag, meta.root, meta.dtype, meta.seq, meta.count, nbytes, *dims,
+    )
+
+
+def unpack(raw: bytes | bytearray | memoryview, expected_src: int, max_payload: int = MAX_PAYLOAD) -> Header:
+    """Parse and validate a header received from `expected_src`; raise FrameError on anything off."""
+    if len(raw) != HEADER_SIZE:
+        raise FrameError(f"header is {len(raw)} bytes, expected {HEADER_SIZE}")
+    (magic, version, kind, dtype, ndim, coll, op, _flags,
+     src, tag, root, meta_dtype, seq, count, nbytes, *dims) = _STRUCT.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise FrameError(f"protocol version {version}, this side speaks {VERSION}")
+    if src != expected_src:
+        raise FrameError(f"frame claims source rank {src} on the connection of rank {expected_src}")
+    if kind not in (DATA, ABORT, GOODBYE):
+        raise FrameError(f"unknown frame kind {kind}")
+    if ndim > MAX_NDIM or any(dims[ndim:]):
+        raise FrameError(f"bad ndim {ndim}")
+    shape = tuple(dims[:ndim])
+    _check_payload(kind, dtype, shape, nbytes, max_payload)
+    meta = Meta(seq=seq, coll=coll, dtype=meta_dtype, count=count, op=op, root=root)
+    return Header(kind, src, tag, meta, dtype, shape, nbytes)
+
+
+def _check_payload(kind: int, dtype: int, shape: tuple[int, ...], nbytes: int, max_payload: int) -> None:
+    if kind != DATA:
+        if nbytes > MAX_CONTROL_PAYLOAD:
+            raise FrameError(f"control frame of {nbytes} bytes")
+        return
+    wire = WIRE_TYPES.get(dtype)
+    if wire is None:
+        raise FrameError(f"unknown dtype code {dtype}")
+    if nbytes > max_payload:
+        raise FrameError(f"payload of {nbytes} bytes exceeds the limit of {max_payload}")
+    if math.prod(shape) * wire.itemsize != nbytes:
+        raise FrameError(f"shape {shape} of {wire.name} does not hold {nbytes} bytes")
+
+
+def describe_mismatch(got: Meta, want: Meta, src: int) -> str | None:
+    """None when `got` (from rank `src`) matches the call this rank made, else a sentence saying how."""
+    if got == want:
+        return None
+
+    def call(m: Meta) -> str:
+        dtype = WIRE_TYPES[m.dtype].name if m.dtype in WIRE_TYPES else f"dtype#{m.dtype}"
+        return f"{COLLECTIVE_NAMES.get(m.coll, f'collective#{m.coll}')}(dtype={dtype}, count={m.count}, op={m.op}, root={m.root})"
+
+    return (f"at sequence number {want.seq} rank {src} called {call(got)} (its sequence number {got.seq}) "
+            f"but this rank called {call(want)}")

@@ -1,0 +1,153 @@
+"""Per-(source, tag) message queues shared by a transport's reader threads and its callers.
+
+Reader threads `put` frames as they arrive, so a socket is always drained and a send never waits
+on a peer that is itself sending. Callers `take` the next message of one (source, tag) with a
+deadline. The mailbox also records what ends waiting early: a peer that vanished (PeerLost), a peer
+that left on purpose (goodbye), and an abort broadcast by any rank of the group.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
+from .frame import Header
+
+_ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost)}
+
+
+@dataclass(slots=True)
+class Message:
+    header: Header
+    payload: np.ndarray  # uint8 bytes exactly as they came from the wire
+
+
+@dataclass(frozen=True)
+class AbortReason:
+    """Why the group was aborted; rebuilt into a fresh exception for every waiter."""
+
+    kind: str  # an error class name from _ERROR_CLASSES
+    message: str
+    peer: int | None = None
+
+    def error(self) -> CollectiveError:
+        cls = _ERROR_CLASSES.get(self.kind, CollectiveError)
+        return cls(self.message, self.peer) if cls is PeerLost else cls(self.message)
+
+    def encode(self) -> bytes:
+        return f"{self.kind}\n{'' if self.peer is None else self.peer}\n{self.message}".encode()[:60000]
+
+    @classmethod
+    def decode(cls, raw: bytes, sender: int) -> "AbortReason":
+        kind, peer, message = (raw.decode(errors="replace").split("\n", 2) + ["", ""])[:3]
+        peer_rank = int(peer) if peer.isdigit() else None
+        return cls(kind, f"rank {sender} aborted the group: {message}", peer_rank)
+
+
+class Mailbox:
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self._cond = threading.Condition()
+        self._queues: dict[tuple[int, int], collections.deque[Message]] = collections.defaultdict(collections.deque)
+        self._lost: dict[int, str] = {}
+        self._departed: set[int] = set()
+        self._abort: AbortReason | None = None
+        self._retired_below = 0  # collective frames with a lower sequence number are stale: dropped
+        self.last_heard = [0.0] * world_size
+
+    # ---- producers (reader threads, self-sends) ----
+    def put(self, msg: Message) -> None:
+        h = msg.header
+        with self._cond:
+            self.last_heard[h.src] = time.monotonic()
+            if h.meta.coll and h.meta.seq < self._retired_below:
+                return  # e.g. a straggler's vector for a federated round that already ended
+            self._queues[(h.src, h.tag)].append(msg)
+            self._cond.notify_all()
+
+    def peer_gone(self, peer: int, reason: str, graceful: bool) -> None:
+        with self._cond:
+            if graceful:
+                self._departed.add(peer)
+            else:
+                self._lost.setdefault(peer, reason)
+            self._cond.notify_all()
+
+    def set_abort(self, reason: AbortReason) -> None:
+        with self._cond:
+            if self._abort is None:
+                self._abort = reason
+            self._cond.notify_all()
+
+    # ---- consumers ----
+    @property
+    def aborted(self) -> AbortReason | None:
+        return self._abort
+
+    def lost_peers(self) -> dict[int, str]:
+        with self._cond:
+            return dict(self._lost)
+
+    def take(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
+        """Next message from src with tag. strict: any lost peer fails the wait (collectives need all)."""
+        key = (src, tag)
+        with self._cond:
+            while True:
+                queue = self._queues.get(key)
+                if queue:
+                    msg = queue.popleft()
+                    if not queue:
+                        del self._queues[key]
+                    return msg
+                self._raise_if_hopeless(src, strict)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeout(f"no message from rank {src} (tag {tag}) before the deadline")
+                self._cond.wait(left)
+
+    def take_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
+        """First message with tag from any of srcs; lost or departed peers are skipped; None at the deadline."""
+        with self._cond:
+            while True:
+                for src in srcs:
+                    queue = self._queues.get((src, tag))
+                    if queue:
+                        msg = queue.popleft()
+                        if not queue:
+                            del self._queues[(src, tag)]
+                        return msg
+                if self._abort is not None:
+                    raise self._abort.error()
+                srcs = {s for s in srcs if s not in self._lost and s not in self._departed}
+                left = deadline - time.monotonic()
+                if not srcs or left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def _raise_if_hopeless(self, src: int, strict: bool) -> None:
+        if self._abort is not None:
+            raise self._abort.error()
+        if src in self._lost:
+            raise PeerLost(f"rank {src} was lost: {self._lost[src]}", src)
+        if strict and self._lost:
+            peer, reason = next(iter(self._lost.items()))
+            raise PeerLost(f"rank {peer} was lost: {reason}", peer)
+        if src in self._departed:
+            raise PeerLost(f"rank {src} closed its group while this rank still expected a message from it", src)
+
+    def retire_below(self, seq: int) -> None:
+        """Drop queued and future collective frames older than seq (a round that is over)."""
+        with self._cond:
+            self._retired_below = max(self._retired_below, seq)
+            stale = [k for k, q in self._queues.items() if q and q[0].header.meta.coll and q[0].header.meta.seq < seq]
+            for key in stale:
+                kept = collections.deque(m for m in self._queues[key] if m.header.meta.seq >= seq)
+                if kept:
+                    self._queues[key] = kept
+                else:
+                    del self._queues[key]

@@ -1,0 +1,176 @@
+"""NetTransport: one TCP connection per peer pair, one reader thread per connection.
+
+The reader thread always drains its socket into the mailbox, so sends never deadlock on a peer that
+is itself sending. Headers are validated (frame.unpack) before a payload buffer is allocated; a
+malformed frame closes that connection and the peer counts as lost. Payloads go out with sendmsg
+straight from the caller's array (no copy) and come in with recv_into.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+
+from ..errors import CollectiveTimeout, PeerLost
+from ..netio import recv_into_exact
+from . import frame
+from .base import Transport
+from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, Meta
+from .mailbox import AbortReason, Mailbox, Message
+
+_POLL = 0.25  # socket timeout: how often blocked readers and writers look at the deadline and state
+_GOODBYE_SECONDS = 2.0
+
+
+class NetTransport(Transport):
+    def __init__(self, rank: int, world_size: int, socks: dict[int, socket.socket], *,
+                 timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD):
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self._max_payload = max_payload
+        self._mailbox = Mailbox(rank, world_size)
+        self._socks = socks
+        self._send_locks = {peer: threading.Lock() for peer in socks}
+        self._closing = False
+        self._close_lock = threading.Lock()
+        self.bytes_sent = 0
+        self._readers = []
+        for peer, sock in socks.items():
+            sock.settimeout(_POLL)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reader = threading.Thread(target=self._read_loop, args=(peer, sock),
+                                      name=f"shmcoll-tcp-reader-{peer}", daemon=True)
+            reader.start()
+            self._readers.append(reader)
+
+    # ---- sending ----
+    def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
+        header = frame.pack(DATA, self.rank, tag, meta, code, buf.shape, buf.nbytes)
+        if to == self.rank:
+            payload = np.frombuffer(buf.tobytes(), dtype=np.uint8)
+            self._mailbox.put(Message(frame.unpack(header, self.rank), payload))
+            return
+        self._send_frame(to, header, memoryview(buf).cast("B") if buf.nbytes else b"", deadline)
+
+    def _send_frame(self, to: int, header: bytes, payload, deadline: float | None) -> None:
+        sock = self._socks[to]
+        parts = [memoryview(header), memoryview(payload)]
+        with self._send_locks[to]:
+            while parts:
+                self._check_can_send(to, deadline)
+                try:
+                    sent = sock.sendmsg(parts)
+                except socket.timeout:
+                    continue
+                except OSError as exc:
+                    raise PeerLost(f"sending to rank {to} failed: {exc}", to) from exc
+                self.bytes_sent += sent
+                parts = _advance(parts, sent)
+
+    def _check_can_send(self, to: int, deadline: float | None) -> None:
+        reason = self._mailbox.aborted
+        if reason is not None:
+            raise reason.error()
+        lost = self._mailbox.lost_peers()
+        if to in lost:
+            raise PeerLost(f"rank {to} was lost: {lost[to]}", to)
+        if deadline is not None and time.monotonic() > deadline:
+            raise CollectiveTimeout(f"rank {to} did not accept data before the deadline (stopped or overloaded?)")
+
+    # ---- receiving ----
+    def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
+        return self._mailbox.take(src, tag, deadline, strict)
+
+    def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
+        return self._mailbox.take_any(set(srcs), tag, deadline)
+
+    def _read_loop(self, peer: int, sock: socket.socket) -> None:
+        graceful, reason = False, "connection closed"
+        try:
+            while True:
+                header = frame.unpack(self._read(sock, HEADER_SIZE), peer, self._max_payload)
+                payload = np.empty(header.nbytes, dtype=np.uint8)
+                if header.nbytes:
+                    self._read_into(sock, memoryview(payload))
+                if header.kind == DATA:
+                    self._mailbox.put(Message(header, payload))
+                elif header.kind == ABORT:
+                    self._mailbox.set_abort(AbortReason.decode(payload.tobytes(), peer))
+                else:  # GOODBYE
+                    graceful = True
+                    return
+        except frame.FrameError as exc:
+            reason = f"protocol error, connection dropped: {exc}"
+        except (EOFError, OSError) as exc:
+            reason = "its connection closed" if isinstance(exc, EOFError) else f"connection error: {exc}"
+        finally:
+            if not self._closing:
+                self._mailbox.peer_gone(peer, reason + " (process died?)" if not graceful else "goodbye", graceful)
+
+    def _read(self, sock: socket.socket, n: int) -> bytearray:
+        buf = bytearray(n)
+        self._read_into(sock, memoryview(buf))
+        return buf
+
+    def _read_into(self, sock: socket.socket, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            if self._closing:
+                raise EOFError("transport closing")
+            try:
+                k = sock.recv_into(view[got:])
+            except socket.timeout:
+                continue
+            if k == 0:
+                raise EOFError("connection closed by peer")
+            got += k
+
+    # ---- state ----
+    def abort(self, reason: AbortReason) -> None:
+        if self._mailbox.aborted is not None:
+            return  # already aborted (perhaps by a peer, which told everyone itself)
+        self._mailbox.set_abort(reason)
+        self._broadcast_control(ABORT, reason.encode())
+
+    def _broadcast_control(self, kind: int, payload: bytes) -> None:
+        header = frame.pack(kind, self.rank, 0, Meta(), 0, (), len(payload))
+        for peer in self._socks:
+            try:
+                self._send_frame(peer, header, payload, time.monotonic() + _GOODBYE_SECONDS)
+            except Exception:  # best effort: that peer may be the one that died
+                pass
+
+    def retire_below(self, seq: int) -> None:
+        self._mailbox.retire_below(seq)
+
+    def last_heard(self) -> list[float]:
+        return list(self._mailbox.last_heard)
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closing:
+                return
+            if self._mailbox.aborted is None:
+                self._broadcast_control(GOODBYE, b"")
+            self._closing = True
+        for sock in self._socks.values():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for reader in self._readers:
+            reader.join(timeout=2 * _POLL + 1.0)
+        for sock in self._socks.values():
+            sock.close()
+
+
+def _advance(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """Drop the first `sent` bytes from a list of buffers (sendmsg may send part of them)."""
+    while parts and sent >= len(parts[0]):
+        sent -= len(parts[0])
+        parts = parts[1:]
+    if parts and sent:
+        parts = [parts[0][sent:], *parts[1:]]
+    return parts
