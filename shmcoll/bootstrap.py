@@ -36,7 +36,7 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
                       timeout=timeout)
     deadline = time.monotonic() + cfg.timeout
     socks = _rendezvous(cfg, deadline) if cfg.world_size > 1 else {}
-    group = ProcessGroup(NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout), debug=cfg.debug)
+    group = ProcessGroup(NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout), tuning=cfg.tuning)
     _open_groups.add(group)
     return group
 

@@ -30,6 +30,8 @@ TIMEOUT_VAR = "SHMCOLL_TIMEOUT"
 SECRET_VAR = "SHMCOLL_SECRET"
 JOB_ID_VAR = "SHMCOLL_JOB_ID"
 DEBUG_VAR = "SHMCOLL_DEBUG"
+CHUNK_BYTES_VAR = "SHMCOLL_CHUNK_BYTES"
+ONE_SHOT_BYTES_VAR = "SHMCOLL_ONE_SHOT_BYTES"
 
 DEFAULT_TIMEOUT = 300.0
 SINGLE_RANK_ADDR = "127.0.0.1"
@@ -39,6 +41,15 @@ BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The performance knobs, each one named environment variable (see README, "Environment")."""
+
+    chunk_bytes: int = 1 << 20  # SHMCOLL_CHUNK_BYTES: frame size when large arrays stream through a ring
+    one_shot_bytes: int = 16 << 10  # SHMCOLL_ONE_SHOT_BYTES: all-reduce at or below this is one-shot
+    debug: bool = False  # SHMCOLL_DEBUG: log each collective's start and end to stderr
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class Config:
     secret: bytes | None
     job_id: str
     debug: bool
+    tuning: Tuning = Tuning()
 
 
 def default_host_id() -> str:
@@ -180,6 +192,26 @@ def _resolve_debug(environ) -> bool:
     raise InvalidArgument(f"{DEBUG_VAR} must be 1 or 0, got {found[1]!r}")
 
 
+def _resolve_bytes(environ, name: str, default: int, low: int) -> int:
+    found = _lookup(environ, (name,))
+    if found is None:
+        return default
+    value = _as_int(found[1], name, (name,))
+    if not low <= value <= 1 << 30:
+        raise InvalidArgument(f"{name} must be between {low} and {1 << 30} bytes, got {value}")
+    return value
+
+
+def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
+    """The tuning knobs from the environment (defaults where unset)."""
+    env = os.environ if environ is None else environ
+    return Tuning(
+        chunk_bytes=_resolve_bytes(env, CHUNK_BYTES_VAR, Tuning.chunk_bytes, 64),
+        one_shot_bytes=_resolve_bytes(env, ONE_SHOT_BYTES_VAR, Tuning.one_shot_bytes, 0),
+        debug=_resolve_debug(env),
+    )
+
+
 def derive_job_id(master_addr: str, master_port: int, world_size: int) -> str:
     """A name every rank computes alike without talking: a hash of the rendezvous endpoint.
 
@@ -222,4 +254,5 @@ def load_config(*, rank=None, world_size=None, master_addr=None, master_port=Non
         secret=secret[1].encode("utf-8") if secret else None,
         job_id=_resolve_job_id(env, addr, port, world),
         debug=_resolve_debug(env),
+        tuning=load_tuning(env),
     )

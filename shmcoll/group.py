@@ -21,6 +21,7 @@ from .algorithms.broadcast import chain_broadcast
 from .algorithms.call import Call
 from .algorithms.federated import federated_average
 from .algorithms.ring import one_shot_all_reduce, ring_all_gather, ring_all_reduce
+from .config import Tuning
 from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
 from .transport.base import Transport
 from .transport.frame import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, COLLECTIVE_NAMES,
@@ -29,8 +30,6 @@ from .transport.mailbox import AbortReason
 from .types import TAG_RESERVED_BASE, WIRE_TYPES, ReduceKind
 from .worker import CollectiveHandle, OrderedWorker
 
-#: At or below this many bytes an all-reduce is one-shot (one hop of latency) rather than a ring.
-ONE_SHOT_MAX_BYTES = 16 << 10
 _BARRIER_CODE = 8  # barrier frames carry empty uint8 payloads
 _TAG_SPAN = (1 << 32) - TAG_RESERVED_BASE
 
@@ -38,7 +37,7 @@ _TAG_SPAN = (1 << 32) - TAG_RESERVED_BASE
 @dataclass
 class _State:
     transport: Transport
-    debug: bool
+    tuning: Tuning
     on_close: list[Callable[[], None]]
     seq: int = 0
     broken: CollectiveError | None = None
@@ -48,8 +47,9 @@ class _State:
 
 
 class ProcessGroup:
-    def __init__(self, transport: Transport, *, debug: bool = False, on_close: list[Callable[[], None]] | None = None):
-        self._st = _State(transport, debug, list(on_close or []))
+    def __init__(self, transport: Transport, *, tuning: Tuning | None = None,
+                 on_close: list[Callable[[], None]] | None = None):
+        self._st = _State(transport, tuning or Tuning(), list(on_close or []))
 
     # ---- identity ----
     @property
@@ -110,13 +110,13 @@ class ProcessGroup:
         arr = v.as_array(data, "data", writable=True)
         wire, kind = v.reducible_wire(arr, op, "data")
         flat = v.storage_view(arr, wire)
-        self._collective(ALL_REDUCE, wire.code, flat.size, _all_reduce_body(flat, kind), op=kind)
+        self._collective(ALL_REDUCE, wire.code, flat.size, self._all_reduce_body(flat, kind), op=kind)
         return data
 
     def all_reduce_typed(self, buf, dtype, op: ReduceKind = ReduceKind.SUM):
         flat, wire = v.typed_buffer(buf, dtype)
         kind = v.reduce_kind(op)
-        self._collective(ALL_REDUCE, wire.code, flat.size, _all_reduce_body(flat, kind), op=kind)
+        self._collective(ALL_REDUCE, wire.code, flat.size, self._all_reduce_body(flat, kind), op=kind)
         return buf
 
     def spawn_all_reduce(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
@@ -124,7 +124,7 @@ class ProcessGroup:
         wire, kind = v.reducible_wire(arr, op, "data")
         flat = v.storage_view(arr, wire)
         meta = self._next_meta(ALL_REDUCE, wire.code, flat.size, op=kind)
-        body = _all_reduce_body(flat, kind)
+        body = self._all_reduce_body(flat, kind)
         return self._st.worker.submit("all_reduce", lambda: (self._execute(meta, body), arr)[1])
 
     def all_gather(self, local) -> np.ndarray:
@@ -191,7 +191,8 @@ class ProcessGroup:
     def _execute(self, meta: Meta, body: Callable[[Call], Any]):
         t = self._st.transport
         start = time.monotonic()
-        call = Call(t, TAG_RESERVED_BASE + meta.seq % _TAG_SPAN, meta, meta.dtype, start + t.timeout)
+        call = Call(t, TAG_RESERVED_BASE + meta.seq % _TAG_SPAN, meta, meta.dtype, start + t.timeout,
+                    self._st.tuning.chunk_bytes)
         self._debug("start", meta, start)
         try:
             result = body(call)
@@ -222,17 +223,17 @@ class ProcessGroup:
         st.transport.abort(AbortReason(type(error).__name__, str(error), getattr(error, "peer", None)))
         return error
 
+    def _all_reduce_body(self, flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
+        """One-shot (one hop) for small arrays, bandwidth-optimal ring for large ones."""
+        if flat.nbytes <= self._st.tuning.one_shot_bytes:
+            return lambda c: one_shot_all_reduce(c, flat, kind)
+        return lambda c: ring_all_reduce(c, flat, kind)
+
     def _debug(self, event: str, meta: Meta, start: float) -> None:
-        if self._st.debug:
+        if self._st.tuning.debug:
             took = f" in {1e6 * (time.monotonic() - start):.1f} us" if event == "end" else ""
             print(f"[shmcoll rank {self.rank}] {event} {COLLECTIVE_NAMES[meta.coll]} seq={meta.seq} "
                   f"count={meta.count}{took}", file=sys.stderr, flush=True)
-
-
-def _all_reduce_body(flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
-    if flat.nbytes <= ONE_SHOT_MAX_BYTES:
-        return lambda c: one_shot_all_reduce(c, flat, kind)
-    return lambda c: ring_all_reduce(c, flat, kind)
 
 
 def _same_kind(exc: CollectiveError, message: str) -> CollectiveError:
