@@ -52,9 +52,9 @@ class Transport(ABC):
         """Say goodbye to peers and release every resource; idempotent."""
 
     def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
-                  want: Meta | None = None, op: ReduceKind | None = None) -> None:
+                  want: Meta | None = None, op: ReduceKind | None = None, strict: bool = True) -> None:
         """Receive into `out` (a 1-D storage array): copy, or reduce with op. Checks the sender's call."""
-        msg = self.recv(src, tag, deadline)
+        msg = self.recv(src, tag, deadline, strict)
         place(msg, out, code, want, op)
 
 

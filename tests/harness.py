@@ -1,0 +1,124 @@
+"""Run one test body on N real processes, each with its own ProcessGroup, and collect the results.
+
+Ranks are forked (fast, and they inherit the parent's compiled numba kernels). Every wait has a
+deadline: a hung run is stopped, each rank first dumping every thread's stack to stderr (pytest
+shows it with the failure), so a hang fails one test quickly instead of the CI run.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+import shmcoll
+
+CTX = mp.get_context("fork")
+
+
+@dataclass(frozen=True)
+class Died:
+    """What run_ranks reports for a rank that exited without a result (killed, crashed, os._exit)."""
+
+    exitcode: int | None
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(n: int, body, *args, timeout: float = 60.0, group_timeout: float = 30.0,
+              env: dict[str, str] | None = None, may_die: set[int] = frozenset(), init: bool = True) -> list:
+    """body(pg, *args) on ranks 0..n-1 (body(rank, n, port, *args) when init=False); returns results by rank."""
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(n):
+        parent_end, child_end = CTX.Pipe(duplex=False)
+        proc = CTX.Process(target=_child, args=(rank, n, port, body, args, child_end, group_timeout, env or {}, init),
+                           daemon=True)
+        proc.start()
+        child_end.close()
+        pipes.append(parent_end)
+        procs.append(proc)
+    try:
+        results = _collect(pipes, procs, time.monotonic() + timeout)
+    finally:
+        _reap(procs)
+    failures = {r: res for r, res in results.items() if isinstance(res, _Failure)}
+    deaths = {r: res for r, res in results.items() if isinstance(res, Died) and r not in may_die}
+    if failures or deaths:
+        text = "\n".join(f"--- rank {r} raised:\n{f.text}" for r, f in sorted(failures.items()))
+        text += "".join(f"\n--- rank {r} died with exit code {d.exitcode}" for r, d in sorted(deaths.items()))
+        raise RankFailed(text)
+    return [results[r] for r in range(n)]
+
+
+@dataclass(frozen=True)
+class _Failure:
+    text: str
+
+
+def _child(rank, n, port, body, args, conn, group_timeout, env, init) -> None:
+    faulthandler.enable(all_threads=True)  # SIGABRT from the parent on a hang: print every stack, die
+    os.environ.update(env)
+    try:
+        if init:
+            with shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port,
+                              timeout=group_timeout) as pg:
+                result = body(pg, *args)
+        else:
+            result = body(rank, n, port, *args)
+        conn.send(result)
+    except BaseException:
+        conn.send(_Failure(traceback.format_exc()))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def _collect(pipes, procs, deadline: float) -> dict:
+    results: dict[int, object] = {}
+    waiting = dict(enumerate(pipes))
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            _dump_stacks([procs[r] for r in waiting])
+            raise RankFailed(f"ranks {sorted(waiting)} did not finish in time; their stacks are in the captured stderr")
+        for conn in mpc.wait(list(waiting.values()), timeout=min(left, 1.0)):
+            rank = next(r for r, c in waiting.items() if c is conn)
+            try:
+                results[rank] = conn.recv()
+            except EOFError:
+                procs[rank].join(5)
+                results[rank] = Died(procs[rank].exitcode)
+            del waiting[rank]
+    return results
+
+
+def _dump_stacks(procs) -> None:
+    """SIGABRT makes faulthandler print every thread's stack before the process dies; wait for that."""
+    for proc in procs:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGABRT)
+    for proc in procs:
+        proc.join(timeout=5)
+
+
+def _reap(procs) -> None:
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)

@@ -1,0 +1,164 @@
+"""Every collective of API.md in real processes at world sizes 1-4: results checked against a
+float64 reference, and bitwise identical on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shmcoll
+from shmcoll import DType, ReduceKind
+from shmcoll.kernels import reference_reduce
+from shmcoll.types import BFLOAT16, WIRE_TYPES, wire_type_of
+
+from harness import run_ranks
+
+SIZES = [1, 2, 3, 4]
+# 0, 1, odd, one-shot sized, ring sized, and (with 4 KiB chunks) many chunks per ring segment
+COUNTS = [0, 1, 7, 1001, 5003, 70001]
+SMALL_CHUNKS = {"SHMCOLL_CHUNK_BYTES": "4096"}
+REDUCE_DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64]
+FLOAT_OPS = list(ReduceKind)
+INT_OPS = [ReduceKind.SUM, ReduceKind.PROD, ReduceKind.MIN, ReduceKind.MAX]
+
+
+def small_ints(rank: int, count: int, dtype, op: ReduceKind) -> np.ndarray:
+    """Integer-valued inputs whose sums and products are exact in every dtype, so the reduction
+    order cannot matter and results must equal the reference bit for bit."""
+    rng = np.random.default_rng(1000 * rank + count + int(op))
+    high = 3 if op is ReduceKind.PROD else 9
+    return rng.integers(-high, high + 1, size=count).astype(np.float64).astype(dtype)
+
+
+def ops_for(dtype) -> list[ReduceKind]:
+    return FLOAT_OPS if wire_type_of(np.dtype(dtype)).is_float else INT_OPS
+
+
+def _reduce_all(pg, dtype):
+    out = []
+    for count in COUNTS:
+        for op in ops_for(dtype):
+            data = small_ints(pg.rank, count, dtype, op)
+            assert pg.all_reduce(data, op) is data
+            out.append(data.tobytes())
+    return out
+
+
+def expected(n: int, count: int, dtype, op: ReduceKind) -> bytes:
+    wire = wire_type_of(np.dtype(dtype))
+    inputs = [small_ints(r, count, dtype, op).view(wire.storage) for r in range(n)]
+    return reference_reduce(inputs, wire.code, op).tobytes()
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_all_reduce_every_op_and_count(n, dtype):
+    results = run_ranks(n, _reduce_all, dtype, env=SMALL_CHUNKS)
+    cases = [(count, op) for count in COUNTS for op in ops_for(dtype)]
+    for rank_result in results:
+        assert rank_result == results[0], "ranks disagree bitwise"
+    for got, (count, op) in zip(results[0], cases):
+        assert got == expected(n, count, dtype, op), f"count={count} op={op.name}"
+
+
+def _random_float_reduce(pg, dtype, count):
+    data = np.random.default_rng(pg.rank).standard_normal(count).astype(dtype)
+    pg.all_reduce(data)
+    return data
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_random_floats_identical_on_every_rank(n, dtype):
+    count = 40001
+    results = run_ranks(n, _random_float_reduce, dtype, count, env=SMALL_CHUNKS)
+    assert all(r.tobytes() == results[0].tobytes() for r in results)
+    exact = sum(np.random.default_rng(r).standard_normal(count).astype(dtype).astype(np.float64) for r in range(n))
+    tol = {np.float16: 1e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(results[0].astype(np.float64), exact, rtol=tol, atol=tol * n)
+
+
+def _typed(pg, dtype: DType):
+    wire = dtype.wire
+    values = np.arange(257, dtype=np.float64) % 17 - 8 + pg.rank
+    if wire.user is not None:
+        raw = bytearray(values.astype(wire.user).tobytes())
+    else:
+        from shmcoll.kernels import f64_to_bf16_bits
+        raw = bytearray(f64_to_bf16_bits(values).tobytes())
+    assert pg.all_reduce_typed(raw, dtype, ReduceKind.MAX) is raw
+    view = np.frombuffer(memoryview(raw), dtype=np.uint8)  # a uint8 array works too
+    pg.all_reduce_typed(view, dtype, ReduceKind.SUM)
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_all_reduce_typed_over_raw_bytes(dtype):
+    n = 3
+    results = run_ranks(n, _typed, dtype)
+    values = [np.arange(257, dtype=np.float64) % 17 - 8 + r for r in range(n)]
+    want = n * np.maximum.reduce(values)  # MAX then SUM of n equal vectors
+    from shmcoll.kernels import bf16_bits_to_f64, f16_bits_to_f64
+    storage = np.frombuffer(results[0], dtype=dtype.wire.storage)
+    got = {DType.F16: f16_bits_to_f64, DType.BF16: bf16_bits_to_f64}.get(dtype, lambda a: a.astype(np.float64))(storage)
+    np.testing.assert_array_equal(got, want)
+    assert all(r == results[0] for r in results)
+
+
+def _spawned(pg, count):
+    arrays = [np.full(count, float(pg.rank + i), dtype=np.float32) for i in range(4)]
+    handles = [pg.spawn_all_reduce(a) for a in arrays]
+    after = np.full(3, float(pg.rank), dtype=np.float64)
+    pg.all_reduce(after, ReduceKind.MAX)  # a blocking call issued after the spawned ones runs after them
+    joined = [handles[i].join(timeout=30) for i in (2, 0, 3, 1)]  # any order
+    assert all(h.done() for h in handles)
+    assert all(j is a for j, a in zip(joined, [arrays[i] for i in (2, 0, 3, 1)]))
+    return [a.copy() for a in arrays], after
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_spawn_all_reduce_in_flight_and_ordered(n):
+    for arrays, after in run_ranks(n, _spawned, 30001, env=SMALL_CHUNKS):
+        for i, a in enumerate(arrays):
+            assert np.all(a == sum(r + i for r in range(n)))
+        assert np.all(after == n - 1)
+
+
+def _gather(pg, dtype, count, shape_tail):
+    local = (np.arange(count * int(np.prod(shape_tail)), dtype=np.int64).reshape(count, *shape_tail) + 100 * pg.rank)
+    local = local.astype(dtype)
+    return pg.all_gather(local)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, np.bool_, np.complex64, np.uint64, np.float16],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("count,tail", [(0, ()), (1, ()), (7, (3,)), (3001, ())])
+def test_all_gather(n, dtype, count, tail):
+    results = run_ranks(n, _gather, dtype, count, tail, env=SMALL_CHUNKS)
+    base = np.arange(count * int(np.prod(tail)), dtype=np.int64).reshape(count, *tail)
+    want = np.concatenate([(base + 100 * r).astype(dtype) for r in range(n)])
+    for got in results:
+        assert got.dtype == np.dtype(dtype) and got.shape == (n * count, *tail)
+        np.testing.assert_array_equal(got, want)
+
+
+def _broadcast_all_roots(pg, count):
+    out = []
+    for root in range(pg.world_size):
+        for dtype in (np.float32, np.uint16, BFLOAT16):
+            data = np.zeros(count, dtype=dtype)
+            if pg.rank == root:
+                data[:] = (np.arange(count) % 97 + root).astype(dtype)
+            assert pg.broadcast(root, data) is data
+            out.append((root, dtype, data))
+    return out
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("count", [0, 1, 7, 50001])
+def test_broadcast_from_every_root(n, count):
+    for per_rank in run_ranks(n, _broadcast_all_roots, count, env=SMALL_CHUNKS):
+        assert len(per_rank) == 3 * n
+        for root, dtype, got in per_rank:
+            np.testing.assert_array_equal(got, (np.arange(count) % 97 + root).astype(dtype))
