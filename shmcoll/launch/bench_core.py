@@ -1,0 +1,276 @@
+"""The measuring half of `shmcoll-bench`: sizes, inputs, the timed loop and the correctness check.
+
+No printing and no argument parsing here (bench_cli.py does both), so every rank runs exactly the
+same sequence of collectives: any decision that changes how many calls a rank makes (the time cap
+on iterations) is taken from values every rank has gathered, never from a rank's own clock alone.
+
+Semantics follow nccl-tests. A size is bytes; for all_gather it is the total output size, so each
+rank contributes size / n / itemsize elements (rounded down, at least one) and the reported size is
+what really moved. Bandwidths: algbw = bytes / time; busbw = algbw * factor, with factor
+2(n-1)/n for all_reduce, (n-1)/n for all_gather and 1 for broadcast; a barrier has none.
+
+Check inputs are small integers that every float type holds exactly, chosen so that every partial
+result is exact too; the reference is therefore exact whatever order the library reduces in.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from shmcoll.types import ReduceKind
+
+COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier")
+IN_PLACE = {"all_reduce": "yes", "all_gather": "no", "broadcast": "yes", "barrier": "n/a"}
+DTYPE_NAMES = {"f16": "half", "bf16": "bfloat16", "f32": "float", "f64": "double"}
+OPS = {"sum": ReduceKind.SUM, "prod": ReduceKind.PROD, "min": ReduceKind.MIN, "max": ReduceKind.MAX,
+       "avg": ReduceKind.AVG}
+ROOT = 0                  # broadcast root
+MIN_CAPPED_ITERS = 3      # the time cap never cuts the timed loop below this many calls
+CHECK_CHUNK = 1 << 20     # elements per slice when building inputs and references (bounds memory)
+_BROADCAST_FILL = 77.0    # what non-root ranks hold before the check broadcast (outside the root's range)
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the CLI turns it into a usage message and exit status 2."""
+
+
+def parse_size(text: str) -> int:
+    """'8' -> 8, '64K' -> 65536, '1M' / '1MB' / '1MiB' -> 1048576 (binary units); at least 1 byte."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise UsageError(f"not a size: {text!r} (use bytes, optionally with K, M, G or T, e.g. 64K)")
+    value = int(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value < 1:
+        raise UsageError(f"a size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
+    """MIN, MIN*f, MIN*f^2, ... while <= MAX (nccl-tests' loop); always strictly increasing."""
+    if min_bytes < 1 or max_bytes < min_bytes:
+        raise UsageError(f"need 1 <= MIN <= MAX, got MIN={min_bytes}, MAX={max_bytes}")
+    if not factor > 1:
+        raise UsageError(f"the factor must be > 1, got {factor}")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size = max(size + 1, int(size * factor))
+    return sizes
+
+
+def resolve_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a --dtype name; bf16 needs the optional ml_dtypes package."""
+    if name == "bf16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise UsageError("--dtype bf16 needs the ml_dtypes package: pip install 'shmcoll[bf16]' "
+                             "(or pip install ml_dtypes)") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    table = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
+    if name not in table:
+        raise UsageError(f"unknown dtype {name!r}; choose from {', '.join(DTYPE_NAMES)}")
+    return np.dtype(table[name])
+
+
+def bus_factor(collective: str, n: int) -> float | None:
+    """nccl-tests' busbw / algbw ratio; None for barrier (no bandwidth)."""
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "broadcast": 1.0}.get(collective)
+
+
+def layout(collective: str, size: int, n: int, itemsize: int) -> tuple[int, int, int]:
+    """(elements in this rank's input buffer, reported count, reported bytes) for a requested size."""
+    if collective == "barrier":
+        return 0, 0, 0
+    if collective == "all_gather":
+        per_rank = max(1, size // (n * itemsize))
+        return per_rank, per_rank * n, per_rank * n * itemsize
+    count = max(1, size // itemsize)
+    return count, count, count * itemsize
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One sweep, as every rank sees it."""
+
+    collective: str
+    dtype_name: str
+    op_name: str
+    iters: int
+    warmup: int
+    check: bool
+    max_time: float  # seconds per size that the timed loop aims to stay under; 0: no cap
+
+    @property
+    def reduces(self) -> bool:
+        return self.collective == "all_reduce"
+
+
+@dataclass
+class Row:
+    """One line of the table (wrong is None without --check); to_json adds the job's context."""
+
+    size: int
+    count: int
+    type: str
+    redop: str
+    time_us: float
+    algbw: float | None  # GB/s (1e9 bytes per second)
+    busbw: float | None
+    wrong: int | None
+    iters: int
+
+    def to_json(self, **context) -> dict:
+        return {**asdict(self), **context}
+
+
+def choose_iters(iters: int, per_call_s: float | None, max_time: float) -> int:
+    """The requested count, cut so the timed loop takes about max_time (never below 3 or above iters)."""
+    if not max_time or per_call_s is None or per_call_s <= 0 or per_call_s * iters <= max_time:
+        return iters
+    return min(iters, max(MIN_CAPPED_ITERS, int(max_time / per_call_s)))
+
+
+# ---- inputs and references (float64 values of small integers; `i` is an int64 index array) ----
+
+def reduce_input(op: ReduceKind, rank: int, n: int, i: np.ndarray) -> np.ndarray:
+    """Rank `rank`'s all_reduce check input: integers whose every partial result stays exact."""
+    own = (i % n) == rank  # exactly one rank "owns" each index
+    if op in (ReduceKind.SUM, ReduceKind.AVG):  # a(i) + (n or 0) - 1: sums to n * a(i), so AVG is exact
+        return (i % 5 - 2) + np.where(own, n - 1.0, -1.0)
+    if op is ReduceKind.PROD:  # +-1 everywhere but one rank's 2: products stay in {+-1, +-2}
+        return np.where(own, 2.0, np.where((i + rank) % 3 == 0, -1.0, 1.0))
+    return ((i * 7 + rank * 3) % 11 - 5).astype(np.float64)  # MIN, MAX
+
+
+def reduce_expected(op: ReduceKind, n: int, i: np.ndarray) -> np.ndarray:
+    if op is ReduceKind.SUM:
+        return n * (i % 5 - 2).astype(np.float64)
+    if op is ReduceKind.AVG:
+        return (i % 5 - 2).astype(np.float64)
+    fold = {ReduceKind.PROD: np.multiply, ReduceKind.MIN: np.minimum, ReduceKind.MAX: np.maximum}[op]
+    acc = reduce_input(op, 0, n, i)
+    for r in range(1, n):
+        acc = fold(acc, reduce_input(op, r, n, i))
+    return acc
+
+
+def block_values(rank: int, i: np.ndarray) -> np.ndarray:
+    """Rank `rank`'s all_gather block, and the broadcast root's data: integers in [-30, 30]."""
+    return ((i * 3 + rank * 7) % 61 - 30).astype(np.float64)
+
+
+def _slices(count: int):
+    for start in range(0, count, CHECK_CHUNK):
+        stop = min(count, start + CHECK_CHUNK)
+        yield start, stop, np.arange(start, stop, dtype=np.int64)
+
+
+def _fill(buf: np.ndarray, values: Callable[[np.ndarray], np.ndarray]) -> None:
+    for start, stop, i in _slices(len(buf)):
+        buf[start:stop] = values(i).astype(buf.dtype)
+
+
+def _count_wrong(buf: np.ndarray, expected: Callable[[np.ndarray], np.ndarray]) -> int:
+    """Elements that differ from the float64 reference (NaN counts as wrong)."""
+    return sum(int(np.count_nonzero(buf[start:stop].astype(np.float64) != expected(i)))
+               for start, stop, i in _slices(len(buf)))
+
+
+def check_once(pg, spec: Spec, dtype: np.dtype, elems: int) -> int:
+    """One more call on known inputs; the number of wrong elements on this rank."""
+    n, rank, op = pg.world_size, pg.rank, OPS[spec.op_name]
+    if spec.collective == "barrier":
+        pg.barrier()  # nothing to compare: "correct" means it returned on every rank
+        return 0
+    buf = np.empty(elems, dtype)
+    if spec.collective == "all_reduce":
+        _fill(buf, lambda i: reduce_input(op, rank, n, i))
+        pg.all_reduce(buf, op)
+        return _count_wrong(buf, lambda i: reduce_expected(op, n, i))
+    if spec.collective == "all_gather":
+        _fill(buf, lambda i: block_values(rank, i))
+        out = pg.all_gather(buf)
+        return sum(_count_wrong(out[r * elems:(r + 1) * elems], lambda i, r=r: block_values(r, i))
+                   for r in range(n))
+    if rank == ROOT:
+        _fill(buf, lambda i: block_values(ROOT, i))
+    else:
+        buf.fill(_BROADCAST_FILL)
+    pg.broadcast(ROOT, buf)
+    return _count_wrong(buf, lambda i: block_values(ROOT, i))
+
+
+# ---- the timed loop ----
+
+def timed_call(pg, spec: Spec, dtype: np.dtype, elems: int) -> Callable[[], object]:
+    """A zero-argument call of the collective on a buffer of ones (stable under PROD/MIN/MAX/AVG)."""
+    if spec.collective == "barrier":
+        return pg.barrier
+    buf = np.ones(elems, dtype)
+    if spec.collective == "all_reduce":
+        op = OPS[spec.op_name]
+        return lambda: pg.all_reduce(buf, op)
+    if spec.collective == "all_gather":
+        return lambda: pg.all_gather(buf)
+    return lambda: pg.broadcast(ROOT, buf)
+
+
+def _max_over_ranks(pg, value: float) -> float:
+    return float(pg.all_gather(np.array([value], np.float64)).max())
+
+
+def measure(pg, spec: Spec, dtype: np.dtype, size: int) -> Row:
+    """Warm up, agree on an iteration count, barrier, time the loop, optionally check; one Row.
+
+    The time is each rank's mean over the timed loop, reported as the slowest rank's.
+    """
+    n = pg.world_size
+    elems, count, nbytes = layout(spec.collective, size, n, dtype.itemsize)
+    call = timed_call(pg, spec, dtype, elems)
+    fastest = None  # the fastest warmup call: later calls no longer pay compile or first-touch costs
+    for _ in range(spec.warmup):
+        t0 = time.perf_counter()
+        call()
+        took = time.perf_counter() - t0
+        fastest = took if fastest is None else min(fastest, took)
+    iters = spec.iters
+    if spec.max_time and fastest is not None:
+        iters = choose_iters(spec.iters, _max_over_ranks(pg, fastest), spec.max_time)
+    pg.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    mean = (time.perf_counter() - t0) / iters
+    wrong = check_once(pg, spec, dtype, elems) if spec.check else 0
+    stats = pg.all_gather(np.array([mean, wrong], np.float64)).reshape(n, 2)
+    seconds = float(stats[:, 0].max())
+    factor = bus_factor(spec.collective, n)
+    algbw = None if factor is None else (nbytes / seconds / 1e9 if seconds > 0 else 0.0)
+    return Row(
+        size=nbytes, count=count,
+        type="-" if spec.collective == "barrier" else DTYPE_NAMES[spec.dtype_name],
+        redop=spec.op_name if spec.reduces else "none",
+        time_us=seconds * 1e6, algbw=algbw, busbw=None if algbw is None else algbw * factor,
+        wrong=int(stats[:, 1].sum()) if spec.check else None, iters=iters,
+    )
+
+
+def transport_name(pg) -> str:
+    """A short name for the transport the group really runs on."""
+    t = pg.transport
+    name = getattr(t, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    cls = type(t).__name__
+    known = {"NetTransport": "tcp", "TcpTransport": "tcp", "ShmTransport": "shm",
+             "HierarchicalTransport": "hier", "HierTransport": "hier"}
+    return known.get(cls, cls)

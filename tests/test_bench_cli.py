@@ -1,0 +1,310 @@
+"""shmcoll-bench: sweeps in real processes (table, JSON, --check, exit status) and its pure parts in one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmcoll.config import RANK_VARS, WORLD_SIZE_VARS
+from shmcoll.launch import bench_cli, bench_core
+from shmcoll.launch.bench_core import (Spec, UsageError, check_once, choose_iters, layout, parse_size,
+                                       reduce_expected, reduce_input, sweep)
+from shmcoll.types import ReduceKind
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_S = 45  # one sweep of a few small sizes takes ~1-2 s; this is the hang guard
+COLUMNS = ["size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
+SMALL = ["-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1"]
+SMALL_SIZES = [8, 64, 512, 4096, 32768]
+TYPE_NAMES = {"f16": ("half", 2), "bf16": ("bfloat16", 2), "f32": ("float", 4), "f64": ("double", 8)}
+
+
+def clean_env() -> dict:
+    """The test's environment without any launcher's rank variables: the CLI must spawn, not join."""
+    return {k: v for k, v in os.environ.items() if k not in RANK_VARS and k not in WORLD_SIZE_VARS}
+
+
+def bench(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = [*launcher, sys.executable, "-m", "shmcoll.launch.bench_cli", *args]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=RUN_S)
+
+
+def parse_table(stdout: str) -> tuple[str, list[list[str]]]:
+    """(first header line, data rows split into cells); asserts the column header is exact."""
+    lines = stdout.splitlines()
+    assert lines and lines[0].startswith("# shmcoll-bench:"), stdout
+    headers = [ln for ln in lines if ln.startswith("#") and ln[1:].split() == COLUMNS]
+    assert len(headers) == 1, stdout
+    rows = [ln.split() for ln in lines if ln.strip() and not ln.startswith("#")]
+    for ln in lines:
+        if ln.strip() and not ln.startswith("#"):
+            assert len(ln) == len(headers[0]), f"columns not aligned:\n{headers[0]}\n{ln}"
+    assert all(len(r) == len(COLUMNS) for r in rows), stdout
+    return lines[0], rows
+
+
+def expected_sizes(collective: str, n: int, itemsize: int, sizes=SMALL_SIZES) -> list[int]:
+    if collective == "barrier":
+        return [0]
+    if collective == "all_gather":
+        return [max(1, s // (n * itemsize)) * n * itemsize for s in sizes]
+    return [max(1, s // itemsize) * itemsize for s in sizes]
+
+
+def factor(collective: str, n: int) -> float | None:
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "broadcast": 1.0}.get(collective)
+
+
+def assert_sweep(proc, collective: str, n: int, dtype: str = "f32", op: str = "sum", check: bool = True):
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, rows = parse_table(proc.stdout)
+    assert f"collective {collective}" in first and f"world size {n}" in first
+    assert "transport tcp" in first and "in-place" in first
+    assert f"dtype {dtype}" in first if collective != "barrier" else "dtype -" in first
+    type_name, itemsize = TYPE_NAMES[dtype]
+    assert [int(r[0]) for r in rows] == expected_sizes(collective, n, itemsize)
+    f = factor(collective, n)
+    for size, count, typ, redop, time_us, algbw, busbw, wrong in rows:
+        assert float(time_us) > 0
+        assert wrong == ("0" if check else "N/A")
+        if collective == "barrier":
+            assert (size, count, typ, redop, algbw, busbw) == ("0", "0", "-", "none", "-", "-")
+            continue
+        assert int(size) == int(count) * itemsize and typ == type_name
+        assert redop == (op if collective == "all_reduce" else "none")
+        assert abs(float(busbw) - float(algbw) * f) <= 0.016  # both rounded to 0.01
+    return rows
+
+
+# ---- real processes ----
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast", "barrier"])
+def test_sweep_with_check_and_json(tmp_path, n, collective):
+    out = tmp_path / "rows.json"
+    proc = bench("-n", str(n), "--collective", collective, *SMALL, "--check", "--json", str(out))
+    rows = assert_sweep(proc, collective, n)
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+    data = json.loads(out.read_text())
+    assert len(data) == len(rows)
+    for row, cells in zip(data, rows):
+        assert row["world_size"] == n and row["collective"] == collective and row["transport"] == "tcp"
+        assert row["iters"] == 3 and row["wrong"] == 0
+        assert (row["size"], row["count"]) == (int(cells[0]), int(cells[1]))
+        assert f"{row['time_us']:.2f}" == cells[4]
+        if collective == "barrier":
+            assert row["algbw"] is None and row["busbw"] is None
+        else:
+            assert row["algbw"] == pytest.approx(row["size"] / row["time_us"] / 1e3, rel=1e-9)
+            assert row["busbw"] == pytest.approx(row["algbw"] * factor(collective, n), rel=1e-9)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype,op,collective", [
+    ("f16", "sum", "all_reduce"), ("bf16", "sum", "all_reduce"), ("f16", "avg", "all_reduce"),
+    ("bf16", "avg", "all_reduce"), ("f16", "prod", "all_reduce"), ("bf16", "min", "all_reduce"),
+    ("f16", "max", "all_reduce"),
+    ("bf16", "sum", "all_gather"), ("f16", "sum", "broadcast"),
+])
+def test_half_types_and_ops_check(dtype, op, collective):
+    proc = bench("-n", "3", "--collective", collective, "--dtype", dtype, "--op", op, *SMALL, "--check")
+    assert_sweep(proc, collective, 3, dtype=dtype, op=op)
+
+
+@pytest.mark.timeout(60)
+def test_without_check_prints_na_and_runs_under_shmcoll_run():
+    """Inside a job (started by shmcoll-run, no -n) it joins instead of spawning."""
+    proc = bench("-c", "broadcast", *SMALL, launcher=(sys.executable, "-m", "shmcoll.launch.run_cli", "-n", "2"))
+    assert_sweep(proc, "broadcast", 2, check=False)
+    assert "Out of bounds" not in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_n_conflicting_with_the_job_is_a_usage_error():
+    proc = bench("-n", "3", *SMALL, launcher=(sys.executable, "-m", "shmcoll.launch.run_cli", "-n", "2"))
+    assert proc.returncode == 2
+    assert "does not match this job's world size 2" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_bad_arguments_exit_2_from_the_command_line():
+    proc = bench("-n", "2", "-f", "1")
+    assert proc.returncode == 2
+    assert "usage: shmcoll-bench" in proc.stderr and "-f/--stepfactor: must be a finite number > 1" in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-n", "0"], "must be >= 1"),
+    (["-n", "x"], "not an integer"),
+    (["-n", "2", "-b", "0"], "at least 1 byte"),
+    (["-n", "2", "-b", "12Q"], "not a size"),
+    (["-n", "2", "-e", "-5"], "not a size"),
+    (["-n", "2", "-f", "1"], "> 1"),
+    (["-n", "2", "-f", "0.5"], "> 1"),
+    (["-n", "2", "-b", "1M", "-e", "1K"], "MIN <= MAX"),
+    (["-n", "2", "--collective", "all_to_all"], "invalid choice"),
+    (["-n", "2", "--dtype", "f8"], "invalid choice"),
+    (["-n", "2", "--op", "mean"], "invalid choice"),
+    (["-n", "2", "--iters", "0"], "must be >= 1"),
+    (["-n", "2", "--warmup", "-1"], "must be >= 0"),
+    (["-n", "2", "--max-time", "nan"], "finite"),
+    (["-n", "2", "--transport", "udp"], "invalid choice"),
+    (["-n", "2", "--json", "/nonexistent-dir/x.json"], "does not exist"),
+    (["-n", "2", "--bogus"], "unrecognized"),
+])
+def test_usage_errors(capsys, args, message):
+    assert bench_cli.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_outside_a_job_without_n_is_a_usage_error(capsys, monkeypatch):
+    for name in RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert bench_cli.main(["-e", "1K"]) == 2
+    assert "give -n N" in capsys.readouterr().err
+
+
+def test_bf16_without_ml_dtypes_is_a_clear_usage_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # makes `import ml_dtypes` raise ImportError
+    assert bench_cli.main(["-n", "2", "--dtype", "bf16"]) == 2
+    assert "ml_dtypes" in capsys.readouterr().err
+
+
+def test_wrong_results_are_counted_and_exit_1(capsys, monkeypatch, tmp_path):
+    """A single in-process rank with a corrupted reference: #wrong > 0, FAILED, status 1, JSON still written."""
+    for name in RANK_VARS + WORLD_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SHMCOLL_RANK", "0")
+    monkeypatch.setenv("SHMCOLL_WORLD_SIZE", "1")
+    monkeypatch.setattr(bench_core, "reduce_expected", lambda op, n, i: np.full(len(i), 1234.0))
+    out = tmp_path / "rows.json"
+    rc = bench_cli.main(["-b", "8", "-e", "64", "-f", "8", "--iters", "1", "--warmup", "0", "--check",
+                         "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1, text
+    _, rows = parse_table(text)
+    assert [r[-1] for r in rows] == ["2", "16"] and "FAILED" in text
+    assert [r["wrong"] for r in json.loads(out.read_text())] == [2, 16]
+
+
+# ---- pure parts ----
+
+@pytest.mark.parametrize("text,value", [
+    ("8", 8), ("1K", 1024), ("64k", 65536), ("1M", 1 << 20), ("64M", 64 << 20), ("2G", 2 << 30),
+    ("1KB", 1024), ("4MiB", 4 << 20), (" 16 ", 16),
+])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "0", "1.5K", "K", "-8", "8X", "1KK"])
+def test_parse_size_rejects(text):
+    with pytest.raises(UsageError):
+        parse_size(text)
+
+
+def test_sweep():
+    assert sweep(8, 64 << 20, 2)[-1] == 64 << 20 and len(sweep(8, 64 << 20, 2)) == 24
+    assert sweep(8, 65536, 8) == SMALL_SIZES
+    assert sweep(8, 100, 8) == [8, 64]
+    assert sweep(5, 5, 2) == [5]
+    assert sweep(1, 4, 1.1) == [1, 2, 3, 4]  # never stalls on a factor that rounds back down
+    with pytest.raises(UsageError):
+        sweep(1, 8, 1)
+
+
+def test_layout_follows_nccl_tests():
+    assert layout("all_reduce", 8, 3, 4) == (2, 2, 8)
+    assert layout("all_reduce", 3, 3, 4) == (1, 1, 4)  # at least one element
+    assert layout("all_gather", 4096, 3, 4) == (341, 1023, 4092)  # total output, per rank rounded down
+    assert layout("all_gather", 8, 3, 4) == (1, 3, 12)
+    assert layout("broadcast", 10, 2, 2) == (5, 5, 10)
+    assert layout("barrier", 1 << 20, 4, 4) == (0, 0, 0)
+
+
+def test_choose_iters():
+    assert choose_iters(20, 0.001, 2.0) == 20
+    assert choose_iters(20, 0.5, 2.0) == 4
+    assert choose_iters(20, 10.0, 2.0) == 3  # never below 3
+    assert choose_iters(2, 10.0, 2.0) == 2  # nor above what was asked
+    assert choose_iters(20, 10.0, 0) == 20  # 0: no cap
+    assert choose_iters(20, None, 2.0) == 20  # no warmup, no estimate
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("op", list(ReduceKind))
+def test_reduce_reference_is_exact_in_every_type(n, op):
+    """Inputs and every partial result are exactly representable even in bfloat16, in any order."""
+    import ml_dtypes
+
+    i = np.arange(1000, dtype=np.int64)
+    inputs = [reduce_input(op, r, n, i) for r in range(n)]
+    fold = {ReduceKind.SUM: np.add, ReduceKind.AVG: np.add, ReduceKind.PROD: np.multiply,
+            ReduceKind.MIN: np.minimum, ReduceKind.MAX: np.maximum}[op]
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32):
+        for order in (range(n), reversed(range(n))):
+            acc = None
+            for r in order:
+                x = inputs[r].astype(dtype)
+                assert np.array_equal(x.astype(np.float64), inputs[r])
+                acc = x if acc is None else fold(acc, x)
+            result = acc.astype(np.float64) / (n if op is ReduceKind.AVG else 1)
+            assert np.array_equal(result, reduce_expected(op, n, i))
+
+
+class _FakeGroup:
+    """One rank of a world of n whose collectives return the values every other rank would send,
+    with `corrupt` elements damaged."""
+
+    def __init__(self, rank, n, corrupt=0):
+        self.rank, self.world_size, self.corrupt = rank, n, corrupt
+
+    def _damage(self, arr):
+        arr[:self.corrupt] = 99
+        return arr
+
+    def all_reduce(self, buf, op):
+        i = np.arange(len(buf), dtype=np.int64)
+        buf[...] = reduce_expected(op, self.world_size, i).astype(buf.dtype)
+        self._damage(buf)
+
+    def all_gather(self, local):
+        i = np.arange(len(local), dtype=np.int64)
+        blocks = [bench_core.block_values(r, i).astype(local.dtype) for r in range(self.world_size)]
+        return self._damage(np.concatenate(blocks))
+
+    def broadcast(self, root, buf):
+        buf[...] = bench_core.block_values(root, np.arange(len(buf), dtype=np.int64)).astype(buf.dtype)
+        self._damage(buf)
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast"])
+@pytest.mark.parametrize("corrupt", [0, 5])
+def test_check_counts_damaged_elements(collective, corrupt, monkeypatch):
+    monkeypatch.setattr(bench_core, "CHECK_CHUNK", 7)  # exercise the sliced comparison
+    spec = Spec(collective, "f32", "prod", 1, 0, True, 0)
+    assert check_once(_FakeGroup(1, 3, corrupt), spec, np.dtype(np.float32), 50) == corrupt
+
+
+def test_row_format_is_right_aligned_under_the_header():
+    class Args:
+        collective, dtype, op, iters, warmup, max_time, check = "all_gather", "bf16", "sum", 3, 1, 2.0, False
+    header = bench_cli.format_header(Args, 4, "tcp")
+    assert "world size 4" in header[0] and "transport tcp" in header[0] and "in-place no" in header[0]
+    assert "dtype bf16" in header[0]
+    row = bench_core.Row(1024, 512, "bfloat16", "none", 12.345, 0.08294, 0.0622, None, 3)
+    line = bench_cli.format_row(row)
+    cells = ["1024", "512", "bfloat16", "none", "12.35", "0.08", "0.06", "N/A"]
+    assert line.split() == cells and len(line) == len(header[-1])
+    edge = 0
+    for (label, width), cell in zip(bench_cli.COLUMNS, cells):
+        edge += width
+        assert line[edge - len(cell):edge] == cell and header[-1][edge - len(label):edge] == label
