@@ -1,0 +1,507 @@
+"""Kernels against numpy: exhaustive 16-bit conversions, rounding at every midpoint, every (code, op).
+
+References: numpy's float16 casts (float64 -> float16 is direct and correctly rounded); for
+bfloat16 a nearest-value table search (shmcoll.halfbits), itself checked with exact fractions,
+because ml_dtypes' float64 -> bfloat16 cast rounds twice (through float32).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from shmcoll import halfbits, kernels
+from shmcoll.types import WIRE_TYPES, ReduceKind
+
+ALL_BITS = np.arange(1 << 16, dtype=np.uint16)
+F16_QUIET, BF16_QUIET = 0x0200, 0x0040
+FLOAT_CODES = (1, 2, 3, 4)
+INT_CODES = (5, 6)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def widen(storage: np.ndarray, code: int) -> np.ndarray:
+    """Reference widening of a storage array to float64 (numpy only)."""
+    if code == 1:
+        return halfbits.f16_bits_to_f64_np(storage)
+    if code == 2:
+        return halfbits.bf16_bits_to_f64_np(storage)
+    with np.errstate(invalid="ignore"):
+        return np.asarray(storage, dtype=np.float64)
+
+
+def assert_same(actual: np.ndarray, expected: np.ndarray, code: int) -> None:
+    """Bitwise equal, except that any NaN matches any NaN (payloads are not specified)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if code in INT_CODES:
+        np.testing.assert_array_equal(actual, expected)
+        return
+    nan_actual, nan_expected = np.isnan(widen(actual, code)), np.isnan(widen(expected, code))
+    np.testing.assert_array_equal(nan_actual, nan_expected, err_msg="NaN positions differ")
+    unsigned = f"u{actual.itemsize}"
+    got, want = actual[~nan_actual].view(unsigned), expected[~nan_expected].view(unsigned)
+    mismatch = np.flatnonzero(got != want)
+    assert mismatch.size == 0, (
+        f"{mismatch.size} differ; first at {np.flatnonzero(~nan_actual)[mismatch[:5]]}: "
+        f"got {[hex(v) for v in got[mismatch[:5]]]}, want {[hex(v) for v in want[mismatch[:5]]]}"
+    )
+
+
+def assert_nans_quiet(bits: np.ndarray, code: int) -> None:
+    nans = bits[np.isnan(widen(bits, code))]
+    quiet = F16_QUIET if code == 1 else BF16_QUIET
+    assert np.all(nans & quiet), f"signalling NaN in result: {[hex(b) for b in nans[:5]]}"
+
+
+# --- conversions ------------------------------------------------------------------------------
+
+
+def test_f16_widening_matches_numpy_for_every_bit_pattern():
+    assert_same(kernels.f16_bits_to_f64(ALL_BITS), ALL_BITS.view(np.float16).astype(np.float64), 4)
+
+
+def test_bf16_widening_matches_ml_dtypes_for_every_bit_pattern():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    with np.errstate(invalid="ignore"):
+        expected = ALL_BITS.view(ml_dtypes.bfloat16).astype(np.float64)
+    assert_same(kernels.bf16_bits_to_f64(ALL_BITS), expected, 4)
+
+
+@pytest.mark.parametrize("code", [1, 2])
+def test_every_pattern_survives_a_round_trip_and_nans_come_back_quiet(code):
+    widened = kernels.f16_bits_to_f64(ALL_BITS) if code == 1 else kernels.bf16_bits_to_f64(ALL_BITS)
+    back = kernels.f64_to_f16_bits(widened) if code == 1 else kernels.f64_to_bf16_bits(widened)
+    nan = np.isnan(widened)
+    np.testing.assert_array_equal(back[~nan], ALL_BITS[~nan])  # includes -0.0, subnormals, +-inf
+    np.testing.assert_array_equal(back[nan] >> 15, ALL_BITS[nan] >> 15)  # sign kept
+    assert_nans_quiet(back, code)
+
+
+def midpoints_and_neighbours(values_of_patterns: np.ndarray, overflow_value: float) -> np.ndarray:
+    """Every exact midpoint between adjacent non-negative values (and between the largest finite
+    value and 2^(emax+1), the overflow boundary), one float64 ulp either side of each, the values
+    themselves, all with both signs. One ulp off a midpoint is exactly where rounding via float32
+    first would land on the midpoint and go the wrong way."""
+    finite = np.append(values_of_patterns[np.isfinite(values_of_patterns)], overflow_value)
+    mids = (finite[:-1] + finite[1:]) / 2  # exact: both are narrow floats
+    points = np.concatenate([mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), finite[:-1]])
+    return np.concatenate([points, -points])
+
+
+def wide_random_values(rng, n: int = 200_000) -> np.ndarray:
+    """Random significands over every exponent that matters, plus special values."""
+    values = rng.uniform(1, 2, n) * np.exp2(rng.integers(-150, 130, n).astype(np.float64))
+    values *= rng.choice([-1.0, 1.0], n)
+    specials = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e300, -1e300, 5e-324, 2.0**-1074,
+                65504.0, 65519.99, 65520.0, 65536.0, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001,
+                2.0**-133, 2.0**-134, 2.0**-134 * (1 + 2**-40), 2.0**128, 3.4e38, 2.0**128 - 2.0**119]
+    return np.concatenate([values, specials])
+
+
+def test_f64_to_f16_matches_numpy_at_every_midpoint_and_on_random_values():
+    values = np.concatenate([
+        midpoints_and_neighbours(ALL_BITS[:0x7C01].view(np.float16).astype(np.float64), 65536.0),
+        wide_random_values(np.random.default_rng(1)),
+    ])
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16).view(np.uint16)
+    assert_same(kernels.f64_to_f16_bits(values), expected, 1)
+
+
+def test_table_rounding_reference_agrees_with_numpy_for_f16():
+    """The bfloat16 reference method, run on float16 where numpy is the judge."""
+    values = midpoints_and_neighbours(ALL_BITS[:0x7C01].view(np.float16).astype(np.float64), 65536.0)
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16).view(np.uint16)
+    assert_same(halfbits.f64_to_f16_bits_by_table(values), expected, 1)
+
+
+@functools.cache
+def exact_bf16_magnitudes() -> list[Fraction]:
+    table = [Fraction(float(v)) for v in halfbits.bf16_bits_to_f64_np(np.arange(0x7F80, dtype=np.uint16))]
+    return table + [Fraction(2) ** 128]  # inf sits where the next value would be
+
+
+def exact_nearest_bf16(x: float) -> int:
+    """Round-to-nearest-even by exact rational arithmetic (the definition, slowly)."""
+    if x != x:
+        return 0x7FC0
+    sign = 0x8000 if np.signbit(x) else 0
+    if abs(x) == np.inf:
+        return sign | 0x7F80
+    table = exact_bf16_magnitudes()
+    target = abs(Fraction(x))
+    hi = bisect.bisect_left(table, target) if target <= table[-1] else len(table) - 1
+    lo = max(hi - 1, 0)
+    below, above = target - table[lo], table[hi] - target
+    return sign | (hi if above < below or (above == below and hi % 2 == 0) else lo)
+
+
+@pytest.fixture(scope="module")
+def bf16_midpoints():
+    return midpoints_and_neighbours(halfbits.bf16_bits_to_f64_np(ALL_BITS[:0x7F81]), 2.0**128)
+
+
+def test_bf16_table_reference_matches_exact_arithmetic(bf16_midpoints):
+    rng = np.random.default_rng(2)
+    edges = [2.0**128 - 2.0**119, 1 + 2.0**-8 + 2.0**-40, 2.0**-134, 2.0**-134 * (1 + 2**-40), -0.0]
+    sample = np.concatenate([rng.choice(bf16_midpoints, 300), edges])
+    table_bits = halfbits.f64_to_bf16_bits_np(sample)
+    exact_bits = [exact_nearest_bf16(float(v)) for v in sample]
+    assert table_bits.tolist() == exact_bits
+
+
+def test_f64_to_bf16_is_correctly_rounded_at_every_midpoint_where_float32_first_is_not(bf16_midpoints):
+    values = np.concatenate([bf16_midpoints, wide_random_values(np.random.default_rng(3))])
+    expected = halfbits.f64_to_bf16_bits_np(values)
+    assert_same(kernels.f64_to_bf16_bits(values), expected, 2)
+    with np.errstate(over="ignore"):
+        via_float32 = halfbits.f64_to_bf16_bits_np(values.astype(np.float32).astype(np.float64))
+    assert np.count_nonzero(via_float32 != expected) > 1000, "these values would not catch double rounding"
+    assert int(kernels.f64_to_bf16_bits(np.array([1 + 2.0**-8 + 2.0**-40]))[0]) == 0x3F81
+
+
+def test_ml_dtypes_double_rounds_so_it_is_not_our_reference():
+    """Documents why halfbits builds its own bfloat16 reference; fails if ml_dtypes changes."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    x = np.array([1 + 2.0**-8 + 2.0**-40])  # just above the midpoint of 1.0 and 1 + 2^-7
+    assert int(x.astype(ml_dtypes.bfloat16).view(np.uint16)[0]) == 0x3F80
+    assert int(halfbits.f64_to_bf16_bits_np(x)[0]) == 0x3F81
+
+
+def test_soft_half_converters_match_numpy():
+    """The fallback used where the CPU lacks half conversions, checked here on every pattern."""
+    widened = np.array([kernels._f16_to_f32_soft(b) for b in ALL_BITS], dtype=np.float32)
+    assert_same(widened, ALL_BITS.view(np.float16).astype(np.float32), 3)
+    f16 = ALL_BITS[:0x7C01].view(np.float16).astype(np.float64)
+    points = np.concatenate([midpoints_and_neighbours(f16, 65536.0).astype(np.float32),
+                             np.float32([np.nan, np.inf, -np.inf, 3e38, 1e-40])])
+    narrowed = np.array([kernels._f32_to_f16_soft(x) for x in points], dtype=np.uint16)
+    with np.errstate(over="ignore"):
+        assert_same(narrowed, points.astype(np.float16).view(np.uint16), 1)
+    assert_nans_quiet(narrowed, 1)
+
+
+# --- reductions -------------------------------------------------------------------------------
+
+
+def special_values(code: int) -> np.ndarray:
+    if code in INT_CODES:
+        info = np.iinfo(WIRE_TYPES[code].storage)
+        return np.array([info.max, info.min, -1, 0, 1, info.max // 2 + 1, 3], WIRE_TYPES[code].storage)
+    f64 = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 65504.0, 3e38,
+                    2.0**-24, 2.0**-25, 2.0**-133, 2.0**-140, 1e-300, 5e-324, 1.5, 2.5])
+    return storage_of(f64, code)
+
+
+def storage_of(values: np.ndarray, code: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        if code == 1:
+            return values.astype(np.float16).view(np.uint16)
+        if code == 2:
+            return halfbits.f64_to_bf16_bits_np(values)
+        return values.astype(WIRE_TYPES[code].storage)
+
+
+def random_operands(code: int, count: int, n: int, rng) -> list[np.ndarray]:
+    """Mixed data: any bit pattern (16-bit codes), values of one scale (sums with ties and
+    cancellation), values across the range (overflow, subnormals), and the special values."""
+    specials = special_values(code)
+    out = []
+    for _ in range(count):
+        if code in INT_CODES:
+            info = np.iinfo(WIRE_TYPES[code].storage)
+            data = rng.integers(info.min, info.max, n, dtype=WIRE_TYPES[code].storage, endpoint=True)
+        else:
+            third = n // 3
+            scaled = rng.uniform(-4, 4, third) * np.exp2(rng.integers(-30, 30, third).astype(float))
+            rest = n - 2 * third
+            wide = rng.uniform(-2, 2, rest) * np.exp2(rng.integers(-160, 140, rest).astype(float))
+            data = storage_of(np.concatenate([rng.uniform(-8, 8, third), scaled, wide]), code)
+            if code in (1, 2):
+                data[::4] = rng.integers(0, 1 << 16, data[::4].size, dtype=np.uint16)
+        data[rng.integers(0, n, specials.size)] = rng.permutation(specials)
+        out.append(data)
+    return out
+
+
+REDUCIBLE = [(code, op) for code in FLOAT_CODES + INT_CODES for op in ReduceKind
+             if not (code in INT_CODES and op == ReduceKind.AVG)]
+
+
+@pytest.mark.parametrize("code,op", REDUCIBLE, ids=[f"{WIRE_TYPES[c].name}-{o.name}" for c, o in REDUCIBLE])
+def test_reduce_into_matches_reference(code, op):
+    rng = np.random.default_rng(code * 10 + op)
+    arrays = random_operands(code, 4, 3001, rng)
+    dst = arrays[0].copy()
+    for other in arrays[1:]:
+        kernels.reduce_into(dst, other, code, op)
+    if op == ReduceKind.AVG:
+        kernels.scale_into(dst, code, len(arrays))
+    expected = kernels.reference_reduce(arrays, code, op)
+    assert_same(dst, expected, code)
+    if code in (1, 2):
+        assert_nans_quiet(dst, code)
+    assert not np.array_equal(dst, arrays[0]), "the data did not exercise the reduction"
+
+
+@pytest.mark.parametrize("code", [1, 2])
+@pytest.mark.parametrize("op", [ReduceKind.SUM, ReduceKind.PROD])
+def test_16bit_sum_and_prod_of_every_pattern_with_many_others(code, op):
+    """65,536 x 96 pairs: every pattern against special and random partners, ties included."""
+    rng = np.random.default_rng(7)
+    partners = np.concatenate([special_values(code), rng.integers(0, 1 << 16, 96 - special_values(code).size)])
+    dst = np.tile(ALL_BITS, partners.size)
+    src = np.repeat(partners.astype(np.uint16), ALL_BITS.size)
+    expected = kernels.reference_reduce([dst, src], code, op)
+    kernels.reduce_into(dst, src, code, op)
+    assert_same(dst, expected, code)
+
+
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (1, 0), (0, 1)])
+def test_bf16_sum_with_any_alignment_and_odd_length(offsets):
+    """The two-per-lane bfloat16 path needs 4-byte alignment; other layouts use the plain loop."""
+    code = 2
+    a, b = random_operands(code, 2, 1001, np.random.default_rng(11))
+    dst_buf, src_buf = np.zeros(1002, np.uint16), np.zeros(1002, np.uint16)
+    dst, src = dst_buf[offsets[0]:offsets[0] + 1001], src_buf[offsets[1]:offsets[1] + 1001]
+    dst[:], src[:] = a, b
+    kernels.reduce_into(dst, src, code, ReduceKind.SUM)
+    assert_same(dst, kernels.reference_reduce([a, b], code, ReduceKind.SUM), code)
+
+
+@pytest.mark.parametrize("code", FLOAT_CODES + INT_CODES)
+def test_read_only_src_works(code):
+    """Received messages and shared-memory slots may be read-only views."""
+    a, b = random_operands(code, 2, 301, np.random.default_rng(13))
+    src = np.frombuffer(b.tobytes(), b.dtype)
+    assert not src.flags.writeable
+    dst = a.copy()
+    kernels.reduce_into(dst, src, code, ReduceKind.SUM)
+    assert_same(dst, kernels.reference_reduce([a, b], code, ReduceKind.SUM), code)
+
+
+@pytest.mark.parametrize("code", INT_CODES)
+def test_integer_sum_and_prod_wrap_around(code):
+    dtype = WIRE_TYPES[code].storage
+    bits = dtype.itemsize * 8
+    info = np.iinfo(dtype)
+    a = np.array([info.max, info.min, info.max, 3, -7], dtype)
+    b = np.array([1, -1, info.max, info.max, info.min + 5], dtype)
+
+    def wrap(v):
+        v %= 1 << bits
+        return v - (1 << bits) if v > info.max else v
+
+    for op, exact in [(ReduceKind.SUM, lambda x, y: x + y), (ReduceKind.PROD, lambda x, y: x * y)]:
+        dst = a.copy()
+        kernels.reduce_into(dst, b, code, op)
+        assert dst.tolist() == [wrap(exact(int(x), int(y))) for x, y in zip(a, b)]
+
+
+@pytest.mark.parametrize("code", FLOAT_CODES)
+def test_min_max_order_signed_zeros_and_propagate_nan_in_both_orders(code):
+    zero, neg_zero, nan, one = (storage_of(np.array([v]), code) for v in (0.0, -0.0, np.nan, 1.0))
+    for op, want in [(ReduceKind.MIN, neg_zero), (ReduceKind.MAX, zero)]:
+        for first, second in [(zero, neg_zero), (neg_zero, zero)]:
+            dst = first.copy()
+            kernels.reduce_into(dst, second, code, op)
+            assert dst.tobytes() == want.tobytes(), (op, first, second)
+        for first, second in [(nan, one), (one, nan)]:
+            dst = first.copy()
+            kernels.reduce_into(dst, second, code, op)
+            assert np.isnan(widen(dst, code)[0])
+
+
+@pytest.mark.parametrize("code", [1, 2])
+def test_signalling_nan_input_gives_a_quiet_nan(code):
+    signalling = np.uint16(0x7C01 if code == 1 else 0x7F81)
+    for op in (ReduceKind.SUM, ReduceKind.PROD, ReduceKind.MIN, ReduceKind.MAX):
+        dst = np.array([signalling] * 3, np.uint16)
+        kernels.reduce_into(dst, storage_of(np.array([1.0, -2.0, 0.0]), code), code, op)
+        assert np.isnan(widen(dst, code)).all()
+        assert_nans_quiet(dst, code)
+
+
+@pytest.mark.parametrize("code", FLOAT_CODES)
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7, 1000, 2**24 + 1, 3**30])
+def test_scale_into_matches_float64_divided_and_rounded_once(code, divisor):
+    data = random_operands(code, 1, 5000, np.random.default_rng(divisor % 1000 + code))[0]
+    dst = data.copy()
+    kernels.scale_into(dst, code, divisor)
+    assert_same(dst, halfbits.reference_scale(data, code, divisor), code)
+    if divisor > 1:
+        assert not np.array_equal(dst, data)
+
+
+@pytest.mark.parametrize("x,divisor", [(3.5104310282335025e-29, 764493069963),
+                                       (7.951717924627799e-28, 558623007822)])
+def test_bf16_scale_rounds_once_from_float64_where_float32_first_would_not(x, divisor):
+    """Witnesses found by search: x / divisor rounded to float32 lands on a bfloat16 midpoint."""
+    bits = halfbits.f64_to_bf16_bits_np(np.array([x]))
+    assert halfbits.bf16_bits_to_f64_np(bits)[0] == x
+    quotient = np.array([x / divisor])
+    correct = halfbits.f64_to_bf16_bits_np(quotient)
+    via_float32 = halfbits.f64_to_bf16_bits_np(quotient.astype(np.float32).astype(np.float64))
+    assert correct[0] != via_float32[0]
+    dst = bits.copy()
+    kernels.scale_into(dst, 2, divisor)
+    assert dst[0] == correct[0]
+
+
+def test_avg_reduces_like_sum():
+    rng = np.random.default_rng(9)
+    for code in FLOAT_CODES:
+        a, b = random_operands(code, 2, 500, rng)
+        via_sum, via_avg = a.copy(), a.copy()
+        kernels.reduce_into(via_sum, b, code, ReduceKind.SUM)
+        kernels.reduce_into(via_avg, b, code, ReduceKind.AVG)
+        assert via_sum.tobytes() == via_avg.tobytes()
+
+
+def test_empty_arrays_and_bad_arguments():
+    for code, op in REDUCIBLE:
+        empty = np.zeros(0, WIRE_TYPES[code].storage)
+        kernels.reduce_into(empty, empty.copy(), code, op)
+    with pytest.raises(ValueError):
+        kernels.reduce_into(np.zeros(3, np.float32), np.zeros(2, np.float32), 3, ReduceKind.SUM)
+    with pytest.raises(ValueError):
+        kernels.reduce_into(np.zeros(3, np.uint8), np.zeros(3, np.uint8), 8, ReduceKind.SUM)
+    with pytest.raises(ValueError):
+        kernels.scale_into(np.zeros(3, np.int32), 5, 2)
+
+
+@pytest.mark.parametrize("code", [1, 2])
+@pytest.mark.parametrize("op", [ReduceKind.SUM, ReduceKind.PROD])
+def test_16bit_sum_and_prod_of_all_two_to_the_32_pairs(code, op):
+    """The float32 route of the hot loops against float64 + direct rounding, for every pair
+    (about 2 s each: both loops vectorise)."""
+    import numba
+
+    widen16 = kernels._f16_to_f32 if code == 1 else kernels._bf16_to_f32
+    round16 = kernels._f64_to_f16 if code == 1 else kernels._f64_to_bf16
+    exponent_mask = 0x7C00 if code == 1 else 0x7F80
+    is_sum = op == ReduceKind.SUM
+
+    @numba.njit
+    def mismatches(row, a):
+        bad = 0
+        for b in range(row.size):
+            x, y = np.float64(widen16(np.uint16(a))), np.float64(widen16(np.uint16(b)))
+            exact = x + y if is_sum else x * y
+            if exact != exact:
+                bad += (row[b] & 0x7FFF) <= exponent_mask
+            else:
+                bad += row[b] != round16(exact)
+        return bad
+
+    row = np.empty(1 << 16, np.uint16)
+    total = 0
+    for a in range(1 << 16):
+        row[:] = a
+        kernels.reduce_into(row, ALL_BITS, code, op)
+        total += mismatches(row, a)
+    assert total == 0
+
+
+# --- compilation and GIL --------------------------------------------------------------------
+
+
+def test_loops_release_the_gil_and_use_the_disk_cache():
+    loops = set(kernels._REDUCERS.values()) | set(kernels._SCALERS.values())
+    for loop in loops:
+        assert loop.targetoptions.get("nogil") is True, loop
+        assert loop._cache.__class__.__name__ == "FunctionCache", loop  # cache=True
+
+
+def test_warm_up_compiles_only_what_it_is_asked_for_and_import_compiles_nothing(tmp_path):
+    """In a fresh process with an empty numba cache: import compiles nothing; warm_up one."""
+    script = textwrap.dedent("""
+        from shmcoll import kernels
+        from shmcoll.types import ReduceKind
+        loops = set(kernels._REDUCERS.values()) | set(kernels._SCALERS.values())
+        assert all(not loop.signatures for loop in loops), "compiled at import"
+        kernels.warm_up(1, ReduceKind.AVG)
+        compiled = {loop.py_func.__name__ for loop in loops if loop.signatures}
+        assert compiled == {"_f16_sum", "_f16_scale"}, compiled
+        print("ok")
+    """)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 feature flags")
+def test_cpu_without_half_conversions_uses_the_software_path(tmp_path):
+    """Without F16C LLVM would call helpers numba does not link (a segfault); the fallback must
+    be chosen and give the same answers."""
+    script = textwrap.dedent("""
+        import numpy as np
+        from shmcoll import kernels
+        from shmcoll.types import ReduceKind
+        assert kernels._f16_to_f32 is kernels._f16_to_f32_soft
+        rng = np.random.default_rng(0)
+        a, b = (rng.integers(0, 1 << 16, 100_000).astype(np.uint16) for _ in range(2))
+        for op in (ReduceKind.SUM, ReduceKind.MAX):
+            dst = a.copy()
+            kernels.reduce_into(dst, b, 1, op)
+            want = kernels.reference_reduce([a, b], 1, op)
+            nan = np.isnan(want.view(np.float16))
+            assert np.array_equal(np.isnan(dst.view(np.float16)), nan)
+            assert np.array_equal(dst[~nan], want[~nan])
+        print("ok")
+    """)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="x86-64",
+               NUMBA_CPU_FEATURES="+64bit,+cx8,+fxsr,+mmx,+sse,+sse2")
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+# --- properties -------------------------------------------------------------------------------
+
+bits16 = hnp.arrays(np.uint16, st.integers(0, 64), elements=st.integers(0, 0xFFFF))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from(list(ReduceKind)), st.data())
+def test_16bit_reduction_is_commutative_and_matches_reference(code, op, data):
+    a = data.draw(bits16)
+    b = data.draw(hnp.arrays(np.uint16, a.size, elements=st.integers(0, 0xFFFF)))
+    ab, ba = a.copy(), b.copy()
+    kernels.reduce_into(ab, b, code, op)
+    kernels.reduce_into(ba, a, code, op)
+    reference_op = ReduceKind.SUM if op == ReduceKind.AVG else op  # reduce_into leaves AVG's division out
+    assert_same(ab, kernels.reference_reduce([a, b], code, reference_op), code)
+    assert_same(ab, ba, code)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(allow_nan=True, allow_infinity=True, width=64))
+def test_16bit_rounding_picks_a_nearest_value(x):
+    values = np.array([x])
+    assert_same(kernels.f64_to_bf16_bits(values), halfbits.f64_to_bf16_bits_np(values), 2)
+    with np.errstate(over="ignore"):
+        assert_same(kernels.f64_to_f16_bits(values), values.astype(np.float16).view(np.uint16), 1)
+    if np.isfinite(x) and abs(x) < 3e38:
+        got = float(kernels.bf16_bits_to_f64(kernels.f64_to_bf16_bits(values))[0])
+        bits = int(kernels.f64_to_bf16_bits(values)[0])
+        for neighbour in (bits - 1, bits + 1):
+            if 0 <= neighbour & 0x7FFF < 0x7F80 and (neighbour ^ bits) >> 15 == 0:
+                other = float(kernels.bf16_bits_to_f64(np.array([neighbour], np.uint16))[0])
+                assert abs(Fraction(x) - Fraction(got)) <= abs(Fraction(x) - Fraction(other))
