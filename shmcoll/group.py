@@ -198,6 +198,9 @@ class ProcessGroup:
             result = body(call)
         except CollectiveError as exc:
             raise self._fail(exc, meta, start) from exc
+        except BaseException as exc:  # Ctrl-C or a bug mid-call: peers must not wait for us
+            self._fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
+            raise
         self._debug("end", meta, start)
         return result
 
