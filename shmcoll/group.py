@@ -30,6 +30,8 @@ from .transport.mailbox import AbortReason
 from .types import TAG_RESERVED_BASE, WIRE_TYPES, ReduceKind
 from .worker import CollectiveHandle, OrderedWorker
 
+#: A rank not heard from (data or heartbeat) for this many seconds counts as silent in timeout reports.
+SILENT_AFTER = 2.0
 _BARRIER_CODE = 8  # barrier frames carry empty uint8 payloads
 _TAG_SPAN = (1 << 32) - TAG_RESERVED_BASE
 
@@ -218,13 +220,21 @@ class ProcessGroup:
         what = what or f"{COLLECTIVE_NAMES[meta.coll]} (sequence number {meta.seq})"
         detail = str(exc)
         if isinstance(exc, CollectiveTimeout):
-            silent = [r for r, t in enumerate(st.transport.last_heard()) if r != self.rank and t < start]
-            detail += f"; after {st.transport.timeout:g} s; ranks not heard from during this call: {silent}"
+            detail += f" (timeout {st.transport.timeout:g} s); {self._silence_report(start)}"
         error = _same_kind(exc, f"rank {self.rank}: {what} failed: {detail}")
         if st.broken is None:
             st.broken = error
         st.transport.abort(AbortReason(type(error).__name__, str(error), getattr(error, "peer", None)))
         return error
+
+    def _silence_report(self, start: float) -> str:
+        """Which ranks went quiet: not even a heartbeat for a while (stopped, hung or cut off)."""
+        now, heard = time.monotonic(), self._st.transport.last_heard()
+        silent = [r for r, t in enumerate(heard) if r != self.rank and t < now - SILENT_AFTER]
+        if not silent:
+            return "every rank was still sending heartbeats (a live rank is stuck elsewhere, or called another collective)"
+        how_long = ", ".join(f"rank {r} for {now - heard[r]:.1f} s" if heard[r] else f"rank {r} never" for r in silent)
+        return f"silent ranks: {silent} (not heard from: {how_long})"
 
     def _all_reduce_body(self, flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
         """One-shot (one hop) for small arrays, bandwidth-optimal ring for large ones."""

@@ -23,6 +23,7 @@ MAX_CONTROL_PAYLOAD = 1 << 16
 DATA = 1
 ABORT = 2  # payload: utf-8 "<error class>\n<peer>\n<message>"
 GOODBYE = 3  # the sender closes on purpose; not a failure
+HEARTBEAT = 4  # "still alive": lets a timeout name the ranks that really went silent
 
 _STRUCT = struct.Struct("<4s6BH4I3Q8Q")
 HEADER_SIZE = _STRUCT.size
@@ -84,7 +85,7 @@ def unpack(raw: bytes | bytearray | memoryview, expected_src: int, max_payload: 
         raise FrameError(f"protocol version {version}, this side speaks {VERSION}")
     if src != expected_src:
         raise FrameError(f"frame claims source rank {src} on the connection of rank {expected_src}")
-    if kind not in (DATA, ABORT, GOODBYE):
+    if kind not in (DATA, ABORT, GOODBYE, HEARTBEAT):
         raise FrameError(f"unknown frame kind {kind}")
     if ndim > MAX_NDIM or any(dims[ndim:]):
         raise FrameError(f"bad ndim {ndim}")

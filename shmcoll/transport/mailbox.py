@@ -70,6 +70,10 @@ class Mailbox:
             self._queues[(h.src, h.tag)].append(msg)
             self._cond.notify_all()
 
+    def touch(self, src: int) -> None:
+        """A control frame (heartbeat) came from src: it is alive."""
+        self.last_heard[src] = time.monotonic()
+
     def peer_gone(self, peer: int, reason: str, graceful: bool) -> None:
         with self._cond:
             if graceful:

@@ -14,15 +14,18 @@ import time
 
 import numpy as np
 
-from ..errors import CollectiveTimeout, PeerLost
+from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from ..netio import recv_into_exact
 from . import frame
 from .base import Transport
-from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, Meta
+from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta
 from .mailbox import AbortReason, Mailbox, Message
 
 _POLL = 0.25  # socket timeout: how often blocked readers and writers look at the deadline and state
 _GOODBYE_SECONDS = 2.0
+#: Seconds between heartbeats to each peer. A rank silent for several of them is reported as such
+#: by a timeout (a SIGSTOPped or hung process), unlike a live rank that is itself waiting.
+HEARTBEAT_SECONDS = 0.5
 
 
 class NetTransport(Transport):
@@ -44,6 +47,10 @@ class NetTransport(Transport):
                                       name=f"shmcoll-tcp-reader-{peer}", daemon=True)
             reader.start()
             self._readers.append(reader)
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="shmcoll-tcp-heartbeat", daemon=True)
+        if socks:
+            self._heartbeat.start()
 
     # ---- sending ----
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
@@ -55,19 +62,21 @@ class NetTransport(Transport):
         self._send_frame(to, header, memoryview(buf).cast("B") if buf.nbytes else b"", deadline)
 
     def _send_frame(self, to: int, header: bytes, payload, deadline: float | None) -> None:
-        sock = self._socks[to]
-        parts = [memoryview(header), memoryview(payload)]
         with self._send_locks[to]:
-            while parts:
-                self._check_can_send(to, deadline)
-                try:
-                    sent = sock.sendmsg(parts)
-                except socket.timeout:
-                    continue
-                except OSError as exc:
-                    raise PeerLost(f"sending to rank {to} failed: {exc}", to) from exc
-                self.bytes_sent += sent
-                parts = _advance(parts, sent)
+            self._send_locked(to, [memoryview(header), memoryview(payload)], deadline)
+
+    def _send_locked(self, to: int, parts: list[memoryview], deadline: float | None) -> None:
+        sock = self._socks[to]
+        while parts:
+            self._check_can_send(to, deadline)
+            try:
+                sent = sock.sendmsg(parts)
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                raise PeerLost(f"sending to rank {to} failed: {exc}", to) from exc
+            self.bytes_sent += sent
+            parts = _advance(parts, sent)
 
     def _check_can_send(self, to: int, deadline: float | None) -> None:
         reason = self._mailbox.aborted
@@ -96,6 +105,8 @@ class NetTransport(Transport):
                     self._read_into(sock, memoryview(payload))
                 if header.kind == DATA:
                     self._mailbox.put(Message(header, payload))
+                elif header.kind == HEARTBEAT:
+                    self._mailbox.touch(peer)
                 elif header.kind == ABORT:
                     self._mailbox.set_abort(AbortReason.decode(payload.tobytes(), peer))
                 else:  # GOODBYE
@@ -127,6 +138,27 @@ class NetTransport(Transport):
                 raise EOFError("connection closed by peer")
             got += k
 
+    def _heartbeat_loop(self) -> None:
+        header = frame.pack(HEARTBEAT, self.rank, 0, Meta(), 0, (), 0)
+        while not self._stop_heartbeat.wait(HEARTBEAT_SECONDS):
+            for peer, lock in self._send_locks.items():
+                if lock.acquire(blocking=False):  # a send in progress says "alive" already
+                    try:
+                        self._beat(peer, header)
+                    finally:
+                        lock.release()
+
+    def _beat(self, peer: int, header: bytes) -> None:
+        try:
+            sent = self._socks[peer].send(header, socket.MSG_DONTWAIT)
+        except OSError:
+            return  # buffer full (peer stopped) or connection gone: the reader reports the latter
+        if sent < len(header):  # never leave half a frame in the stream
+            try:
+                self._send_locked(peer, [memoryview(header)[sent:]], time.monotonic() + self.timeout)
+            except CollectiveError:
+                pass
+
     # ---- state ----
     def abort(self, reason: AbortReason) -> None:
         if self._mailbox.aborted is not None:
@@ -155,6 +187,9 @@ class NetTransport(Transport):
             if self._mailbox.aborted is None:
                 self._broadcast_control(GOODBYE, b"")
             self._closing = True
+        self._stop_heartbeat.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=HEARTBEAT_SECONDS + 1.0)
         for sock in self._socks.values():
             try:
                 sock.shutdown(socket.SHUT_RDWR)
