@@ -53,7 +53,7 @@ def _from_dlpack(tensor, what: str) -> np.ndarray:
         return arr.view(BFLOAT16) if BFLOAT16 is not None else arr.view(np.uint16)
     try:
         arr = np.from_dlpack(tensor)
-    except (RuntimeError, TypeError, BufferError) as exc:
+    except (RuntimeError, TypeError, ValueError, BufferError) as exc:
         raise InvalidArgument(f"{what} cannot be viewed as a numpy array (CPU tensors only): {exc}") from None
     if not arr.flags.writeable and hasattr(tensor, "numpy"):
         arr = tensor.numpy()  # older DLPack exports come back read-only; torch's own view is writable
@@ -83,6 +83,8 @@ def reduce_kind(op) -> ReduceKind:
         return op
     if isinstance(op, str) and op.upper() in ReduceKind.__members__:
         return ReduceKind[op.upper()]
+    if isinstance(op, int) and not isinstance(op, bool) and op in {k.value for k in ReduceKind}:
+        return ReduceKind(op)
     raise InvalidArgument(f"op must be a shmcoll.ReduceKind (SUM, PROD, MIN, MAX, AVG), not {op!r}")
 
 
@@ -99,6 +101,8 @@ def typed_buffer(buf, dtype) -> tuple[np.ndarray, WireType]:
         raise InvalidArgument(f"buf must hold raw bytes (a uint8 array, bytearray or memoryview), not {buf.dtype}")
     try:
         raw = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1)
+    except BufferError:
+        raise InvalidArgument("buf must be C-contiguous; pass a contiguous bytearray or uint8 array") from None
     except (TypeError, ValueError):
         raise InvalidArgument(f"buf must be a bytearray, writable memoryview or uint8 array, not {type(buf).__name__}") from None
     if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
@@ -128,6 +132,10 @@ def seconds_arg(value, what: str) -> float:
     """Seconds as a finite, non-negative float (a datetime.timedelta is accepted too)."""
     if isinstance(value, datetime.timedelta):
         value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
         raise InvalidArgument(f"{what} must be a finite number of seconds >= 0 or a datetime.timedelta, not {value!r}")
     return float(value)

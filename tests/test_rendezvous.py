@@ -331,14 +331,11 @@ def _send_deeply_nested(store):
             assert not t.is_alive()
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the xfail below
 def test_deeply_nested_json_does_not_disturb_the_store(store):
     _send_deeply_nested(store)
     assert_store_serves(store)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: StoreServer._serve does not catch RecursionError from "
-                   "json.loads, so a deeply nested request kills its thread with an unhandled exception")
 def test_deeply_nested_json_is_dropped_quietly(store, monkeypatch):
     escaped = []
     monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_type))

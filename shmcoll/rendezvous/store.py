@@ -70,7 +70,8 @@ class StoreServer:
             while not self._closed:
                 request = _recv_msg(conn, time.monotonic() + 3600.0)
                 _send_msg(conn, self._answer(request), time.monotonic() + 60.0)
-        except (OSError, EOFError, ValueError, HandshakeError, Deadline, struct.error, KeyError, TypeError):
+        except (OSError, EOFError, ValueError, HandshakeError, Deadline, struct.error, KeyError, TypeError,
+                RecursionError):
             pass  # a broken, hostile or finished client: drop it, the store goes on
         finally:
             with self._cond:

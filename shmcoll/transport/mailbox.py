@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
 from .frame import Header
 
+_MAX_WAIT_SLICE = 3600.0  # Condition.wait rejects timeouts past threading.TIMEOUT_MAX; loop instead
 _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost)}
 
 
@@ -45,7 +46,7 @@ class AbortReason:
     @classmethod
     def decode(cls, raw: bytes, sender: int) -> "AbortReason":
         kind, peer, message = (raw.decode(errors="replace").split("\n", 2) + ["", ""])[:3]
-        peer_rank = int(peer) if peer.isdigit() else None
+        peer_rank = int(peer) if peer.isascii() and peer.isdigit() and len(peer) < 10 else None
         return cls(kind, f"rank {sender} aborted the group: {message}", peer_rank)
 
 
@@ -112,7 +113,7 @@ class Mailbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CollectiveTimeout(f"no message from rank {src} (tag {tag}) before the deadline")
-                self._cond.wait(left)
+                self._cond.wait(min(left, _MAX_WAIT_SLICE))
 
     def take_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
         """First message with tag from any of srcs; lost or departed peers are skipped; None at the deadline."""
@@ -131,7 +132,7 @@ class Mailbox:
                 left = deadline - time.monotonic()
                 if not srcs or left <= 0:
                     return None
-                self._cond.wait(left)
+                self._cond.wait(min(left, _MAX_WAIT_SLICE))
 
     def _raise_if_hopeless(self, src: int, strict: bool) -> None:
         if self._abort is not None:

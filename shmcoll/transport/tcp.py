@@ -112,7 +112,7 @@ class NetTransport(Transport):
                 else:  # GOODBYE
                     graceful = True
                     return
-        except frame.FrameError as exc:
+        except (frame.FrameError, ValueError) as exc:
             reason = f"protocol error, connection dropped: {exc}"
         except (EOFError, OSError) as exc:
             reason = "its connection closed" if isinstance(exc, EOFError) else f"connection error: {exc}"
