@@ -14,7 +14,7 @@ import time
 import weakref
 
 from .config import load_config
-from .errors import CollectiveTimeout, InvalidArgument
+from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLost
 from .group import ProcessGroup
 from .netio import Deadline
 from .rendezvous.store import StoreClient, StoreServer
@@ -64,6 +64,10 @@ def _meet(cfg, deadline: float) -> dict:
     except Deadline as exc:
         raise CollectiveTimeout(f"rank {cfg.rank} could not reach the rendezvous at {where} within "
                                 f"{cfg.timeout:g} s (is rank 0 running, and the address right?)") from exc
+    except CollectiveError:
+        raise  # e.g. the handshake's wrong-secret error, which says so itself
+    except (EOFError, OSError) as exc:
+        raise PeerLost(f"the rendezvous at {where} dropped rank {cfg.rank} ({exc})", 0) from exc
     try:
         listener = open_listener(client.local_address)
         me = json.dumps([client.local_address, listener.getsockname()[1], cfg.host_id])
@@ -78,6 +82,11 @@ def _meet(cfg, deadline: float) -> dict:
         return connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline)
     except Deadline as exc:
         raise CollectiveTimeout(f"rendezvous at {where} did not finish within {cfg.timeout:g} s") from exc
+    except CollectiveError:
+        raise
+    except (EOFError, OSError) as exc:
+        raise PeerLost(f"the rendezvous at {where} closed while rank {cfg.rank} was waiting "
+                       f"(rank 0 gave up or died): {exc}", 0) from exc
     finally:
         client.close()
 

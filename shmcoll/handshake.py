@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 
+from .errors import CollectiveError
 from .netio import recv_exact, send_all
 
 _HELLO = struct.Struct("<4sB32sI16s")  # magic, version, purpose digest, client id, client nonce
@@ -22,7 +23,7 @@ _VERSION = 1
 _OK = b"\x01"
 
 
-class HandshakeError(ConnectionError):
+class HandshakeError(CollectiveError, ConnectionError):
     """The peer failed to prove the secret, spoke another protocol, or belongs to another job."""
 
 

@@ -1,8 +1,10 @@
 """Pipelined chain broadcast: root -> root+1 -> ... -> root-1, streamed in chunks.
 
 Each rank forwards chunk k while chunk k+1 is still arriving, so a large array costs about one
-transfer time however many ranks there are. The last rank acknowledges to the root, so the root
-also fails (rather than returning) when the ranks disagree on the call (another root, length, dtype).
+transfer time however many ranks there are. Two kinds of empty frames make disagreement fail on
+every rank instead of leaving some waiting or returning: every non-root tells the rank it believes
+is root that it arrived (so ranks naming different roots always receive a frame they can compare),
+and the tail tells everyone the data reached the end (so no rank returns before all have checked).
 """
 
 from __future__ import annotations
@@ -19,15 +21,32 @@ def chain_broadcast(c: Call, root: int, data: np.ndarray) -> None:
     if n == 1:
         return
     order = [(root + i) % n for i in range(n)]
-    pos = order.index(c.rank)
-    succ = order[pos + 1] if pos + 1 < n else None
-    pieces = sub_bounds(0, len(data), chunk_count(len(data), data.itemsize, c.chunk_bytes))
-    for a, b in pieces:
+    pos, tail = order.index(c.rank), order[-1]
+    if pos > 0:
+        _signal(c, root)  # "arrived": the root checks it at the end
+    _stream(c, data, order, pos)
+    if pos == n - 1:
+        for peer in order[:-1]:
+            _signal(c, peer)  # "done": nobody leaves before the tail has the data
+        return
+    if pos == 0:
+        for peer in order[1:]:
+            _expect(c, peer)
+    _expect(c, tail)
+
+
+def _stream(c: Call, data: np.ndarray, order: list[int], pos: int) -> None:
+    succ = order[pos + 1] if pos + 1 < len(order) else None
+    for a, b in sub_bounds(0, len(data), chunk_count(len(data), data.itemsize, c.chunk_bytes)):
         if pos > 0:
             c.t.recv_into(order[pos - 1], c.tag, data[a:b], c.code, c.deadline, c.meta)
         if succ is not None:
             c.t.send(succ, c.tag, data[a:b], c.code, c.meta, c.deadline)
-    if pos == n - 1:
-        c.t.send(root, c.tag, _EMPTY, c.code, c.meta, c.deadline)
-    elif pos == 0:
-        c.t.recv_into(order[-1], c.tag, _EMPTY, c.code, c.deadline, c.meta)
+
+
+def _signal(c: Call, peer: int) -> None:
+    c.t.send(peer, c.tag, _EMPTY, c.code, c.meta, c.deadline)
+
+
+def _expect(c: Call, peer: int) -> None:
+    c.t.recv_into(peer, c.tag, _EMPTY, c.code, c.deadline, c.meta)

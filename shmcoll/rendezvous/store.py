@@ -49,14 +49,19 @@ class StoreServer:
         self._conns: set[socket.socket] = set()
         self._listener = socket.create_server((addr, port), reuse_port=False)
         self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept_loop, name="shmcoll-store", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="shmcoll-store", daemon=True)
+        self._acceptor.start()
 
     def _accept_loop(self) -> None:
+        self._listener.settimeout(_WAIT_SLICE)  # so close() is seen even if shutdown cannot wake accept
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
             except OSError:
                 return
+            conn.settimeout(None)
             with self._cond:
                 if len(self._conns) >= MAX_CONNECTIONS or self._closed:
                     conn.close()
@@ -108,12 +113,17 @@ class StoreServer:
             self._closed = True
             conns = list(self._conns)
             self._cond.notify_all()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept() on Linux
+        except OSError:
+            pass
         self._listener.close()
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self._acceptor.join(timeout=2 * _WAIT_SLICE)
 
 
 class StoreClient:

@@ -61,14 +61,15 @@ class NetTransport(Transport):
             return
         self._send_frame(to, header, memoryview(buf).cast("B") if buf.nbytes else b"", deadline)
 
-    def _send_frame(self, to: int, header: bytes, payload, deadline: float | None) -> None:
+    def _send_frame(self, to: int, header: bytes, payload, deadline: float | None, control: bool = False) -> None:
         with self._send_locks[to]:
-            self._send_locked(to, [memoryview(header), memoryview(payload)], deadline)
+            self._send_locked(to, [memoryview(header), memoryview(payload)], deadline, control)
 
-    def _send_locked(self, to: int, parts: list[memoryview], deadline: float | None) -> None:
+    def _send_locked(self, to: int, parts: list[memoryview], deadline: float | None, control: bool = False) -> None:
+        """control: an ABORT or GOODBYE, which must go out even from an aborted transport."""
         sock = self._socks[to]
         while parts:
-            self._check_can_send(to, deadline)
+            self._check_can_send(to, deadline, control)
             try:
                 sent = sock.sendmsg(parts)
             except socket.timeout:
@@ -78,9 +79,9 @@ class NetTransport(Transport):
             self.bytes_sent += sent
             parts = _advance(parts, sent)
 
-    def _check_can_send(self, to: int, deadline: float | None) -> None:
+    def _check_can_send(self, to: int, deadline: float | None, control: bool = False) -> None:
         reason = self._mailbox.aborted
-        if reason is not None:
+        if reason is not None and not control:
             raise reason.error()
         lost = self._mailbox.lost_peers()
         if to in lost:
@@ -155,7 +156,7 @@ class NetTransport(Transport):
             return  # buffer full (peer stopped) or connection gone: the reader reports the latter
         if sent < len(header):  # never leave half a frame in the stream
             try:
-                self._send_locked(peer, [memoryview(header)[sent:]], time.monotonic() + self.timeout)
+                self._send_locked(peer, [memoryview(header)[sent:]], time.monotonic() + self.timeout, control=True)
             except CollectiveError:
                 pass
 
@@ -170,7 +171,7 @@ class NetTransport(Transport):
         header = frame.pack(kind, self.rank, 0, Meta(), 0, (), len(payload))
         for peer in self._socks:
             try:
-                self._send_frame(peer, header, payload, time.monotonic() + _GOODBYE_SECONDS)
+                self._send_frame(peer, header, payload, time.monotonic() + _GOODBYE_SECONDS, control=True)
             except Exception:  # best effort: that peer may be the one that died
                 pass
 
