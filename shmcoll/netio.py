@@ -24,18 +24,15 @@ def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
-    """Fill `view` from the socket. deadline None: wait as long as the socket's own timeout loop allows."""
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill `view` from the socket; EOFError if the peer closes first, Deadline if time runs out."""
     got, n = 0, len(view)
     while got < n:
-        if deadline is not None:
-            sock.settimeout(remaining(deadline))
+        sock.settimeout(remaining(deadline))
         try:
             k = sock.recv_into(view[got:], n - got)
         except socket.timeout:
-            if deadline is not None:
-                continue  # remaining() raises once the deadline has passed
-            raise
+            continue  # remaining() raises once the deadline has passed
         if k == 0:
             raise EOFError("connection closed by peer")
         got += k

@@ -6,10 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import shmcoll
 from shmcoll import DType, ReduceKind
 from shmcoll.kernels import reference_reduce
-from shmcoll.types import BFLOAT16, WIRE_TYPES, wire_type_of
+from shmcoll.types import BFLOAT16, wire_type_of
 
 from harness import run_ranks
 

@@ -11,7 +11,7 @@ from harness import run_ranks  # noqa: E402
 
 
 def _torch_calls(pg):
-    r, n = pg.rank, pg.world_size
+    r = pg.rank
     grads = torch.arange(10, dtype=torch.float32) + r
     pg.all_reduce(grads)
     half = torch.full((4, 3), float(r + 1), dtype=torch.bfloat16)

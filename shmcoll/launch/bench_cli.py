@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from shmcoll.config import RANK_VARS, load_config
 from shmcoll.errors import InvalidArgument
 
+from .argtypes import int_in, number_above
 from .bench_core import (COLLECTIVES, DTYPE_NAMES, IN_PLACE, OPS, Row, Spec, UsageError,
                          measure, parse_size, resolve_dtype, sweep, transport_name)
 
@@ -29,41 +29,11 @@ COLUMNS = (("size(B)", 12), ("count", 12), ("type", 9), ("redop", 6), ("time(us)
            ("algbw(GB/s)", 12), ("busbw(GB/s)", 12), ("#wrong", 7))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _size(text: str) -> int:
     try:
         return parse_size(text)
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _number(text: str, low: float, inclusive: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value < low or (value == low and not inclusive):
-        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if inclusive else '>'} {low:g}, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                "record the iterations really timed. With --warmup 0 there is no cap.\n"
                "Without -n, run it under a launcher: shmcoll-run -n N shmcoll-bench ... (or mpirun).\n"
                "Exit status: 0; 1 when --check finds wrong elements or a collective fails; 2 usage errors.")
-    p.add_argument("-n", "--np", dest="n", type=_positive_int, default=None, metavar="N",
+    p.add_argument("-n", "--np", dest="n", type=int_in(1), default=None, metavar="N",
                    help="start N ranks on this host (not needed inside a job started by a launcher)")
     p.add_argument("--collective", "-c", choices=COLLECTIVES, default="all_reduce", metavar="NAME",
                    help=f"{', '.join(COLLECTIVES)} (default all_reduce; broadcast from rank 0)")
@@ -91,17 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smallest size (default 8)")
     p.add_argument("-e", "--maxbytes", dest="max_bytes", type=_size, default=64 << 20, metavar="MAX",
                    help="largest size (default 64M)")
-    p.add_argument("-f", "--stepfactor", dest="factor", type=lambda t: _number(t, 1.0, False), default=2.0,
+    p.add_argument("-f", "--stepfactor", dest="factor", type=number_above(1.0, False), default=2.0,
                    metavar="FACTOR", help="multiply the size by this after each step, > 1 (default 2)")
     p.add_argument("--dtype", "-d", choices=tuple(DTYPE_NAMES), default="f32",
                    help="element type (default f32; bf16 needs ml_dtypes)")
     p.add_argument("--op", "-o", choices=tuple(OPS), default="sum",
                    help="reduction for all_reduce (default sum; ignored by the others)")
-    p.add_argument("--iters", type=_positive_int, default=20, metavar="K",
+    p.add_argument("--iters", type=int_in(1), default=20, metavar="K",
                    help="timed iterations per size (default 20; see the iteration cap below)")
-    p.add_argument("--warmup", type=_count, default=5, metavar="K",
+    p.add_argument("--warmup", type=int_in(0), default=5, metavar="K",
                    help="untimed iterations per size before timing (default 5)")
-    p.add_argument("--max-time", dest="max_time", type=lambda t: _number(t, 0.0, True), default=2.0,
+    p.add_argument("--max-time", dest="max_time", type=number_above(0.0, True), default=2.0,
                    metavar="SECONDS", help="aim for at most this long per size in the timed loop; "
                    "0 disables the cap (default 2)")
     p.add_argument("--check", action="store_true",

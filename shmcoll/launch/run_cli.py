@@ -8,39 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shmcoll.launch.argtypes import int_in, number_above
 from shmcoll.launch.local import launch_local
 
 EXIT_USAGE = 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 0 < value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,11 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="shmcoll-run", allow_abbrev=False,
         description="Start N ranks of PROGRAM on this host with the SHMCOLL_* environment set; "
                     "exit with the first failing rank's status after stopping the others.")
-    p.add_argument("-n", "--np", dest="n", type=_positive_int, required=True, metavar="N",
+    p.add_argument("-n", "--np", dest="n", type=int_in(1), required=True, metavar="N",
                    help="number of ranks (>= 1)")
-    p.add_argument("--timeout", type=_positive_float, default=None, metavar="SECONDS",
+    p.add_argument("--timeout", type=number_above(0.0, False), default=None, metavar="SECONDS",
                    help="stop every rank and exit 124 if the job runs longer than this")
-    p.add_argument("--master-port", type=_port, default=None, metavar="PORT",
+    p.add_argument("--master-port", type=int_in(1, 65535), default=None, metavar="PORT",
                    help="rendezvous port on 127.0.0.1 (default: a free one)")
     p.add_argument("program", metavar="PROGRAM [ARGS...]", nargs="?",
                    help="executable, or a .py file run with this Python, and its arguments")

@@ -15,7 +15,6 @@ import time
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeout, PeerLost
-from ..netio import recv_into_exact
 from . import frame
 from .base import Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta
