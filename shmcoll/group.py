@@ -220,14 +220,14 @@ class ProcessGroup:
         what = what or f"{COLLECTIVE_NAMES[meta.coll]} (sequence number {meta.seq})"
         detail = str(exc)
         if isinstance(exc, CollectiveTimeout):
-            detail += f" (timeout {st.transport.timeout:g} s); {self._silence_report(start)}"
+            detail += f" (timeout {st.transport.timeout:g} s); {self._silence_report()}"
         error = _same_kind(exc, f"rank {self.rank}: {what} failed: {detail}")
         if st.broken is None:
             st.broken = error
         st.transport.abort(AbortReason(type(error).__name__, str(error), getattr(error, "peer", None)))
         return error
 
-    def _silence_report(self, start: float) -> str:
+    def _silence_report(self) -> str:
         """Which ranks went quiet: not even a heartbeat for a while (stopped, hung or cut off)."""
         now, heard = time.monotonic(), self._st.transport.last_heard()
         silent = [r for r, t in enumerate(heard) if r != self.rank and t < now - SILENT_AFTER]
