@@ -1,9 +1,10 @@
 """init(): read the configuration, meet the other ranks through the rendezvous store, and return a
 ProcessGroup over the chosen transport.
 
-Rank 0 serves the store; every rank publishes the address it listens on (the interface it used to
-reach rank 0, so multi-homed hosts pick a routable one), waits for all the others, and builds the
-TCP mesh. Rank 0 shuts the store down as soon as the mesh is up: by then every rank is done with it.
+Rank 0 serves the store. Every rank publishes its host id; when all ranks share a host (and the
+transport allows it) they build shared memory, otherwise a TCP mesh, each rank listening on the
+interface it used to reach rank 0 (so multi-homed hosts pick a routable one). Rank 0 shuts the
+store down as soon as the new transport has carried one barrier: by then every rank is done with it.
 """
 
 from __future__ import annotations
@@ -13,35 +14,39 @@ import json
 import time
 import weakref
 
-from .config import load_config
+from .config import Config, load_config
 from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLost
 from .group import ProcessGroup
 from .netio import Deadline
 from .rendezvous.store import StoreClient, StoreServer
+from .transport.base import Transport
 from .transport.mesh import connect_mesh, open_listener
+from .transport.ring import Layout, fit_layout
+from .transport.shm import ShmTransport
+from .transport.shm_segment import Segment, ShmSetupError, attach_segment, create_segment, free_bytes
 from .transport.tcp import NetTransport
 
-TRANSPORTS = ("auto", "hier", "tcp", "shm")
 _open_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 
 
 def init(rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
-         master_port: int | None = None, timeout: float | None = None, *, transport: str = "auto") -> ProcessGroup:
-    """Join the job and return its ProcessGroup (see API.md, "Getting a group")."""
-    if transport not in TRANSPORTS:
-        raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
-    if transport == "shm":
-        raise InvalidArgument("transport='shm' is not available in this version yet; use 'tcp' or 'auto'")
+         master_port: int | None = None, timeout: float | None = None, *, transport: str | None = None) -> ProcessGroup:
+    """Join the job and return its ProcessGroup (see API.md, "Getting a group").
+
+    transport: "auto" (the default; also "hier") picks shared memory when every rank is on this host
+    and TCP otherwise; "shm" and "tcp" force one. Unset, SHMCOLL_TRANSPORT decides, else "auto".
+    """
     cfg = load_config(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                      timeout=timeout)
-    deadline = time.monotonic() + cfg.timeout
-    socks = _rendezvous(cfg, deadline) if cfg.world_size > 1 else {}
-    group = ProcessGroup(NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout), tuning=cfg.tuning)
+                      timeout=timeout, transport=transport)
+    if cfg.world_size == 1:
+        group = ProcessGroup(NetTransport(0, 1, {}, timeout=cfg.timeout), tuning=cfg.tuning)
+    else:
+        group = _rendezvous(cfg, cfg.transport, time.monotonic() + cfg.timeout)
     _open_groups.add(group)
     return group
 
 
-def _rendezvous(cfg, deadline: float) -> dict:
+def _rendezvous(cfg: Config, choice: str, deadline: float) -> ProcessGroup:
     server = None
     if cfg.rank == 0:
         try:
@@ -51,44 +56,129 @@ def _rendezvous(cfg, deadline: float) -> dict:
                 f"rank 0 cannot serve the rendezvous on {cfg.master_addr}:{cfg.master_port}: {exc} "
                 f"(is another job using this port? set SHMCOLL_MASTER_PORT / MASTER_PORT)") from exc
     try:
-        return _meet(cfg, deadline)
+        client = _connect_store(cfg, deadline)
+        try:
+            group = ProcessGroup(_build_transport(cfg, client, choice, deadline), tuning=cfg.tuning)
+        finally:
+            client.close()
+        group._startup_barrier()  # every rank is past the store now, so rank 0 may close it
+        return group
     finally:
         if server is not None:
             server.close()
 
 
-def _meet(cfg, deadline: float) -> dict:
-    where = f"{cfg.master_addr}:{cfg.master_port}"
+def _where(cfg: Config) -> str:
+    return f"{cfg.master_addr}:{cfg.master_port}"
+
+
+def _connect_store(cfg: Config, deadline: float) -> StoreClient:
     try:
-        client = StoreClient(cfg.master_addr, cfg.master_port, cfg.secret, f"{cfg.job_id}/store", cfg.rank, deadline)
+        return StoreClient(cfg.master_addr, cfg.master_port, cfg.secret, f"{cfg.job_id}/store", cfg.rank, deadline)
     except Deadline as exc:
-        raise CollectiveTimeout(f"rank {cfg.rank} could not reach the rendezvous at {where} within "
+        raise CollectiveTimeout(f"rank {cfg.rank} could not reach the rendezvous at {_where(cfg)} within "
                                 f"{cfg.timeout:g} s (is rank 0 running, and the address right?)") from exc
     except CollectiveError:
         raise  # e.g. the handshake's wrong-secret error, which says so itself
     except (EOFError, OSError) as exc:
-        raise PeerLost(f"the rendezvous at {where} dropped rank {cfg.rank} ({exc})", 0) from exc
+        raise PeerLost(f"the rendezvous at {_where(cfg)} dropped rank {cfg.rank} ({exc})", 0) from exc
+
+
+def _build_transport(cfg: Config, client: StoreClient, choice: str, deadline: float) -> Transport:
     try:
-        listener = open_listener(client.local_address)
-        me = json.dumps([client.local_address, listener.getsockname()[1], cfg.host_id])
-        client.set(f"peer/{cfg.rank}", me, deadline)
-        keys = [f"peer/{r}" for r in range(cfg.world_size)]
-        values, missing = client.wait(keys, deadline)
-        if missing:
-            listener.close()
-            ranks = sorted(int(k.split("/")[1]) for k in missing)
-            raise CollectiveTimeout(f"rendezvous at {where}: ranks {ranks} never arrived within {cfg.timeout:g} s")
-        addrs = {r: tuple(json.loads(values[f"peer/{r}"])[:2]) for r in range(cfg.world_size)}
-        return connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline)
+        hosts = _gather(cfg, client, "host", cfg.host_id, deadline)
+        if _use_shm(choice, hosts):
+            return _shm_transport(cfg, client, hosts, deadline)
+        return _tcp_transport(cfg, client, deadline)
     except Deadline as exc:
-        raise CollectiveTimeout(f"rendezvous at {where} did not finish within {cfg.timeout:g} s") from exc
+        raise CollectiveTimeout(f"rendezvous at {_where(cfg)} did not finish within {cfg.timeout:g} s") from exc
     except CollectiveError:
         raise
     except (EOFError, OSError) as exc:
-        raise PeerLost(f"the rendezvous at {where} closed while rank {cfg.rank} was waiting "
+        raise PeerLost(f"the rendezvous at {_where(cfg)} closed while rank {cfg.rank} was waiting "
                        f"(rank 0 gave up or died): {exc}", 0) from exc
+
+
+def _gather(cfg: Config, client: StoreClient, kind: str, value: str, deadline: float) -> dict[int, str]:
+    """Publish value under kind/<rank> and wait for every rank's; CollectiveTimeout names the missing."""
+    client.set(f"{kind}/{cfg.rank}", value, deadline)
+    values, missing = client.wait([f"{kind}/{r}" for r in range(cfg.world_size)], deadline)
+    if missing:
+        ranks = sorted(int(k.split("/")[1]) for k in missing)
+        raise CollectiveTimeout(f"rendezvous at {_where(cfg)}: ranks {ranks} never arrived within {cfg.timeout:g} s")
+    return {r: values[f"{kind}/{r}"] for r in range(cfg.world_size)}
+
+
+def _use_shm(choice: str, hosts: dict[int, str]) -> bool:
+    one_host = len(set(hosts.values())) == 1
+    if choice == "shm" and not one_host:
+        raise InvalidArgument(f"transport='shm' needs every rank on one host, but they span {len(set(hosts.values()))} "
+                              f"(SHMCOLL_HOST_ID differs); use transport='auto' or 'tcp'")
+    return choice == "shm" or (choice in ("auto", "hier") and one_host)
+
+
+def _tcp_transport(cfg: Config, client: StoreClient, deadline: float) -> NetTransport:
+    listener = open_listener(client.local_address)
+    try:
+        me = json.dumps([client.local_address, listener.getsockname()[1]])
+        addrs = {r: tuple(json.loads(v)) for r, v in _gather(cfg, client, "tcp", me, deadline).items()}
+    except BaseException:
+        listener.close()
+        raise
+    socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline)
+    return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout)
+
+
+def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], deadline: float) -> ShmTransport:
+    """The leader (lowest rank of the host) creates the segment; all attach; the leader unlinks the
+    names as soon as everyone is attached, so nothing outlives the job even after kill -9."""
+    local = sorted(r for r, h in hosts.items() if h == cfg.host_id)
+    is_leader, key = cfg.rank == local[0], f"shm/{cfg.host_id}"
+    segment = _create(cfg, client, key, len(local), deadline) if is_leader else _attach(cfg, client, key, len(local), deadline)
+    try:
+        transport = ShmTransport(segment, {r: i for i, r in enumerate(local)}, cfg.rank, cfg.world_size,
+                                 timeout=cfg.timeout, spin_s=cfg.tuning.spin_us * 1e-6)
+        _gather(cfg, client, "shm-attached", "1", deadline)
+    except BaseException:
+        segment.close()
+        raise
     finally:
-        client.close()
+        if is_leader:
+            segment.unlink()
+    return transport
+
+
+def _create(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: float) -> Segment:
+    """The leader's side; a failure is published too, so the other local ranks fail with its reason."""
+    t = cfg.tuning
+    try:
+        try:
+            layout = fit_layout(n_local, t.shm_slot_bytes, t.shm_slots, budget=free_bytes() // 2)
+        except ValueError as exc:
+            raise ShmSetupError(f"{exc}; /dev/shm is too small: give the container more (docker run "
+                                f"--shm-size=1g) or use transport='tcp'") from exc
+        segment = create_segment(cfg.job_id, layout)
+    except ShmSetupError as exc:
+        client.set(key, json.dumps({"error": str(exc)}), deadline)
+        raise
+    try:
+        client.set(key, json.dumps([segment.prefix, layout.slot_bytes, layout.n_slots]), deadline)
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
+    return segment
+
+
+def _attach(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: float) -> Segment:
+    values, missing = client.wait([key], deadline)
+    if missing:
+        raise CollectiveTimeout(f"the local leader never published its shared memory within {cfg.timeout:g} s")
+    published = json.loads(values[key])
+    if isinstance(published, dict):
+        raise ShmSetupError(f"the local leader could not set up shared memory: {published.get('error')}")
+    prefix, slot_bytes, n_slots = published
+    return attach_segment(prefix, Layout(n_local, int(slot_bytes), int(n_slots)))
 
 
 @atexit.register

@@ -32,6 +32,11 @@ JOB_ID_VAR = "SHMCOLL_JOB_ID"
 DEBUG_VAR = "SHMCOLL_DEBUG"
 CHUNK_BYTES_VAR = "SHMCOLL_CHUNK_BYTES"
 ONE_SHOT_BYTES_VAR = "SHMCOLL_ONE_SHOT_BYTES"
+SHM_SLOT_BYTES_VAR = "SHMCOLL_SHM_SLOT_BYTES"
+SHM_SLOTS_VAR = "SHMCOLL_SHM_SLOTS"
+SPIN_US_VAR = "SHMCOLL_SPIN_US"
+TRANSPORT_VAR = "SHMCOLL_TRANSPORT"
+TRANSPORTS = ("auto", "hier", "tcp", "shm")
 
 DEFAULT_TIMEOUT = 300.0
 SINGLE_RANK_ADDR = "127.0.0.1"
@@ -50,6 +55,9 @@ class Tuning:
     chunk_bytes: int = 1 << 20  # SHMCOLL_CHUNK_BYTES: frame size when large arrays stream through a ring
     one_shot_bytes: int = 16 << 10  # SHMCOLL_ONE_SHOT_BYTES: all-reduce at or below this is one-shot
     debug: bool = False  # SHMCOLL_DEBUG: log each collective's start and end to stderr
+    shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
+    shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each ring (one ring per ordered pair of local ranks)
+    spin_us: int = 50  # SHMCOLL_SPIN_US: microseconds a waiter spins (yielding) before sleeping
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class Config:
     job_id: str
     debug: bool
     tuning: Tuning = Tuning()
+    transport: str = "auto"  # init(transport=...), else SHMCOLL_TRANSPORT, else "auto"
 
 
 def default_host_id() -> str:
@@ -192,13 +201,13 @@ def _resolve_debug(environ) -> bool:
     raise InvalidArgument(f"{DEBUG_VAR} must be 1 or 0, got {found[1]!r}")
 
 
-def _resolve_bytes(environ, name: str, default: int, low: int) -> int:
+def _resolve_int_setting(environ, name: str, default: int, low: int) -> int:
     found = _lookup(environ, (name,))
     if found is None:
         return default
     value = _as_int(found[1], name, (name,))
     if not low <= value <= 1 << 30:
-        raise InvalidArgument(f"{name} must be between {low} and {1 << 30} bytes, got {value}")
+        raise InvalidArgument(f"{name} must be an integer between {low} and {1 << 30}, got {value}")
     return value
 
 
@@ -206,9 +215,12 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
     """The tuning knobs from the environment (defaults where unset)."""
     env = os.environ if environ is None else environ
     return Tuning(
-        chunk_bytes=_resolve_bytes(env, CHUNK_BYTES_VAR, Tuning.chunk_bytes, 64),
-        one_shot_bytes=_resolve_bytes(env, ONE_SHOT_BYTES_VAR, Tuning.one_shot_bytes, 0),
+        chunk_bytes=_resolve_int_setting(env, CHUNK_BYTES_VAR, Tuning.chunk_bytes, 64),
+        one_shot_bytes=_resolve_int_setting(env, ONE_SHOT_BYTES_VAR, Tuning.one_shot_bytes, 0),
         debug=_resolve_debug(env),
+        shm_slot_bytes=_resolve_int_setting(env, SHM_SLOT_BYTES_VAR, Tuning.shm_slot_bytes, 64) // 64 * 64,
+        shm_slots=_resolve_int_setting(env, SHM_SLOTS_VAR, Tuning.shm_slots, 2),
+        spin_us=_resolve_int_setting(env, SPIN_US_VAR, Tuning.spin_us, 0),
     )
 
 
@@ -235,8 +247,20 @@ def _resolve_job_id(environ, addr: str, port: int, world: int) -> str:
     return found[1]
 
 
+def _resolve_transport(explicit, environ) -> str:
+    if explicit is None:
+        found = _lookup(environ, (TRANSPORT_VAR,))
+        explicit = found[1] if found else "auto"
+        where = f"{TRANSPORT_VAR}={explicit!r}"
+    else:
+        where = f"transport={explicit!r}"
+    if explicit not in TRANSPORTS:
+        raise InvalidArgument(f"{where}: the transport must be one of {', '.join(TRANSPORTS)}")
+    return explicit
+
+
 def load_config(*, rank=None, world_size=None, master_addr=None, master_port=None, timeout=None,
-                environ: Mapping[str, str] | None = None) -> Config:
+                transport=None, environ: Mapping[str, str] | None = None) -> Config:
     """Resolve one rank's Config: explicit arguments, then the environment, then defaults."""
     env = os.environ if environ is None else environ
     r, world, local = _resolve_ranks(rank, world_size, env)
@@ -255,4 +279,5 @@ def load_config(*, rank=None, world_size=None, master_addr=None, master_port=Non
         job_id=_resolve_job_id(env, addr, port, world),
         debug=_resolve_debug(env),
         tuning=load_tuning(env),
+        transport=_resolve_transport(transport, env),
     )

@@ -33,7 +33,8 @@ from .worker import CollectiveHandle, OrderedWorker
 #: A rank not heard from (data or heartbeat) for this many seconds counts as silent in timeout reports.
 SILENT_AFTER = 2.0
 _BARRIER_CODE = 8  # barrier frames carry empty uint8 payloads
-_TAG_SPAN = (1 << 32) - TAG_RESERVED_BASE
+_TAG_SPAN = (1 << 32) - TAG_RESERVED_BASE - 1
+_STARTUP_TAG = (1 << 32) - 1  # above every sequence number's tag
 
 
 @dataclass
@@ -107,6 +108,11 @@ class ProcessGroup:
     # ---- collectives ----
     def barrier(self) -> None:
         self._collective(BARRIER, _BARRIER_CODE, 0, dissemination_barrier)
+
+    def _startup_barrier(self) -> None:
+        """init()'s last step, on a tag of its own: the first user collective is still number 0."""
+        self._check_usable()
+        self._execute(Meta(coll=BARRIER, dtype=_BARRIER_CODE), dissemination_barrier, tag=_STARTUP_TAG)
 
     def all_reduce(self, data, op: ReduceKind = ReduceKind.SUM):
         arr = v.as_array(data, "data", writable=True)
@@ -190,11 +196,11 @@ class ProcessGroup:
         self._check_usable()  # a spawned collective may have failed meanwhile
         return self._execute(meta, body)
 
-    def _execute(self, meta: Meta, body: Callable[[Call], Any]):
+    def _execute(self, meta: Meta, body: Callable[[Call], Any], tag: int | None = None):
         t = self._st.transport
         start = time.monotonic()
-        call = Call(t, TAG_RESERVED_BASE + meta.seq % _TAG_SPAN, meta, meta.dtype, start + t.timeout,
-                    self._st.tuning.chunk_bytes)
+        tag = TAG_RESERVED_BASE + meta.seq % _TAG_SPAN if tag is None else tag
+        call = Call(t, tag, meta, meta.dtype, start + t.timeout, self._st.tuning.chunk_bytes)
         self._debug("start", meta, start)
         try:
             result = body(call)

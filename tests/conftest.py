@@ -26,3 +26,13 @@ def no_shm_leaks():
     if os.path.isdir("/dev/shm"):
         leaked = {n for n in os.listdir("/dev/shm") if "shmcoll" in n} - before
         assert not leaked, f"shared memory left in /dev/shm: {sorted(leaked)}"
+
+
+TRANSPORTS = ["tcp", "shm"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request, monkeypatch):
+    """Run the test once per transport: forked ranks inherit SHMCOLL_TRANSPORT, which init() reads."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", request.param)
+    return request.param

@@ -65,7 +65,7 @@ def assert_sweep(proc, collective: str, n: int, dtype: str = "f32", op: str = "s
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first, rows = parse_table(proc.stdout)
     assert f"collective {collective}" in first and f"world size {n}" in first
-    assert "transport tcp" in first and "in-place" in first
+    assert "transport shm" in first and "in-place" in first  # auto picks shared memory on one host
     assert f"dtype {dtype}" in first if collective != "barrier" else "dtype -" in first
     type_name, itemsize = TYPE_NAMES[dtype]
     assert [int(r[0]) for r in rows] == expected_sizes(collective, n, itemsize)
@@ -95,7 +95,7 @@ def test_sweep_with_check_and_json(tmp_path, n, collective):
     data = json.loads(out.read_text())
     assert len(data) == len(rows)
     for row, cells in zip(data, rows):
-        assert row["world_size"] == n and row["collective"] == collective and row["transport"] == "tcp"
+        assert row["world_size"] == n and row["collective"] == collective and row["transport"] == "shm"
         assert row["iters"] == 3 and row["wrong"] == 0
         assert (row["size"], row["count"]) == (int(cells[0]), int(cells[1]))
         assert f"{row['time_us']:.2f}" == cells[4]

@@ -12,6 +12,9 @@ from shmcoll.types import BFLOAT16, wire_type_of
 
 from harness import run_ranks
 
+pytestmark = pytest.mark.usefixtures("transport")  # every test runs over tcp and over shm
+
+
 SIZES = [1, 2, 3, 4]
 # 0, 1, odd, one-shot sized, ring sized, and (with 4 KiB chunks) many chunks per ring segment
 COUNTS = [0, 1, 7, 1001, 5003, 70001]

@@ -39,7 +39,8 @@ from shmcoll import CollectiveError, ReduceKind
 
 from harness import CTX, Died, run_ranks
 
-pytestmark = pytest.mark.timeout(45)
+
+pytestmark = [pytest.mark.timeout(45), pytest.mark.usefixtures("transport")]  # over tcp and shm
 
 LONG = 60.0  # group timeout where waiting it out must fail the test
 PROMPT = 5.0  # a failure must reach every rank well within this many seconds

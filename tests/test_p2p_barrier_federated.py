@@ -13,6 +13,9 @@ from shmcoll.types import BFLOAT16
 
 from harness import CTX, run_ranks
 
+pytestmark = pytest.mark.usefixtures("transport")  # every test runs over tcp and over shm
+
+
 SIZES = [1, 2, 3, 4]
 
 

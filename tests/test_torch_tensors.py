@@ -9,6 +9,9 @@ torch = pytest.importorskip("torch", reason="torch is not installed (.ci/run ins
 
 from harness import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("transport")  # every test runs over tcp and over shm
+
+
 
 def _torch_calls(pg):
     r = pg.rank

@@ -492,12 +492,20 @@ def bare_env(monkeypatch):
             monkeypatch.delenv(key)
 
 
-@pytest.mark.parametrize("transport", ["bogus", "", "TCP", None, 1])
+@pytest.mark.parametrize("transport", ["bogus", "", "TCP", 1])
 def test_init_unknown_transport(bare_env, transport):
     with pytest.raises(InvalidArgument, match="transport") as info:
         shmcoll.init(rank=0, world_size=1, transport=transport)
     assert isinstance(info.value, ValueError)
     assert "tcp" in str(info.value)  # names what is accepted
+
+
+def test_init_unknown_transport_from_environment(bare_env, monkeypatch):
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(InvalidArgument, match="SHMCOLL_TRANSPORT"):
+        shmcoll.init(rank=0, world_size=1)
+    with shmcoll.init(rank=0, world_size=1, transport="tcp") as pg:  # the explicit argument wins
+        assert pg.world_size == 1
 
 
 def test_init_without_environment_names_shmcoll_rank(bare_env):

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from shmcoll.config import RANK_VARS, load_config
+from shmcoll.config import RANK_VARS, TRANSPORTS, load_config
 from shmcoll.errors import InvalidArgument
 
 from .argtypes import int_in, number_above
@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "#wrong is the sum over ranks (else N/A)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="rank 0 also writes the rows as a JSON list here")
-    p.add_argument("--transport", choices=("auto", "tcp"), default="auto",
-                   help="transport passed to shmcoll.init (default auto)")
+    p.add_argument("--transport", choices=TRANSPORTS, default=None,
+                   help="transport passed to shmcoll.init (default: SHMCOLL_TRANSPORT, else auto: "
+                        "shared memory on one host)")
     return p
 
 

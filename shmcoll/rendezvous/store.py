@@ -46,7 +46,7 @@ class StoreServer:
         self._data: dict[str, str] = {}
         self._cond = threading.Condition()
         self._closed = False
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, threading.Thread] = {}
         self._listener = socket.create_server((addr, port), reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._acceptor = threading.Thread(target=self._accept_loop, name="shmcoll-store", daemon=True)
@@ -66,8 +66,9 @@ class StoreServer:
                 if len(self._conns) >= MAX_CONNECTIONS or self._closed:
                     conn.close()
                     continue
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="shmcoll-store-conn", daemon=True).start()
+                handler = self._conns[conn] = threading.Thread(target=self._serve, args=(conn,),
+                                                               name="shmcoll-store-conn", daemon=True)
+            handler.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -80,7 +81,7 @@ class StoreServer:
             pass  # a broken, hostile or finished client: drop it, the store goes on
         finally:
             with self._cond:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
     def _answer(self, req: dict) -> dict:
@@ -111,7 +112,7 @@ class StoreServer:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            conns = list(self._conns)
+            conns = dict(self._conns)
             self._cond.notify_all()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept() on Linux
@@ -124,6 +125,8 @@ class StoreServer:
             except OSError:
                 pass
         self._acceptor.join(timeout=2 * _WAIT_SLICE)
+        for handler in conns.values():  # woken by the shutdown above; a waiter within one wait slice
+            handler.join(timeout=2 * _WAIT_SLICE)
 
 
 class StoreClient:

@@ -98,6 +98,17 @@ class Mailbox:
         with self._cond:
             return dict(self._lost)
 
+    def pop(self, src: int, tag: int) -> Message | None:
+        """The next queued message from src with tag, without waiting."""
+        with self._cond:
+            queue = self._queues.get((src, tag))
+            if not queue:
+                return None
+            msg = queue.popleft()
+            if not queue:
+                del self._queues[(src, tag)]
+            return msg
+
     def take(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         """Next message from src with tag. strict: any lost peer fails the wait (collectives need all)."""
         key = (src, tag)

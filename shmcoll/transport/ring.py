@@ -1,0 +1,90 @@
+"""Shared-memory layout of one host's segment: where each header field, channel and slot lives.
+
+No I/O, so the arithmetic is unit-tested alone. One segment per host holds a host header (magic,
+geometry, the abort flag and reason, each local rank's pid and state) and one channel per ordered
+pair of local ranks. A channel is a ring of fixed-size slots; each slot is a 128-byte header (the
+wire frame header of the message, then the chunk's offset and length) followed by its payload.
+Which slot is next is counted privately by the one writer and the one reader of a channel; the two
+POSIX semaphores of the channel (slots filled, slots free) carry both the waiting and the ordering.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from .frame import HEADER_SIZE
+
+MAGIC = 0x53484D434F4C4C31  # "SHMCOLL1"
+HOST_HEADER_BYTES = 8192
+SLOT_HEADER_BYTES = 128
+CHUNK = struct.Struct("<QI")  # offset of this chunk in the message, its length; after the frame header
+assert HEADER_SIZE + CHUNK.size == SLOT_HEADER_BYTES
+MAX_LOCAL = 256
+
+# u64 word indices in the host header
+W_MAGIC, W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS, W_ABORT, W_ABORT_LEN = range(6)
+W_PIDS = 64  # MAX_LOCAL words: each local rank's pid
+W_STATES = W_PIDS + MAX_LOCAL  # MAX_LOCAL words: STATE_* below
+ABORT_TEXT_OFFSET = 8 * (W_STATES + MAX_LOCAL)
+ABORT_TEXT_BYTES = HOST_HEADER_BYTES - ABORT_TEXT_OFFSET
+STATE_ATTACHED, STATE_DEPARTED = 1, 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    n_local: int
+    slot_bytes: int  # payload bytes per slot, a multiple of 64
+    n_slots: int  # slots per channel
+
+    def __post_init__(self):
+        if not 1 <= self.n_local <= MAX_LOCAL:
+            raise ValueError(f"{self.n_local} local ranks; at most {MAX_LOCAL} share one segment")
+        if self.slot_bytes < 64 or self.slot_bytes % 64:
+            raise ValueError(f"slot size {self.slot_bytes} is not a positive multiple of 64")
+        if self.n_slots < 2:
+            raise ValueError(f"{self.n_slots} slots per channel; at least 2 are needed to overlap")
+
+    @property
+    def slot_stride(self) -> int:
+        return SLOT_HEADER_BYTES + self.slot_bytes
+
+    @property
+    def channel_bytes(self) -> int:
+        return self.n_slots * self.slot_stride
+
+    @property
+    def n_channels(self) -> int:
+        return self.n_local * (self.n_local - 1)
+
+    @property
+    def total_bytes(self) -> int:
+        return HOST_HEADER_BYTES + self.n_channels * self.channel_bytes
+
+    def channel_index(self, src: int, dst: int) -> int:
+        """Channels exist for src != dst only, numbered densely."""
+        if src == dst or not (0 <= src < self.n_local and 0 <= dst < self.n_local):
+            raise ValueError(f"no channel from local rank {src} to {dst}")
+        return src * (self.n_local - 1) + (dst if dst < src else dst - 1)
+
+    def slot_offset(self, src: int, dst: int, slot: int) -> int:
+        """Byte offset of slot number `slot` (counted from 0 forever; wraps around the ring)."""
+        channel = HOST_HEADER_BYTES + self.channel_index(src, dst) * self.channel_bytes
+        return channel + (slot % self.n_slots) * self.slot_stride
+
+
+def fit_layout(n_local: int, slot_bytes: int, n_slots: int, budget: int) -> Layout:
+    """The requested geometry, or fewer/smaller slots so the segment fits in `budget` bytes.
+
+    Many local ranks mean n*(n-1) channels; rather than failing on a small /dev/shm, shrink each
+    channel down to 2 slots of 64 KiB. Raises ValueError when even that does not fit.
+    """
+    layout = Layout(n_local, slot_bytes, n_slots)
+    while layout.total_bytes > budget:
+        if layout.n_slots > 2:
+            layout = Layout(n_local, layout.slot_bytes, layout.n_slots // 2)
+        elif layout.slot_bytes > 64 << 10:
+            layout = Layout(n_local, max(64 << 10, layout.slot_bytes // 2 // 64 * 64), layout.n_slots)
+        else:
+            raise ValueError(f"{n_local} local ranks need at least {layout.total_bytes} bytes of shared memory")
+    return layout

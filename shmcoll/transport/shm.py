@@ -1,0 +1,285 @@
+"""ShmTransport: ranks on one host talk through rings of slots in POSIX shared memory.
+
+A send copies the array into the slots of the channel to the peer, a slot at a time, so the reader
+works on the first slots while later ones are still being written. `recv_into` reduces (or copies)
+straight out of each slot into the destination: no intermediate buffer. A message the caller is not
+asking for yet (another tag) is moved out of the ring into the mailbox, so a receive on one tag is
+never blocked by unread messages on another, and a writer whose ring is full keeps draining its own
+incoming rings, so two ranks sending each other large messages cannot deadlock.
+
+Failure: a rank that detects a problem writes the abort flag and reason into the host header, which
+every local rank sees within one wait slice; a dead peer is noticed from its pid.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import posix_ipc
+
+from .. import kernels
+from ..errors import CollectiveTimeout, PeerLost
+from . import frame
+from .base import Transport, place
+from .frame import DATA, HEADER_SIZE, Meta
+from .mailbox import AbortReason, Mailbox, Message
+from .ring import (ABORT_TEXT_BYTES, ABORT_TEXT_OFFSET, CHUNK, SLOT_HEADER_BYTES, STATE_DEPARTED, W_ABORT,
+                   W_ABORT_LEN, W_PIDS, W_STATES)
+from .shm_channel import WAIT_SLICE, Channel, has_token, take_token
+from .shm_segment import Segment, pid_alive
+
+#: Default seconds a waiter spins (yielding) before blocking in the kernel (SHMCOLL_SPIN_US).
+DEFAULT_SPIN_S = 50e-6
+
+
+class _Assembly:
+    """A message being moved out of a ring into the mailbox, slot by slot."""
+
+    def __init__(self, header: frame.Header):
+        self.header = header
+        self.payload = np.empty(header.nbytes, dtype=np.uint8)
+        self.got = 0
+
+
+class ShmTransport(Transport):
+    def __init__(self, segment: Segment, local_of: dict[int, int], rank: int, world_size: int, *,
+                 timeout: float = 300.0, spin_s: float = DEFAULT_SPIN_S):
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self._seg, self._mem, self._layout = segment, segment.mem, segment.layout
+        self._local_of, self._me = dict(local_of), local_of[rank]
+        self._spin_s = spin_s
+        self._mailbox = Mailbox(rank, world_size)
+        peers = [r for r in local_of if r != rank]
+        self._out = {p: self._channel(self._me, local_of[p]) for p in peers}
+        self._in = {p: self._channel(local_of[p], self._me) for p in peers}
+        self._assembling: dict[int, _Assembly] = {}
+        self._alive_at = {p: time.monotonic() for p in peers}
+        self._closed = False
+        segment.register(self._me)
+
+    def _channel(self, src: int, dst: int) -> Channel:
+        return Channel(self._layout, src, dst, self._seg.data[src, dst], self._seg.space[src, dst])
+
+    # ---- sending ----
+    def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
+        header = frame.pack(DATA, self.rank, tag, meta, code, buf.shape, buf.nbytes)
+        if to == self.rank:
+            payload = np.frombuffer(buf.tobytes(), dtype=np.uint8)
+            self._mailbox.put(Message(frame.unpack(header, self.rank), payload))
+            return
+        raw = buf.reshape(-1).view(np.uint8)
+        head = np.frombuffer(header, dtype=np.uint8)
+        ch, slot_bytes = self._out[to], self._layout.slot_bytes
+        with ch.lock:
+            offset = 0
+            while True:
+                n = min(slot_bytes, buf.nbytes - offset)
+                take_token(ch.space, deadline, self._spin_s, lambda: self._check_send(to), f"rank {to} did not free a slot")
+                at = ch.offset()
+                self._mem[at:at + HEADER_SIZE] = head
+                CHUNK.pack_into(self._mem, at + HEADER_SIZE, offset, n)
+                self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + n] = raw[offset:offset + n]
+                ch.advance_writer()
+                offset += n
+                if offset >= buf.nbytes:
+                    return
+
+    def _check_send(self, to: int) -> None:
+        """Between waits for a free slot: fail on abort or death, and drain our own incoming rings."""
+        self._check(to, strict=False)
+        self._drain_incoming()
+
+    # ---- receiving ----
+    def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
+        if src == self.rank:
+            return self._mailbox.take(src, tag, deadline, strict)
+        while True:
+            msg = self._mailbox.pop(src, tag)
+            if msg is not None:
+                return msg
+            self._pump(src, tag, deadline, strict, target=None)
+
+    def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
+                  want: Meta | None = None, op=None, strict: bool = True) -> None:
+        if src == self.rank:
+            return super().recv_into(src, tag, out, code, deadline, want, op, strict)
+        while True:
+            msg = self._mailbox.pop(src, tag)
+            if msg is not None:
+                return place(msg, out, code, want, op)
+            if self._pump(src, tag, deadline, strict, target=(out, code, want, op)):
+                return
+
+    def _pump(self, src: int, tag: int, deadline: float, strict: bool, target) -> bool:
+        """Move one message out of src's ring: straight into target when it is the one wanted
+        (returns True), else into the mailbox (returns False, as when another thread holds the ring)."""
+        ch = self._in[src]
+        if not ch.lock.acquire(timeout=WAIT_SLICE):
+            self._check(src, strict)
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(f"no message from rank {src} (tag {tag}) before the deadline")
+            return False
+        try:
+            if src not in self._assembling:
+                header, chunk_at, n = self._next_slot(src, deadline, strict)
+                if target is not None and header.tag == tag:
+                    self._consume_into(src, header, chunk_at, n, target, deadline, strict)
+                    return True
+                self._absorb(src, header, chunk_at, n)
+            while src in self._assembling:
+                self._absorb(src, *self._next_slot(src, deadline, strict))
+            return False
+        finally:
+            ch.lock.release()
+
+    def _next_slot(self, src: int, deadline: float, strict: bool) -> tuple[frame.Header, int, int]:
+        """Wait for src's next filled slot; its frame header, chunk offset and chunk length."""
+        ch = self._in[src]
+        take_token(ch.data, deadline, self._spin_s, lambda: self._check(src, strict), f"no message from rank {src}")
+        at = ch.offset()
+        header = frame.unpack(self._mem[at:at + HEADER_SIZE].tobytes(), src)
+        chunk_at, n = CHUNK.unpack_from(self._mem, at + HEADER_SIZE)
+        return header, chunk_at, n
+
+    def _slot_payload(self, src: int, n: int) -> np.ndarray:
+        at = self._in[src].offset() + SLOT_HEADER_BYTES
+        return self._mem[at:at + n]
+
+    def _consume_into(self, src, header, chunk_at, n, target, deadline, strict) -> None:
+        """Reduce or copy every slot of this message straight into the caller's array."""
+        out, code, want, op = target
+        if out.nbytes != header.nbytes or header.dtype != code or (want is not None and header.meta != want):
+            place(Message(header, self._mem[:0]), out, code, want, op)  # raises the mismatch
+        flat = out.reshape(-1)
+        while True:
+            chunk = self._slot_payload(src, n).view(out.dtype)
+            dst = flat[chunk_at // out.itemsize:][:len(chunk)]
+            if op is None:
+                dst[...] = chunk
+            else:
+                kernels.reduce_into(dst, chunk, code, op)
+            self._in[src].advance_reader()
+            if chunk_at + n >= header.nbytes:
+                return
+            header, chunk_at, n = self._next_slot(src, deadline, strict)
+
+    def _absorb(self, src: int, header: frame.Header, chunk_at: int, n: int) -> None:
+        """Copy one slot into the message being moved to the mailbox; post it once complete."""
+        job = self._assembling.get(src)
+        if job is None:
+            job = self._assembling[src] = _Assembly(header)
+        job.payload[chunk_at:chunk_at + n] = self._slot_payload(src, n)
+        job.got = chunk_at + n
+        self._in[src].advance_reader()
+        if job.got >= job.header.nbytes:
+            del self._assembling[src]
+            self._mailbox.put(Message(job.header, job.payload))
+
+    def _drain_incoming(self) -> None:
+        """Move every filled slot of our incoming rings into the mailbox, without waiting."""
+        for src, ch in self._in.items():
+            if not has_token(ch.data) or not ch.lock.acquire(blocking=False):
+                continue
+            try:
+                while has_token(ch.data):
+                    self._absorb(src, *self._next_slot(src, time.monotonic() + self.timeout, False))
+            finally:
+                ch.lock.release()
+
+    def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
+        srcs = set(srcs)
+        while True:
+            for src in sorted(srcs):
+                msg = self._mailbox.pop(src, tag)
+                if msg is not None:
+                    return msg
+                if not self._usable(src):
+                    srcs.discard(src)
+            self._raise_if_aborted()
+            left = deadline - time.monotonic()
+            if not srcs or left <= 0:
+                return None
+            self._drain_incoming()
+            self._wait_a_little(srcs, left)
+
+    def _wait_a_little(self, srcs: set[int], left: float) -> None:
+        """Block briefly until one of srcs may have written (the token is put back for the drain)."""
+        data = self._in[min(srcs)].data
+        try:
+            data.acquire(min(left, WAIT_SLICE / 4))
+            data.release()
+        except posix_ipc.BusyError:
+            pass
+
+    def _usable(self, peer: int) -> bool:
+        return peer == self.rank or (self._peer_alive(peer) and not self._departed(peer))
+
+    # ---- liveness and aborts ----
+    def _check(self, src: int, strict: bool) -> None:
+        """Called between wait slices: raise if waiting for src can no longer succeed."""
+        self._raise_if_aborted()
+        peers = self._in if strict else [src]
+        for peer in peers:  # a rank that closed its group on purpose may exit: that is no loss
+            if peer != self.rank and not self._peer_alive(peer) and not self._departed(peer):  # this order:
+                # a rank marks itself departed before it exits, so "dead" read first then "departed" is exact
+                raise PeerLost(f"rank {peer} was lost: its process is gone (killed?)", peer)
+        if src != self.rank and self._departed(src) and not has_token(self._in[src].data):
+            raise PeerLost(f"rank {src} closed its group while this rank still expected a message from it", src)
+
+    def _peer_alive(self, peer: int) -> bool:
+        pid = int(self._seg.words[W_PIDS + self._local_of[peer]])
+        alive = pid_alive(pid) if pid else True
+        if alive and not _stopped(pid):
+            self._alive_at[peer] = time.monotonic()
+        return alive
+
+    def _departed(self, peer: int) -> bool:
+        return int(self._seg.words[W_STATES + self._local_of[peer]]) == STATE_DEPARTED
+
+    def _raise_if_aborted(self) -> None:
+        local = self._mailbox.aborted
+        if local is not None:
+            raise local.error()
+        who = int(self._seg.words[W_ABORT])
+        if who:
+            length = int(self._seg.words[W_ABORT_LEN])
+            text = self._mem[ABORT_TEXT_OFFSET:ABORT_TEXT_OFFSET + length].tobytes()
+            raise AbortReason.decode(text, who - 1).error()
+
+    def abort(self, reason: AbortReason) -> None:
+        if self._mailbox.aborted is not None:
+            return
+        self._mailbox.set_abort(reason)
+        if int(self._seg.words[W_ABORT]):
+            return  # another rank aborted first; everyone already sees its reason
+        text = reason.encode()[:ABORT_TEXT_BYTES]
+        self._mem[ABORT_TEXT_OFFSET:ABORT_TEXT_OFFSET + len(text)] = np.frombuffer(text, dtype=np.uint8)
+        self._seg.words[W_ABORT_LEN] = len(text)
+        self._seg.words[W_ABORT] = self.rank + 1
+
+    def retire_below(self, seq: int) -> None:
+        self._mailbox.retire_below(seq)
+
+    def last_heard(self) -> list[float]:
+        heard = [0.0] * self.world_size
+        for peer in self._in:
+            self._peer_alive(peer)
+            heard[peer] = self._alive_at[peer]
+        return heard
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._seg.words[W_STATES + self._me] = STATE_DEPARTED
+        self._seg.close()
+
+
+def _stopped(pid: int) -> bool:
+    """True when the process is stopped (SIGSTOP, a debugger): alive but silent."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False

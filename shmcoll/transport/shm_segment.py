@@ -1,0 +1,173 @@
+"""One host's shared memory: the segment and the two semaphores of every channel.
+
+The local leader creates everything, every local rank attaches, and then the names are unlinked at
+once: the kernel frees the memory when the last process using it exits, so nothing is left in
+/dev/shm even after `kill -9` of every rank. Names carry the creator's pid and the job id; a leader
+also removes names left by creators that no longer exist (a crash in the short create-to-unlink
+window), so even that cannot accumulate.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import posix_ipc
+
+from ..errors import CollectiveError
+
+from .ring import (HOST_HEADER_BYTES, MAGIC, W_MAGIC, W_N_LOCAL, W_N_SLOTS, W_PIDS, W_SLOT_BYTES,
+                   W_STATES, STATE_ATTACHED, Layout)
+
+SHM_DIR = "/dev/shm"
+NAME_TAG = "shmcoll"
+
+
+class ShmSetupError(CollectiveError):
+    """Shared memory could not be set up (too little space, permissions, ...); says what to do."""
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process pid exists and is not a zombie (a killed rank its parent has not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
+
+
+def name_prefix(job_id: str) -> str:
+    return f"/{NAME_TAG}-{os.getpid()}-{job_id}"
+
+
+def free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 1 << 62  # no /dev/shm to measure (another OS): let the create call decide
+    return st.f_bavail * st.f_frsize
+
+
+def sweep_stale() -> list[str]:
+    """Unlink shmcoll names whose creating process is gone; returns what was removed."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for entry in names:
+        is_sem = entry.startswith("sem.")
+        name = entry[4:] if is_sem else entry
+        parts = name.split("-", 2)
+        if len(parts) < 3 or parts[0] != NAME_TAG or not parts[1].isdigit() or pid_alive(int(parts[1])):
+            continue
+        try:
+            (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)("/" + name)
+            removed.append(entry)
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
+
+
+class Segment:
+    """The mapped segment (`mem`, a uint8 array; `words`, its host header as uint64) and semaphores."""
+
+    def __init__(self, prefix: str, layout: Layout, create: bool):
+        self.prefix, self.layout = prefix, layout
+        self._names: list[tuple[str, bool]] = []  # (name, is_semaphore): what unlink() removes
+        flags = posix_ipc.O_CREX if create else 0
+        try:
+            self._map(flags, create)
+            n = layout.n_local
+            self.data = {}
+            self.space = {}
+            for src in range(n):
+                for dst in range(n):
+                    if src != dst:
+                        self.data[src, dst] = self._semaphore(f"{prefix}-d{src}.{dst}", flags, 0)
+                        self.space[src, dst] = self._semaphore(f"{prefix}-s{src}.{dst}", flags, layout.n_slots)
+        except BaseException:
+            if create:
+                self.unlink()
+            self.close()
+            raise
+
+    def _map(self, flags: int, create: bool) -> None:
+        name = f"{self.prefix}-mem"
+        shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=self.layout.total_bytes if create else 0)
+        self._names.append((name, False))
+        try:
+            if shm.size < self.layout.total_bytes:
+                raise ShmSetupError(f"segment {name} is {shm.size} bytes, expected {self.layout.total_bytes}")
+            self._mmap = mmap.mmap(shm.fd, self.layout.total_bytes)
+        finally:
+            shm.close_fd()
+        self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.words = self.mem[:HOST_HEADER_BYTES].view(np.uint64)
+        if create:
+            self.words[[W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS]] = [self.layout.n_local, self.layout.slot_bytes,
+                                                                 self.layout.n_slots]
+            self.words[W_MAGIC] = MAGIC
+        elif self.words[W_MAGIC] != MAGIC:
+            raise ShmSetupError(f"segment {name} is not a shmcoll segment")
+
+    def _semaphore(self, name: str, flags: int, initial: int) -> posix_ipc.Semaphore:
+        sem = posix_ipc.Semaphore(name, flags, mode=0o600, initial_value=initial)
+        self._names.append((name, True))
+        return sem
+
+    def register(self, local: int) -> None:
+        """Record this process as local rank `local` (its pid lets peers notice its death)."""
+        self.words[W_PIDS + local] = os.getpid()
+        self.words[W_STATES + local] = STATE_ATTACHED
+
+    def unlink(self) -> None:
+        """Remove the names (idempotent); processes that attached keep using the memory."""
+        for name, is_sem in self._names:
+            try:
+                (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
+            except posix_ipc.ExistentialError:
+                pass
+        self._names = []
+
+    def close(self) -> None:
+        for sem in list(getattr(self, "data", {}).values()) + list(getattr(self, "space", {}).values()):
+            sem.close()
+        self.data, self.space = {}, {}
+        if getattr(self, "_mmap", None) is not None:
+            self.mem = self.words = None
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with the process
+            self._mmap = None
+
+
+def create_segment(job_id: str, layout: Layout) -> Segment:
+    """The leader's side: check space, sweep stale names, create. ShmSetupError says what to do."""
+    sweep_stale()
+    need, free = layout.total_bytes, free_bytes()
+    if need > free:
+        raise ShmSetupError(
+            f"shared memory for {layout.n_local} local ranks needs {need / 2**20:.1f} MiB but {SHM_DIR} has only "
+            f"{free / 2**20:.1f} MiB free. Give the container more (docker run --shm-size=1g), free space in "
+            f"{SHM_DIR}, lower SHMCOLL_SHM_SLOT_BYTES / SHMCOLL_SHM_SLOTS, or use transport='tcp'.")
+    try:
+        return Segment(name_prefix(job_id), layout, create=True)
+    except (posix_ipc.Error, OSError) as exc:
+        raise ShmSetupError(f"cannot create shared memory in {SHM_DIR}: {exc}") from exc
+
+
+def attach_segment(prefix: str, layout: Layout) -> Segment:
+    try:
+        return Segment(prefix, layout, create=False)
+    except (posix_ipc.Error, OSError) as exc:
+        raise ShmSetupError(f"cannot attach to shared memory {prefix}: {exc}") from exc
