@@ -49,6 +49,7 @@ DEFAULT_SIZES = "8,1K,64K,1M,16M,64M"
 PEER_NAMES = ("shmcoll", MPI, GLOO)
 EXIT_MISSING = 3  # what mpi_allreduce.py / gloo_allreduce.py return when their library is missing
 GRACE_S = 5.0
+BUSY_WARN = 0.2  # warn when more than this fraction of the CPUs was busy before the run
 
 
 def say(msg: str) -> None:
@@ -143,7 +144,7 @@ def run_shmcoll(transport: str, args, tmp: Path) -> PeerResult:
             why += f"it timed out: {tail(err)}"
         else:
             why += f"shmcoll.init(transport={transport_arg!r}) or the run failed (exit {rc}): {tail(err)}"
-        return _give_up(res, k, why)
+        return _give_up(res, k, why, failed=rc == 124)
     return res
 
 
@@ -154,9 +155,9 @@ def _bench(res: PeerResult, cmd: list[str], out: Path, timeout: float):
     return rc, err, rows, rows[0].get("transport") if rows else None
 
 
-def _give_up(res: PeerResult, launches_done: int, why: str) -> PeerResult:
-    """The first launch failing means the transport is not there (skip); a later one is a failure."""
-    res.status = "skipped" if launches_done == 0 and not res.rows else "partial"
+def _give_up(res: PeerResult, launches_done: int, why: str, failed: bool) -> PeerResult:
+    """The first launch failing means the transport is not there (skip), unless it timed out."""
+    res.status = "partial" if launches_done or res.rows else "failed" if failed else "skipped"
     res.reason = why
     return res
 
@@ -180,7 +181,7 @@ def run_peer_script(res: PeerResult, cmd: list[str], out: Path, timeout: float) 
     elif rc == EXIT_MISSING:
         res.status, res.reason = "skipped", tail(err, 1)
     else:
-        res.status, res.reason = "failed", f"exit {rc}: {tail(err)}"
+        res.status, res.reason = "failed", ("it timed out: " if rc == 124 else f"exit {rc}: ") + tail(err)
     return res
 
 
@@ -280,12 +281,33 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+def cpu_busy(seconds: float = 0.5) -> float | None:
+    """Fraction of all CPUs busy over a short look (/proc/stat), before any peer runs; None off Linux."""
+    def sample():
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    busy = cpu_busy()
     say(f"float32 SUM all-reduce, in place, world size {args.n}, {os.cpu_count()} CPUs; sizes "
         f"{', '.join(human(s) for s in args.sizes)}")
-    say(f"policy (every peer): {args.warmup} warmup calls, then up to {args.iters} timed calls cut to about "
-        f"{args.max_time:g} s (at least 3); time = each rank's mean, slowest rank; best of {args.rounds} round(s)")
+    if busy is not None:
+        say(f"CPUs {busy:.0%} busy just before the run" + (
+            ": other processes compete with the ranks, so times and ratios may be off; rerun on a quiet "
+            "machine or with --rounds 3" if busy > BUSY_WARN else ""))
+    cap = f"cut to about {args.max_time:g} s (at least 3)" if args.max_time else "(no time cap)"
+    say(f"policy (every peer): {args.warmup} warmup calls, then up to {args.iters} timed calls {cap}; "
+        f"time = each rank's mean, slowest rank; best of {args.rounds} round(s)")
     peers: dict[str, PeerResult] = {}
     with tempfile.TemporaryDirectory(prefix="shmcoll-compare-") as tmp:
         for _ in range(args.rounds):
@@ -293,10 +315,13 @@ def main(argv=None) -> int:
     results = list(peers.values())
     for p in results:
         state = f"ok ({p.library})" if p.status == "ok" else \
-            "skipped (see the end)" if not p.ran else f"{p.status}: {p.reason}"
+            f"{p.status} (see the end)" if not p.ran else f"{p.status}: {p.reason}"
         say(f"{p.name}: {state}")
     print("#")
-    print("\n".join(times_table(results, args.sizes, args.n)))
+    if any(p.ran for p in results):
+        print("\n".join(times_table(results, args.sizes, args.n)))
+    else:
+        say("no peer ran: nothing to compare")
     comparison = []
     for p in results:
         if p.name.startswith("shmcoll-") and p.ran:
@@ -304,15 +329,15 @@ def main(argv=None) -> int:
             comparison += records
             print("#")
             print("\n".join(ratio_table(records, args.n)))
-    skipped = [p for p in results if not p.ran]
-    if skipped:
+    noted = [p for p in results if p.status != "ok"]
+    if noted:
         print("#")
-        for p in skipped:
-            say(f"SKIPPED {p.name}: {p.reason}")
+        for p in noted:
+            say(f"{p.status.upper()} {p.name}: {p.reason}")
     if args.json_path:
         config = dict(world_size=args.n, sizes=args.sizes, transports=args.transports, peers=args.peers,
                       iters=args.iters, warmup=args.warmup, max_time=args.max_time, rounds=args.rounds,
-                      timeout=args.timeout, mpirun_args=args.mpirun_args, cpus=os.cpu_count(),
+                      timeout=args.timeout, mpirun_args=args.mpirun_args, cpus=os.cpu_count(), cpu_busy_before=busy,
                       dtype="f32", op="sum", in_place=True)
         write_json(args.json_path, config, results, comparison)
         say(f"JSON written to {args.json_path}")
