@@ -153,7 +153,7 @@ def _create(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: 
     t = cfg.tuning
     try:
         try:
-            layout = fit_layout(n_local, t.shm_slot_bytes, t.shm_slots, budget=free_bytes() // 2)
+            layout = fit_layout(n_local, t.shm_slot_bytes, t.shm_slots, free_bytes() // 2, t.shm_board_bytes)
         except ValueError as exc:
             raise ShmSetupError(f"{exc}; /dev/shm is too small: give the container more (docker run "
                                 f"--shm-size=1g) or use transport='tcp'") from exc
@@ -162,7 +162,7 @@ def _create(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: 
         client.set(key, json.dumps({"error": str(exc)}), deadline)
         raise
     try:
-        client.set(key, json.dumps([segment.prefix, layout.slot_bytes, layout.n_slots]), deadline)
+        client.set(key, json.dumps([segment.prefix, layout.slot_bytes, layout.n_slots, layout.board_bytes]), deadline)
     except BaseException:
         segment.unlink()
         segment.close()
@@ -177,8 +177,8 @@ def _attach(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: 
     published = json.loads(values[key])
     if isinstance(published, dict):
         raise ShmSetupError(f"the local leader could not set up shared memory: {published.get('error')}")
-    prefix, slot_bytes, n_slots = published
-    return attach_segment(prefix, Layout(n_local, int(slot_bytes), int(n_slots)))
+    prefix, slot_bytes, n_slots, board_bytes = published
+    return attach_segment(prefix, Layout(n_local, int(slot_bytes), int(n_slots), int(board_bytes)))
 
 
 @atexit.register

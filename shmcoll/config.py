@@ -35,6 +35,7 @@ ONE_SHOT_BYTES_VAR = "SHMCOLL_ONE_SHOT_BYTES"
 SHM_SLOT_BYTES_VAR = "SHMCOLL_SHM_SLOT_BYTES"
 SHM_SLOTS_VAR = "SHMCOLL_SHM_SLOTS"
 SPIN_US_VAR = "SHMCOLL_SPIN_US"
+BOARD_BYTES_VAR = "SHMCOLL_SHM_BOARD_BYTES"
 TRANSPORT_VAR = "SHMCOLL_TRANSPORT"
 TRANSPORTS = ("auto", "hier", "tcp", "shm")
 
@@ -58,6 +59,7 @@ class Tuning:
     shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
     shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each ring (one ring per ordered pair of local ranks)
     spin_us: int = 50  # SHMCOLL_SPIN_US: microseconds a waiter spins (yielding) before sleeping
+    shm_board_bytes: int = 64 << 10  # SHMCOLL_SHM_BOARD_BYTES: all-reduces up to this size use the board
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,7 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
         shm_slot_bytes=_resolve_int_setting(env, SHM_SLOT_BYTES_VAR, Tuning.shm_slot_bytes, 64) // 64 * 64,
         shm_slots=_resolve_int_setting(env, SHM_SLOTS_VAR, Tuning.shm_slots, 2),
         spin_us=_resolve_int_setting(env, SPIN_US_VAR, Tuning.spin_us, 0),
+        shm_board_bytes=_resolve_int_setting(env, BOARD_BYTES_VAR, Tuning.shm_board_bytes, 0) // 64 * 64,
     )
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import validate as v
 from .algorithms.barrier import dissemination_barrier
+from .algorithms.board import board_all_reduce, board_barrier
 from .algorithms.broadcast import chain_broadcast
 from .algorithms.call import Call
 from .algorithms.federated import federated_average
@@ -35,6 +36,7 @@ SILENT_AFTER = 2.0
 _BARRIER_CODE = 8  # barrier frames carry empty uint8 payloads
 _TAG_SPAN = (1 << 32) - TAG_RESERVED_BASE - 1
 _STARTUP_TAG = (1 << 32) - 1  # above every sequence number's tag
+_STARTUP_SEQ = 1 << 62  # a sequence number no user collective reaches
 
 
 @dataclass
@@ -107,12 +109,14 @@ class ProcessGroup:
 
     # ---- collectives ----
     def barrier(self) -> None:
-        self._collective(BARRIER, _BARRIER_CODE, 0, dissemination_barrier)
+        body = board_barrier if self.transport.board is not None else dissemination_barrier
+        self._collective(BARRIER, _BARRIER_CODE, 0, body)
 
     def _startup_barrier(self) -> None:
         """init()'s last step, on a tag of its own: the first user collective is still number 0."""
         self._check_usable()
-        self._execute(Meta(coll=BARRIER, dtype=_BARRIER_CODE), dissemination_barrier, tag=_STARTUP_TAG)
+        meta = Meta(seq=_STARTUP_SEQ, coll=BARRIER, dtype=_BARRIER_CODE)
+        self._execute(meta, dissemination_barrier, tag=_STARTUP_TAG)
 
     def all_reduce(self, data, op: ReduceKind = ReduceKind.SUM):
         arr = v.as_array(data, "data", writable=True)
@@ -243,7 +247,11 @@ class ProcessGroup:
         return f"silent ranks: {silent} (not heard from: {how_long})"
 
     def _all_reduce_body(self, flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
-        """One-shot (one hop) for small arrays, bandwidth-optimal ring for large ones."""
+        """The shared-memory board or a one-shot (one step) for small arrays, the bandwidth-optimal
+        ring for large ones. Every rank picks the same: the choice depends on the size alone."""
+        board = self.transport.board
+        if board is not None and flat.nbytes <= board.capacity:
+            return lambda c: board_all_reduce(c, flat, kind)
         if flat.nbytes <= self._st.tuning.one_shot_bytes:
             return lambda c: one_shot_all_reduce(c, flat, kind)
         return lambda c: ring_all_reduce(c, flat, kind)

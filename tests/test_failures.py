@@ -114,12 +114,19 @@ def _arm(pg, after_sends: int, sig: int, stamps) -> None:
     transport.send = send
 
 
-def _inside(pg, peers, seq: int, bound: float = 10.0) -> bool:
-    """Wait (bounded) for, and take, the first frame each of `peers` sends in collective number `seq`:
-    proof that they are inside that call. Only a rank about to fail or leave may do this, since it
-    consumes the frames its own call would have needed."""
+def _inside(pg, peers, seq: int, bound: float = 10.0, nbytes: int = 0) -> bool:
+    """Wait (bounded) until each of `peers` is inside collective number `seq` (of `nbytes` of data):
+    over shared memory a small call shows as the peer's board entry; otherwise take the first frame
+    each peer sends in it. Only a rank about to fail or leave may do the latter, since it consumes
+    the frames its own call would have needed."""
     deadline = time.monotonic() + bound
     tag = shmcoll.TAG_RESERVED_BASE + seq
+    board = pg.transport.board
+    if board is not None and nbytes <= board.capacity:
+        while not all(board.published(p, seq) for p in peers):  # a bounded poll of shared memory
+            if time.monotonic() > deadline:
+                return False
+        return True
     try:
         return all(pg.transport.recv(p, tag, deadline).header.meta.seq == seq for p in peers)
     except CollectiveError:
@@ -364,7 +371,7 @@ def _departs(rank, n, port, victim, count, ready, finish, senders):
     _check_group_works(pg, ready)
     if rank == victim:
         # close once the ranks that send to us first are inside the all_reduce
-        out = {"kind": "departed", "inside": _inside(pg, senders, seq=1)}
+        out = {"kind": "departed", "inside": _inside(pg, senders, seq=1, nbytes=4 * count)}
         out.update(_close(pg))
         return out
     out = _attempt(lambda: pg.all_reduce(np.ones(count, dtype=np.float32)))

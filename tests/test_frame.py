@@ -3,7 +3,6 @@ and the chunking arithmetic the algorithms use."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
 import threading
@@ -139,7 +138,7 @@ def test_frame_error_is_a_value_error():
 def test_describe_mismatch():
     want = Meta(seq=4, coll=frame.ALL_REDUCE, dtype=3, count=10, op=0, root=0)
     assert frame.describe_mismatch(want, want, 1) is None
-    assert frame.describe_mismatch(dataclasses.replace(want), want, 1) is None
+    assert frame.describe_mismatch(want._replace(), want, 1) is None
     got = Meta(seq=4, coll=frame.BROADCAST, dtype=4, count=11, op=0, root=2)
     text = frame.describe_mismatch(got, want, 3)
     assert isinstance(text, str)
@@ -147,7 +146,7 @@ def test_describe_mismatch():
     assert "count=11" in text and "count=10" in text and "f64" in text and "f32" in text
     assert "sequence number 4" in text
     for field, value in (("seq", 5), ("dtype", 4), ("count", 9), ("op", 1), ("root", 1), ("coll", 3)):
-        changed = dataclasses.replace(want, **{field: value})
+        changed = want._replace(**{field: value})
         assert frame.describe_mismatch(changed, want, 0) is not None, field
     odd = frame.describe_mismatch(Meta(coll=99, dtype=200), want, 1)  # codes it does not know
     assert "collective#99" in odd and "dtype#200" in odd

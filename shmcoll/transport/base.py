@@ -22,6 +22,7 @@ class Transport(ABC):
     rank: int
     world_size: int
     timeout: float  # seconds a group built on this transport gives each call
+    board = None  # shared-memory transports offer a Board for one-step small collectives
 
     @abstractmethod
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:

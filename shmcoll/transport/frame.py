@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..types import WIRE_TYPES
 
@@ -41,9 +41,9 @@ class FrameError(ValueError):
     """A frame that breaks the protocol; the connection it came on must be closed."""
 
 
-@dataclass(frozen=True, slots=True)
-class Meta:
-    """What a collective frame says about the call that sent it, so ranks can detect mismatches."""
+class Meta(NamedTuple):
+    """What a collective frame says about the call that sent it, so ranks can detect mismatches.
+    (Named tuples: built for every frame, so cheaper than dataclasses on the hot path.)"""
 
     seq: int = 0
     coll: int = 0  # collective code (0: point-to-point)
@@ -53,8 +53,7 @@ class Meta:
     root: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
     kind: int
     src: int
     tag: int

@@ -1,8 +1,9 @@
 """Shared-memory layout of one host's segment: where each header field, channel and slot lives.
 
 No I/O, so the arithmetic is unit-tested alone. One segment per host holds a host header (magic,
-geometry, the abort flag and reason, each local rank's pid and state) and one channel per ordered
-pair of local ranks. A channel is a ring of fixed-size slots; each slot is a 128-byte header (the
+geometry, the abort flag and reason, each local rank's pid and state), a board (two entries per
+local rank, alternating by sequence number, where small collectives publish their whole input for
+every peer to read) and one channel per ordered pair of local ranks. A channel is a ring of fixed-size slots; each slot is a 128-byte header (the
 wire frame header of the message, then the chunk's offset and length) followed by its payload.
 Which slot is next is counted privately by the one writer and the one reader of a channel; the two
 POSIX semaphores of the channel (slots filled, slots free) carry both the waiting and the ordering.
@@ -20,13 +21,16 @@ HOST_HEADER_BYTES = 8192
 SLOT_HEADER_BYTES = 128
 CHUNK = struct.Struct("<QI")  # offset of this chunk in the message, its length; after the frame header
 assert HEADER_SIZE + CHUNK.size == SLOT_HEADER_BYTES
+BOARD_HEADER_OFFSET = 8  # in a board entry: the published word, then the frame header
+assert BOARD_HEADER_OFFSET + HEADER_SIZE <= SLOT_HEADER_BYTES
 MAX_LOCAL = 256
 
 # u64 word indices in the host header
 W_MAGIC, W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS, W_ABORT, W_ABORT_LEN = range(6)
 W_PIDS = 64  # MAX_LOCAL words: each local rank's pid
 W_STATES = W_PIDS + MAX_LOCAL  # MAX_LOCAL words: STATE_* below
-ABORT_TEXT_OFFSET = 8 * (W_STATES + MAX_LOCAL)
+W_DONE = W_STATES + MAX_LOCAL  # MAX_LOCAL words: 1 + the sequence number of the last board call each rank finished
+ABORT_TEXT_OFFSET = 8 * (W_DONE + MAX_LOCAL)
 ABORT_TEXT_BYTES = HOST_HEADER_BYTES - ABORT_TEXT_OFFSET
 STATE_ATTACHED, STATE_DEPARTED = 1, 2
 
@@ -36,6 +40,7 @@ class Layout:
     n_local: int
     slot_bytes: int  # payload bytes per slot, a multiple of 64
     n_slots: int  # slots per channel
+    board_bytes: int = 64 << 10  # payload bytes of one board entry, a multiple of 64
 
     def __post_init__(self):
         if not 1 <= self.n_local <= MAX_LOCAL:
@@ -44,6 +49,8 @@ class Layout:
             raise ValueError(f"slot size {self.slot_bytes} is not a positive multiple of 64")
         if self.n_slots < 2:
             raise ValueError(f"{self.n_slots} slots per channel; at least 2 are needed to overlap")
+        if self.board_bytes < 0 or self.board_bytes % 64:
+            raise ValueError(f"board entry size {self.board_bytes} is not a multiple of 64")
 
     @property
     def slot_stride(self) -> int:
@@ -58,8 +65,23 @@ class Layout:
         return self.n_local * (self.n_local - 1)
 
     @property
+    def board_stride(self) -> int:
+        return SLOT_HEADER_BYTES + self.board_bytes
+
+    @property
+    def channels_offset(self) -> int:
+        return HOST_HEADER_BYTES + 2 * self.n_local * self.board_stride
+
+    @property
     def total_bytes(self) -> int:
-        return HOST_HEADER_BYTES + self.n_channels * self.channel_bytes
+        return self.channels_offset + self.n_channels * self.channel_bytes
+
+    def board_offset(self, local: int, seq: int) -> int:
+        """Byte offset of the board entry local rank `local` writes for sequence number `seq`: one
+        word (1 + the sequence number once published), the frame header, then the payload."""
+        if not 0 <= local < self.n_local:
+            raise ValueError(f"no board entry for local rank {local}")
+        return HOST_HEADER_BYTES + (2 * local + seq % 2) * self.board_stride
 
     def channel_index(self, src: int, dst: int) -> int:
         """Channels exist for src != dst only, numbered densely."""
@@ -69,22 +91,22 @@ class Layout:
 
     def slot_offset(self, src: int, dst: int, slot: int) -> int:
         """Byte offset of slot number `slot` (counted from 0 forever; wraps around the ring)."""
-        channel = HOST_HEADER_BYTES + self.channel_index(src, dst) * self.channel_bytes
+        channel = self.channels_offset + self.channel_index(src, dst) * self.channel_bytes
         return channel + (slot % self.n_slots) * self.slot_stride
 
 
-def fit_layout(n_local: int, slot_bytes: int, n_slots: int, budget: int) -> Layout:
+def fit_layout(n_local: int, slot_bytes: int, n_slots: int, budget: int, board_bytes: int = 64 << 10) -> Layout:
     """The requested geometry, or fewer/smaller slots so the segment fits in `budget` bytes.
 
     Many local ranks mean n*(n-1) channels; rather than failing on a small /dev/shm, shrink each
     channel down to 2 slots of 64 KiB. Raises ValueError when even that does not fit.
     """
-    layout = Layout(n_local, slot_bytes, n_slots)
+    layout = Layout(n_local, slot_bytes, n_slots, board_bytes)
     while layout.total_bytes > budget:
         if layout.n_slots > 2:
-            layout = Layout(n_local, layout.slot_bytes, layout.n_slots // 2)
+            layout = Layout(n_local, layout.slot_bytes, layout.n_slots // 2, board_bytes)
         elif layout.slot_bytes > 64 << 10:
-            layout = Layout(n_local, max(64 << 10, layout.slot_bytes // 2 // 64 * 64), layout.n_slots)
+            layout = Layout(n_local, max(64 << 10, layout.slot_bytes // 2 // 64 * 64), layout.n_slots, board_bytes)
         else:
             raise ValueError(f"{n_local} local ranks need at least {layout.total_bytes} bytes of shared memory")
     return layout

@@ -14,18 +14,20 @@ every local rank sees within one wait slice; a dead peer is noticed from its pid
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import posix_ipc
 
 from .. import kernels
-from ..errors import CollectiveTimeout, PeerLost
+from ..errors import CollectiveMismatch, CollectiveTimeout, PeerLost
 from . import frame
 from .base import Transport, place
 from .frame import DATA, HEADER_SIZE, Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .ring import (ABORT_TEXT_BYTES, ABORT_TEXT_OFFSET, CHUNK, SLOT_HEADER_BYTES, STATE_DEPARTED, W_ABORT,
                    W_ABORT_LEN, W_PIDS, W_STATES)
+from .shm_board import Board
 from .shm_channel import WAIT_SLICE, Channel, has_token, take_token
 from .shm_segment import Segment, pid_alive
 
@@ -56,6 +58,7 @@ class ShmTransport(Transport):
         self._assembling: dict[int, _Assembly] = {}
         self._alive_at = {p: time.monotonic() for p in peers}
         self._closed = False
+        self.board = Board(self._mem, self._layout, rank, self._local_of, spin_s)
         segment.register(self._me)
 
     def _channel(self, src: int, dst: int) -> Channel:
@@ -122,25 +125,33 @@ class ShmTransport(Transport):
             return False
         try:
             if src not in self._assembling:
-                header, chunk_at, n = self._next_slot(src, deadline, strict)
+                header, chunk_at, n = self._next_slot(src, deadline, strict, target[2] if target else None)
                 if target is not None and header.tag == tag:
                     self._consume_into(src, header, chunk_at, n, target, deadline, strict)
                     return True
                 self._absorb(src, header, chunk_at, n)
             while src in self._assembling:
-                self._absorb(src, *self._next_slot(src, deadline, strict))
+                self._absorb(src, self._assembling[src].header, *self._next_chunk(src, deadline, strict))
             return False
         finally:
             ch.lock.release()
 
-    def _next_slot(self, src: int, deadline: float, strict: bool) -> tuple[frame.Header, int, int]:
-        """Wait for src's next filled slot; its frame header, chunk offset and chunk length."""
-        ch = self._in[src]
-        take_token(ch.data, deadline, self._spin_s, lambda: self._check(src, strict), f"no message from rank {src}")
-        at = ch.offset()
+    def _next_slot(self, src: int, deadline: float, strict: bool, want: Meta | None = None) -> tuple[frame.Header, int, int]:
+        """Wait for the first slot of src's next message; its frame header, chunk offset and length."""
+        at = self._wait_slot(src, deadline, strict, want)
         header = frame.unpack(self._mem[at:at + HEADER_SIZE].tobytes(), src)
         chunk_at, n = CHUNK.unpack_from(self._mem, at + HEADER_SIZE)
         return header, chunk_at, n
+
+    def _next_chunk(self, src: int, deadline: float, strict: bool) -> tuple[int, int]:
+        """Wait for a later slot of the message being read: the writer holds its ring for the whole
+        message, so only the chunk's offset and length need reading."""
+        return CHUNK.unpack_from(self._mem, self._wait_slot(src, deadline, strict) + HEADER_SIZE)
+
+    def _wait_slot(self, src: int, deadline: float, strict: bool, want: Meta | None = None) -> int:
+        ch = self._in[src]
+        take_token(ch.data, deadline, self._spin_s, lambda: self._check(src, strict, want), f"no message from rank {src}")
+        return ch.offset()
 
     def _slot_payload(self, src: int, n: int) -> np.ndarray:
         at = self._in[src].offset() + SLOT_HEADER_BYTES
@@ -162,7 +173,7 @@ class ShmTransport(Transport):
             self._in[src].advance_reader()
             if chunk_at + n >= header.nbytes:
                 return
-            header, chunk_at, n = self._next_slot(src, deadline, strict)
+            chunk_at, n = self._next_chunk(src, deadline, strict)
 
     def _absorb(self, src: int, header: frame.Header, chunk_at: int, n: int) -> None:
         """Copy one slot into the message being moved to the mailbox; post it once complete."""
@@ -183,7 +194,12 @@ class ShmTransport(Transport):
                 continue
             try:
                 while has_token(ch.data):
-                    self._absorb(src, *self._next_slot(src, time.monotonic() + self.timeout, False))
+                    deadline = time.monotonic() + self.timeout  # a token is there: no wait happens
+                    job = self._assembling.get(src)
+                    if job is None:
+                        self._absorb(src, *self._next_slot(src, deadline, False))
+                    else:
+                        self._absorb(src, job.header, *self._next_chunk(src, deadline, False))
             finally:
                 ch.lock.release()
 
@@ -216,15 +232,32 @@ class ShmTransport(Transport):
         return peer == self.rank or (self._peer_alive(peer) and not self._departed(peer))
 
     # ---- liveness and aborts ----
-    def _check(self, src: int, strict: bool) -> None:
+    def board_guard(self, tag: int, want: Meta) -> Callable[[int | None], None]:
+        """What a board wait runs between looks: fail on abort or death, and on a peer that called
+        another collective at this sequence number (its ring frames for our tag, or its board entry)."""
+        def guard(src: int | None = None) -> None:
+            self._check(src, True, want)
+            self._drain_incoming()
+            for src in self._in:
+                msg = self._mailbox.pop(src, tag)
+                if msg is not None:
+                    problem = frame.describe_mismatch(msg.header.meta, want, src)
+                    raise CollectiveMismatch(problem or f"rank {src} sent a message where this rank used the board")
+        return guard
+
+    def _check(self, src: int | None, strict: bool, want: Meta | None = None) -> None:
         """Called between wait slices: raise if waiting for src can no longer succeed."""
         self._raise_if_aborted()
-        peers = self._in if strict else [src]
+        if want is not None:
+            problem = self.board.probe(want)
+            if problem:
+                raise CollectiveMismatch(problem)
+        peers = self._in if strict or src is None else [src]
         for peer in peers:  # a rank that closed its group on purpose may exit: that is no loss
             if peer != self.rank and not self._peer_alive(peer) and not self._departed(peer):  # this order:
                 # a rank marks itself departed before it exits, so "dead" read first then "departed" is exact
                 raise PeerLost(f"rank {peer} was lost: its process is gone (killed?)", peer)
-        if src != self.rank and self._departed(src) and not has_token(self._in[src].data):
+        if src is not None and src != self.rank and self._departed(src) and not has_token(self._in[src].data):
             raise PeerLost(f"rank {src} closed its group while this rank still expected a message from it", src)
 
     def _peer_alive(self, peer: int) -> bool:

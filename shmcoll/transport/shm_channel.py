@@ -30,10 +30,11 @@ class Channel:
         self.data, self.space = data, space
         self.count = 0  # slots this process has written (writer side) or consumed (reader side)
         self.lock = threading.Lock()  # one thread at a time per side: a message's slots stay together
+        self._base, self._stride, self._n = layout.slot_offset(src, dst, 0), layout.slot_stride, layout.n_slots
 
     def offset(self) -> int:
-        """Byte offset of the slot this side uses next."""
-        return self.layout.slot_offset(self.src, self.dst, self.count)
+        """Byte offset of the slot this side uses next (what Layout.slot_offset says, precomputed)."""
+        return self._base + (self.count % self._n) * self._stride
 
     def advance_writer(self) -> None:
         self.count += 1

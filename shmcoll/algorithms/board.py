@@ -1,0 +1,36 @@
+"""Small collectives over a shared-memory board: one write per rank, then everyone reads everyone.
+
+A ring would take 2(n-1) dependent steps and a one-shot over rings n-1 sends per rank; here each
+rank writes once and the only waiting is for the others to publish, which is what matters when
+ranks outnumber cores. Every rank folds the entries in rank order: results are bitwise identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..types import ReduceKind
+from .call import Call
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+
+
+def board_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
+    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    seq = c.meta.seq
+    board.publish(c.meta, c.code, data, c.deadline, guard)
+    data[...] = board.read(0, seq, c.meta, c.deadline, guard).view(data.dtype)
+    for src in range(1, c.size):
+        kernels.reduce_into(data, board.read(src, seq, c.meta, c.deadline, guard).view(data.dtype), c.code, op)
+    board.finish(seq)
+    if op is ReduceKind.AVG:
+        kernels.scale_into(data, c.code, c.size)
+
+
+def board_barrier(c: Call) -> None:
+    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board.publish(c.meta, c.code, _EMPTY, c.deadline, guard)
+    for src in range(c.size):
+        board.read(src, c.meta.seq, c.meta, c.deadline, guard)
+    board.finish(c.meta.seq)
