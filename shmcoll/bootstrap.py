@@ -15,10 +15,10 @@ import time
 import weakref
 
 from .config import Config, load_config
-from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLost
+from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
 from .group import ProcessGroup
 from .netio import Deadline
-from .rendezvous.store import StoreClient, StoreServer
+from .rendezvous.store import ABORT_KEY, StoreAbort, StoreClient, StoreServer
 from .transport.base import Transport
 from .transport.mesh import connect_mesh, open_listener
 from .transport.ring import Layout, fit_layout
@@ -27,6 +27,9 @@ from .transport.shm_segment import Segment, ShmSetupError, attach_segment, creat
 from .transport.tcp import NetTransport
 
 _open_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+_LINGER_SECONDS = 3.0
+_RELAYED_KINDS = {cls.__name__: cls for cls in (CollectiveError, InvalidArgument, CollectiveTimeout, PeerLost,
+                                                 CollectiveMismatch, ShmSetupError)}
 
 
 def init(rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
@@ -58,14 +61,49 @@ def _rendezvous(cfg: Config, choice: str, deadline: float) -> ProcessGroup:
     try:
         client = _connect_store(cfg, deadline)
         try:
-            group = ProcessGroup(_build_transport(cfg, client, choice, deadline), tuning=cfg.tuning)
-        finally:
+            transport = _build_transport(cfg, client, choice, deadline)
+        except BaseException as exc:
+            _publish_failure(cfg, client, exc)
             client.close()
-        group._startup_barrier()  # every rank is past the store now, so rank 0 may close it
+            if server is not None:
+                server.linger(_LINGER_SECONDS)  # let the others read why before the store goes
+            raise
+        client.close()
+        group = ProcessGroup(transport, tuning=cfg.tuning)
+        try:
+            group._startup_barrier()  # every rank is past the store now, so rank 0 may close it
+        except BaseException:
+            group.close()
+            raise
         return group
     finally:
         if server is not None:
             server.close()
+
+
+def _publish_failure(cfg: Config, client: StoreClient, exc: BaseException) -> None:
+    """Tell every rank still in the rendezvous why this one failed (unless it only relays another's)."""
+    if getattr(exc, "from_peer", False):
+        return
+    reason = json.dumps({"kind": type(exc).__name__, "rank": cfg.rank, "message": str(exc)})
+    try:
+        client.set(ABORT_KEY, reason, time.monotonic() + 2.0)
+    except (OSError, EOFError, CollectiveError):
+        pass  # the store is gone already: the others will see that instead
+
+
+def _relayed(abort: StoreAbort) -> CollectiveError:
+    """The error another rank published, as the same class, marked so it is not published again."""
+    try:
+        reason = json.loads(abort.args[0])
+        kind, rank, message = reason["kind"], reason["rank"], reason["message"]
+    except (ValueError, KeyError, TypeError):
+        kind, rank, message = "CollectiveError", "?", abort.args[0]
+    cls = _RELAYED_KINDS.get(kind, CollectiveError)
+    text = f"rank {rank} failed during start-up: {message}"
+    error = cls(text, int(rank) if str(rank).isdigit() else None) if cls is PeerLost else cls(text)
+    error.from_peer = True
+    return error
 
 
 def _where(cfg: Config) -> str:
@@ -92,6 +130,8 @@ def _build_transport(cfg: Config, client: StoreClient, choice: str, deadline: fl
         return _tcp_transport(cfg, client, deadline)
     except Deadline as exc:
         raise CollectiveTimeout(f"rendezvous at {_where(cfg)} did not finish within {cfg.timeout:g} s") from exc
+    except StoreAbort as exc:
+        raise _relayed(exc) from None
     except CollectiveError:
         raise
     except (EOFError, OSError) as exc:
@@ -149,18 +189,14 @@ def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], dead
 
 
 def _create(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: float) -> Segment:
-    """The leader's side; a failure is published too, so the other local ranks fail with its reason."""
+    """The leader's side (a failure reaches the other ranks through the store's abort key)."""
     t = cfg.tuning
     try:
-        try:
-            layout = fit_layout(n_local, t.shm_slot_bytes, t.shm_slots, free_bytes() // 2, t.shm_board_bytes)
-        except ValueError as exc:
-            raise ShmSetupError(f"{exc}; /dev/shm is too small: give the container more (docker run "
-                                f"--shm-size=1g) or use transport='tcp'") from exc
-        segment = create_segment(cfg.job_id, layout)
-    except ShmSetupError as exc:
-        client.set(key, json.dumps({"error": str(exc)}), deadline)
-        raise
+        layout = fit_layout(n_local, t.shm_slot_bytes, t.shm_slots, free_bytes() // 2, t.shm_board_bytes)
+    except ValueError as exc:
+        raise ShmSetupError(f"{exc}; /dev/shm is too small: give the container more (docker run "
+                            f"--shm-size=1g) or use transport='tcp'") from exc
+    segment = create_segment(cfg.job_id, layout)
     try:
         client.set(key, json.dumps([segment.prefix, layout.slot_bytes, layout.n_slots, layout.board_bytes]), deadline)
     except BaseException:
@@ -174,10 +210,7 @@ def _attach(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: 
     values, missing = client.wait([key], deadline)
     if missing:
         raise CollectiveTimeout(f"the local leader never published its shared memory within {cfg.timeout:g} s")
-    published = json.loads(values[key])
-    if isinstance(published, dict):
-        raise ShmSetupError(f"the local leader could not set up shared memory: {published.get('error')}")
-    prefix, slot_bytes, n_slots, board_bytes = published
+    prefix, slot_bytes, n_slots, board_bytes = json.loads(values[key])
     return attach_segment(prefix, Layout(n_local, int(slot_bytes), int(n_slots), int(board_bytes)))
 
 

@@ -551,7 +551,8 @@ def test_rendezvous_names_the_rank_that_never_arrives():
         out = results[rank]
         assert out["kind"] == "CollectiveTimeout" and out["timeout_error"], out
         assert "ranks [2] never arrived" in out["msg"], out["msg"]
-        assert timeouts[rank] - 0.1 <= out["call_s"] < timeouts[rank] + PROMPT, out
+        # the first rank to give up tells the others why, so nobody waits longer than its own timeout
+        assert min(t for t in timeouts if t) - 0.1 <= out["call_s"] < timeouts[rank] + PROMPT, out
         assert out["threads"] == [], out
 
 

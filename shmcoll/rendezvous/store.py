@@ -21,6 +21,8 @@ MAX_REQUEST = 1 << 20
 MAX_CONNECTIONS = 1024
 _HANDSHAKE_SECONDS = 10.0
 _WAIT_SLICE = 1.0  # the server answers a wait at least this often, so clients see their own deadline
+#: A rank that fails during start-up sets this key: every other rank's wait ends with its reason.
+ABORT_KEY = "__abort__"
 
 
 def _send_msg(sock: socket.socket, obj: dict, deadline: float) -> None:
@@ -38,6 +40,10 @@ def _recv_msg(sock: socket.socket, deadline: float) -> dict:
     return msg
 
 
+class StoreAbort(Exception):
+    """Another rank failed during start-up; the argument is what it published under ABORT_KEY."""
+
+
 class StoreServer:
     """Serves the store on (addr, port) from daemon threads until close()."""
 
@@ -47,6 +53,7 @@ class StoreServer:
         self._cond = threading.Condition()
         self._closed = False
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._handlers: list[threading.Thread] = []  # joined by close(), even those already done serving
         self._listener = socket.create_server((addr, port), reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._acceptor = threading.Thread(target=self._accept_loop, name="shmcoll-store", daemon=True)
@@ -68,6 +75,7 @@ class StoreServer:
                     continue
                 handler = self._conns[conn] = threading.Thread(target=self._serve, args=(conn,),
                                                                name="shmcoll-store-conn", daemon=True)
+                self._handlers = [h for h in self._handlers if h.is_alive()] + [handler]
             handler.start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -80,9 +88,10 @@ class StoreServer:
                 RecursionError):
             pass  # a broken, hostile or finished client: drop it, the store goes on
         finally:
+            conn.close()
             with self._cond:
                 self._conns.pop(conn, None)
-            conn.close()
+                self._cond.notify_all()
 
     def _answer(self, req: dict) -> dict:
         op = req["op"]
@@ -104,15 +113,22 @@ class StoreServer:
             while True:
                 missing = [k for k in keys if k not in self._data]
                 left = end - time.monotonic()
-                if not missing or left <= 0 or self._closed:
-                    return {"ok": not missing, "missing": missing,
+                if not missing or left <= 0 or self._closed or ABORT_KEY in self._data:
+                    return {"ok": not missing, "missing": missing, "abort": self._data.get(ABORT_KEY),
                             "values": {k: self._data[k] for k in keys if k in self._data}}
                 self._cond.wait(left)
+
+    def linger(self, seconds: float) -> None:
+        """Wait (bounded) until every client has hung up, so they can read an abort before close()."""
+        end = time.monotonic() + seconds
+        with self._cond:
+            while self._conns and time.monotonic() < end:
+                self._cond.wait(min(0.05, max(0.0, end - time.monotonic())))
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            conns = dict(self._conns)
+            conns, handlers = dict(self._conns), list(self._handlers)
             self._cond.notify_all()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept() on Linux
@@ -125,7 +141,7 @@ class StoreServer:
             except OSError:
                 pass
         self._acceptor.join(timeout=2 * _WAIT_SLICE)
-        for handler in conns.values():  # woken by the shutdown above; a waiter within one wait slice
+        for handler in handlers:  # woken by the shutdown above; a waiter within one wait slice
             handler.join(timeout=2 * _WAIT_SLICE)
 
 
@@ -152,12 +168,15 @@ class StoreClient:
         return self._call({"op": "get", "key": key}, deadline)["value"]
 
     def wait(self, keys: list[str], deadline: float) -> tuple[dict[str, str], list[str]]:
-        """Block until every key is set or the deadline passes; returns (values, missing keys)."""
+        """Block until every key is set or the deadline passes; returns (values, missing keys).
+        StoreAbort when a rank has published a start-up failure (ABORT_KEY) meanwhile."""
         while True:
             left = deadline - time.monotonic()
             reply = self._call({"op": "wait", "keys": keys, "timeout": max(0.0, left)}, deadline + 5.0)
             if reply["ok"] or left <= 0:
                 return reply["values"], reply["missing"]
+            if reply.get("abort") is not None:
+                raise StoreAbort(str(reply["abort"]))
 
     def close(self) -> None:
         self._sock.close()
