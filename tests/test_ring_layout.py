@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmcoll.transport import ring
@@ -61,15 +61,6 @@ def _check_geometry(layout: Layout) -> None:
         assert stop <= start, (layout, stop, start)
     assert spans[0][0] == HOST_HEADER_BYTES and spans[-1][1] == layout.total_bytes
     assert sum(b - a for a, b in spans) == layout.total_bytes - HOST_HEADER_BYTES
-
-
-def _halving_meets_three(n_slots: int) -> bool:
-    """fit_layout halves n_slots while above 2; True if that walk passes through 3 (see the xfail)."""
-    while n_slots > 2:
-        if n_slots == 3:
-            return True
-        n_slots //= 2
-    return False
 
 
 def _smallest(n_local: int, slot_bytes: int, board_bytes: int = 64 * KIB) -> Layout:
@@ -286,11 +277,6 @@ def test_fit_layout_rejects_bad_geometry_in_the_request():
             fit_layout(*args, budget=1 << 40)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: fit_layout halves n_slots with n_slots // 2, so a request of 3 slots (or 6, 7, 12, ... whose "
-    "halving passes through 3) becomes Layout(..., n_slots=1), whose constructor raises 'at least 2 are "
-    "needed' instead of returning the 2-slot layout that fits; init() then reports '/dev/shm is too small' "
-    "for SHMCOLL_SHM_SLOTS=3 (ring.py fit_layout: use max(2, n_slots // 2))"))
 @pytest.mark.parametrize("n_slots", [3, 6, 7, 12])
 def test_fit_layout_shrinks_an_odd_slot_count_to_two(n_slots):
     two = Layout(2, MIN_SLOT, 2)
@@ -322,7 +308,6 @@ def test_property_layout_geometry(n_local, slot_bytes, n_slots, board_bytes):
 @settings(max_examples=400, deadline=None, database=None)
 @given(**geometry, data=st.data())
 def test_property_fit_layout(n_local, slot_bytes, n_slots, board_bytes, data):
-    assume(not _halving_meets_three(n_slots))  # the xfail above covers those
     request = Layout(n_local, slot_bytes, n_slots, board_bytes)
     smallest = _smallest(n_local, slot_bytes, board_bytes)
     budget = data.draw(st.one_of(

@@ -537,15 +537,10 @@ def _spawn_and_p2p(pg, count, rounds):
     return in_flight, (len(wrong), wrong[:5].tolist(), result[wrong[:5]].tolist()), result is data
 
 
-SPAWN_RACE = ("BUG: ShmTransport._pump takes the channel lock and then reads the next message from the ring "
-              "without looking in the mailbox again; if another thread moved the message this caller wanted into "
-              "the mailbox while the caller waited for the lock, the caller consumes a LATER message of the same "
-              "(src, tag) into its buffer (recv_into: pieces of a spawned all-reduce land in the wrong place, wrong "
-              "sums) or blocks for a new ring message while its own sits in the mailbox (hang until the timeout)")
+# Two threads of one rank receiving from the same peer: one may move the other's message from the
+# ring into the mailbox while that one waits for the ring's lock (ShmTransport._pump looks again).
 
 
-@pytest.mark.xfail(strict=False, reason=SPAWN_RACE + "; intermittent here (about 1 run in 4 hangs or is wrong), "
-                   "forced deterministically in the next test")
 def test_spawned_all_reduce_and_main_thread_p2p_share_the_peer():
     out = run_ranks(2, _spawn_and_p2p, 2 * MIB, 20, env=TINY_RING, group_timeout=10.0, timeout=RUN)
     assert out[0][0] is True, "rank 0's spawned all-reduce was not in flight during the exchange"
@@ -600,7 +595,6 @@ def _overtake_through_the_mailbox(pg, count, fired):
     return len(wrong), wrong[:3].tolist(), data[wrong[:3]].tolist()
 
 
-@pytest.mark.xfail(strict=True, reason=SPAWN_RACE)
 def test_frames_moved_to_the_mailbox_by_another_thread_keep_their_order():
     fired = CTX.Value("b", 0)
     out = run_ranks(2, _overtake_through_the_mailbox, MIB, fired, group_timeout=5.0, timeout=RUN,

@@ -98,6 +98,10 @@ class Mailbox:
         with self._cond:
             return dict(self._lost)
 
+    def has(self, src: int, tag: int) -> bool:
+        with self._cond:
+            return bool(self._queues.get((src, tag)))
+
     def pop(self, src: int, tag: int) -> Message | None:
         """The next queued message from src with tag, without waiting."""
         with self._cond:

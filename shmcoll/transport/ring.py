@@ -104,7 +104,7 @@ def fit_layout(n_local: int, slot_bytes: int, n_slots: int, budget: int, board_b
     layout = Layout(n_local, slot_bytes, n_slots, board_bytes)
     while layout.total_bytes > budget:
         if layout.n_slots > 2:
-            layout = Layout(n_local, layout.slot_bytes, layout.n_slots // 2, board_bytes)
+            layout = Layout(n_local, layout.slot_bytes, max(2, layout.n_slots // 2), board_bytes)
         elif layout.slot_bytes > 64 << 10:
             layout = Layout(n_local, max(64 << 10, layout.slot_bytes // 2 // 64 * 64), layout.n_slots, board_bytes)
         else:

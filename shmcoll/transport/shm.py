@@ -124,6 +124,8 @@ class ShmTransport(Transport):
                 raise CollectiveTimeout(f"no message from rank {src} (tag {tag}) before the deadline")
             return False
         try:
+            if self._mailbox.has(src, tag):
+                return False  # another thread moved it out of the ring while we waited for the lock
             if src not in self._assembling:
                 header, chunk_at, n = self._next_slot(src, deadline, strict, target[2] if target else None)
                 if target is not None and header.tag == tag:
