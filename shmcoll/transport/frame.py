@@ -27,6 +27,7 @@ HEARTBEAT = 4  # "still alive": lets a timeout name the ranks that really went s
 
 _STRUCT = struct.Struct("<4s6BH4I3Q8Q")
 HEADER_SIZE = _STRUCT.size
+SRC_FIELD = (12, 16)  # byte range of the source rank in a packed header
 
 
 #: Collective codes carried in every collective frame (Meta.coll), so ranks can name what each side called.

@@ -22,6 +22,7 @@ from .frame import HEADER_SIZE, Meta
 from .ring import BOARD_HEADER_OFFSET, SLOT_HEADER_BYTES, W_DONE, Layout
 
 _MAX_SLEEP = 1e-3  # longest nap between looks once spinning has not paid off
+_SRC_START, _SRC_END = frame.SRC_FIELD  # the one header field that differs between ranks' entries
 
 
 class Board:
@@ -40,7 +41,8 @@ class Board:
         """Write our entry for meta.seq (data: a 1-D array of wire type `code`) once no peer can
         still be reading the entry it replaces."""
         seq, payload = meta.seq, data.view(np.uint8)
-        header = frame.pack(frame.DATA, self._rank, 0, meta, code, data.shape, data.nbytes)
+        header = self._header = frame.pack(frame.DATA, self._rank, 0, meta, code, data.shape, data.nbytes)
+        self._nbytes = data.nbytes
         previous = self._last_written[seq % 2]
         if previous and not self._all_done(previous):
             self._wait(lambda: self._all_done(previous), deadline, check, "peers to finish reading our board entry")
@@ -56,11 +58,16 @@ class Board:
         word = at // 8
         if self._words[word] != seq + 1:
             self._wait(lambda: self._words[word] == seq + 1, deadline, lambda: check(src), f"rank {src}'s board entry")
-        header = frame.unpack(self._mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE].tobytes(), src)
+        raw = self._mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE].tobytes()
+        if raw[_SRC_END:] != self._header[_SRC_END:] or raw[:_SRC_START] != self._header[:_SRC_START]:
+            self._mismatch(raw, src, want)  # the same call makes the same header, but for the source rank
+        return self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + self._nbytes]
+
+    def _mismatch(self, raw: bytes, src: int, want: Meta) -> None:
+        header = frame.unpack(raw, src)
         problem = frame.describe_mismatch(header.meta, want, src)
-        if problem:
-            raise CollectiveMismatch(problem)
-        return self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + header.nbytes]
+        raise CollectiveMismatch(problem or f"rank {src} published {header.nbytes} bytes of dtype code "
+                                            f"{header.dtype}, this rank {self._nbytes}")
 
     def _all_done(self, mark: int) -> bool:
         return all(self._words[W_DONE + w] >= mark for w in self._local_of.values() if w != self._me)
