@@ -667,8 +667,8 @@ _all_reduce_big.nbytes = 4 * MIB
 
 
 def _all_reduce_fits_the_ring(pg):
-    """A ring all-reduce (above the one-shot size) whose frames all fit in the default ring at once."""
-    x = np.full(64 * 1024, pg.rank + 1.0, dtype=np.float32)
+    """A ring all-reduce (above the board's size) whose frames all fit in the default ring at once."""
+    x = np.full(pg.transport.board.capacity // 4 + 32 * 1024, pg.rank + 1.0, dtype=np.float32)
     pg.all_reduce(x)
     assert np.all(x == pg.world_size * (pg.world_size + 1) / 2)
 
