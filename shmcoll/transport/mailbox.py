@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
-from .frame import Header
+from .frame import Header, unpack
 
 _MAX_WAIT_SLICE = 3600.0  # Condition.wait rejects timeouts past threading.TIMEOUT_MAX; loop instead
 _ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost)}
@@ -70,6 +70,10 @@ class Mailbox:
                 return  # e.g. a straggler's vector for a federated round that already ended
             self._queues[(h.src, h.tag)].append(msg)
             self._cond.notify_all()
+
+    def post_to_self(self, header: bytes, buf: np.ndarray) -> None:
+        """A send to our own rank: a copy of the array goes straight into the mailbox."""
+        self.put(Message(unpack(header, self.rank), np.frombuffer(buf.tobytes(), dtype=np.uint8)))
 
     def touch(self, src: int) -> None:
         """A control frame (heartbeat) came from src: it is alive."""

@@ -48,21 +48,13 @@ class Channel:
 def take_token(sem: posix_ipc.Semaphore, deadline: float, spin_s: float, check: Callable[[], None],
                what: str) -> None:
     """Take one token: spin up to spin_s, then block in slices; check() raises on abort or death."""
-    if sem.value > 0:
-        try:
-            sem.acquire(0)
-            return
-        except posix_ipc.BusyError:
-            pass
+    if _try_take(sem):
+        return
     end_spin = time.perf_counter() + spin_s
     while time.perf_counter() < end_spin:
         os.sched_yield()  # free the core for the peer we are waiting for when ranks outnumber cores
-        if sem.value > 0:
-            try:
-                sem.acquire(0)
-                return
-            except posix_ipc.BusyError:
-                pass
+        if _try_take(sem):
+            return
     while True:
         check()
         left = deadline - time.monotonic()
@@ -73,6 +65,17 @@ def take_token(sem: posix_ipc.Semaphore, deadline: float, spin_s: float, check: 
             return
         except posix_ipc.BusyError:
             continue
+
+
+def _try_take(sem: posix_ipc.Semaphore) -> bool:
+    """Take a token if one is there, without waiting (reading the value first is cheaper than failing)."""
+    if sem.value > 0:
+        try:
+            sem.acquire(0)
+            return True
+        except posix_ipc.BusyError:
+            pass
+    return False
 
 
 def has_token(sem: posix_ipc.Semaphore) -> bool:

@@ -55,8 +55,7 @@ class NetTransport(Transport):
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
         header = frame.pack(DATA, self.rank, tag, meta, code, buf.shape, buf.nbytes)
         if to == self.rank:
-            payload = np.frombuffer(buf.tobytes(), dtype=np.uint8)
-            self._mailbox.put(Message(frame.unpack(header, self.rank), payload))
+            self._mailbox.post_to_self(header, buf)
             return
         self._send_frame(to, header, memoryview(buf).cast("B") if buf.nbytes else b"", deadline)
 
