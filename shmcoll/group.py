@@ -17,7 +17,7 @@ import numpy as np
 
 from . import validate as v
 from .algorithms.barrier import dissemination_barrier
-from .algorithms.board import board_all_reduce, board_barrier
+from .algorithms.board import board_all_gather, board_all_reduce, board_barrier, board_broadcast
 from .algorithms.broadcast import chain_broadcast
 from .algorithms.call import Call
 from .algorithms.federated import federated_average
@@ -145,7 +145,8 @@ class ProcessGroup:
         shape = arr.shape if arr.ndim else (1,)
         out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype)
         flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
-        self._collective(ALL_GATHER, wire.code, flat_in.size, lambda c: ring_all_gather(c, flat_in, flat_out))
+        gather = board_all_gather if self._fits_board(flat_in) else ring_all_gather
+        self._collective(ALL_GATHER, wire.code, flat_in.size, lambda c: gather(c, flat_in, flat_out))
         return out
 
     def broadcast(self, root: int, data):
@@ -153,7 +154,8 @@ class ProcessGroup:
         arr = v.as_array(data, "data", writable=root != self.rank)
         wire = v.wire_of(arr, "data")
         flat = v.storage_view(arr, wire)
-        self._collective(BROADCAST, wire.code, flat.size, lambda c: chain_broadcast(c, root, flat), root=root)
+        cast = board_broadcast if self._fits_board(flat) else chain_broadcast
+        self._collective(BROADCAST, wire.code, flat.size, lambda c: cast(c, root, flat), root=root)
         return data
 
     def federated_average(self, data, deadline) -> int:
@@ -246,11 +248,15 @@ class ProcessGroup:
         how_long = ", ".join(f"rank {r} for {now - heard[r]:.1f} s" if heard[r] else f"rank {r} never" for r in silent)
         return f"silent ranks: {silent} (not heard from: {how_long})"
 
+    def _fits_board(self, flat: np.ndarray) -> bool:
+        """Small enough for the shared-memory board (every rank decides alike: by size alone)."""
+        board = self.transport.board
+        return board is not None and flat.nbytes <= board.capacity
+
     def _all_reduce_body(self, flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
         """The shared-memory board or a one-shot (one step) for small arrays, the bandwidth-optimal
         ring for large ones. Every rank picks the same: the choice depends on the size alone."""
-        board = self.transport.board
-        if board is not None and flat.nbytes <= board.capacity:
+        if self._fits_board(flat):
             return lambda c: board_all_reduce(c, flat, kind)
         if flat.nbytes <= self._st.tuning.one_shot_bytes:
             return lambda c: one_shot_all_reduce(c, flat, kind)

@@ -35,3 +35,24 @@ def board_barrier(c: Call) -> None:
     for src in range(c.size):
         board.read(src, c.meta.seq, c.meta, c.deadline, guard)
     board.finish(c.meta.seq)
+
+
+def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:
+    """The root publishes its array, the others only their call; all check all, then copy the root's."""
+    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board.publish(c.meta, c.code, data, c.deadline, guard, with_payload=c.rank == root)
+    for src in range(c.size):
+        entry = board.read(src, c.meta.seq, c.meta, c.deadline, guard)
+        if src == root and src != c.rank:
+            data[...] = entry.view(data.dtype)
+    board.finish(c.meta.seq)
+
+
+def board_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:
+    """Every rank publishes its block; every rank copies every block into place."""
+    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board.publish(c.meta, c.code, local, c.deadline, guard)
+    block = len(local)
+    for src in range(c.size):
+        out[src * block:(src + 1) * block] = board.read(src, c.meta.seq, c.meta, c.deadline, guard).view(out.dtype)
+    board.finish(c.meta.seq)

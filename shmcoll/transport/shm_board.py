@@ -37,9 +37,11 @@ class Board:
     def capacity(self) -> int:
         return self._layout.board_bytes
 
-    def publish(self, meta: Meta, code: int, data: np.ndarray, deadline: float, check: Callable[[], None]) -> None:
+    def publish(self, meta: Meta, code: int, data: np.ndarray, deadline: float, check: Callable[[], None],
+                with_payload: bool = True) -> None:
         """Write our entry for meta.seq (data: a 1-D array of wire type `code`) once no peer can
-        still be reading the entry it replaces."""
+        still be reading the entry it replaces. Without payload only the call's description goes
+        out (a broadcast's receivers: everyone still checks that everyone made the same call)."""
         seq, payload = meta.seq, data.view(np.uint8)
         header = self._header = frame.pack(frame.DATA, self._rank, 0, meta, code, data.shape, data.nbytes)
         self._nbytes = data.nbytes
@@ -48,7 +50,8 @@ class Board:
             self._wait(lambda: self._all_done(previous), deadline, check, "peers to finish reading our board entry")
         at = self._layout.board_offset(self._me, seq)
         self._mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE] = np.frombuffer(header, np.uint8)
-        self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + len(payload)] = payload
+        if with_payload:
+            self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + len(payload)] = payload
         self._words[at // 8] = seq + 1  # last: publishes the entry
         self._last_written[seq % 2] = seq + 1
 
