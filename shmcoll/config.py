@@ -59,7 +59,7 @@ class Tuning:
     shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
     shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each ring (one ring per ordered pair of local ranks)
     spin_us: int = 50  # SHMCOLL_SPIN_US: microseconds a waiter spins (yielding) before sleeping
-    shm_board_bytes: int = 256 << 10  # SHMCOLL_SHM_BOARD_BYTES: all-reduces up to this size use the board
+    shm_board_bytes: int = 256 << 10  # SHMCOLL_SHM_BOARD_BYTES: smaller all-reduces, broadcasts, all-gathers use the board
 
 
 @dataclass(frozen=True)
