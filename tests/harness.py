@@ -13,6 +13,7 @@ import multiprocessing.connection as mpc
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -122,3 +123,28 @@ def _reap(procs) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+
+
+def attempt(fn) -> dict:
+    """Run one call in a rank; how it ended (class, message, .peer, times) as picklable data."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+        end = time.monotonic()
+        return {"kind": type(exc).__name__, "collective_error": isinstance(exc, shmcoll.CollectiveError),
+                "invalid": isinstance(exc, shmcoll.InvalidArgument), "timeout_error": isinstance(exc, TimeoutError),
+                "connection_error": isinstance(exc, ConnectionError), "msg": str(exc),
+                "peer": getattr(exc, "peer", None), "start": start, "end": end, "call_s": end - start}
+    end = time.monotonic()
+    return {"kind": "returned", "collective_error": False, "invalid": False, "timeout_error": False,
+            "connection_error": False, "msg": "", "peer": None, "start": start, "end": end, "call_s": end - start}
+
+
+def finish_together(barrier, bound: float = 10.0) -> bool:
+    """Stay alive until every other live rank is done too (bounded); False if they never came."""
+    try:
+        barrier.wait(timeout=bound)
+        return True
+    except threading.BrokenBarrierError:
+        return False

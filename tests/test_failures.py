@@ -37,7 +37,7 @@ import pytest
 import shmcoll
 from shmcoll import CollectiveError, ReduceKind
 
-from harness import CTX, Died, run_ranks
+from harness import CTX, Died, attempt, finish_together, run_ranks
 
 
 pytestmark = [pytest.mark.timeout(45), pytest.mark.usefixtures("transport")]  # over tcp and shm
@@ -59,24 +59,9 @@ def _init(rank: int, n: int, port: int, timeout: float = LONG):
     return shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port, timeout=timeout)
 
 
-def _attempt(fn) -> dict:
-    """Run one call; describe how it ended (class name, message, .peer, times) in plain picklable data."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return {"kind": type(exc).__name__, "collective_error": isinstance(exc, CollectiveError),
-                "timeout_error": isinstance(exc, TimeoutError),
-                "connection_error": isinstance(exc, ConnectionError), "msg": str(exc),
-                "peer": getattr(exc, "peer", None), "start": start, "end": time.monotonic(),
-                "call_s": time.monotonic() - start}
-    return {"kind": "returned", "collective_error": False, "timeout_error": False, "msg": "", "peer": None,
-            "start": start, "end": time.monotonic(), "call_s": time.monotonic() - start}
-
-
 def _broken(pg) -> dict:
     """The next call on a group that just failed: must raise at once, same class, saying 'broken'."""
-    return _attempt(lambda: pg.barrier())
+    return attempt(lambda: pg.barrier())
 
 
 def _shmcoll_threads() -> list[str]:
@@ -88,15 +73,6 @@ def _close(pg) -> dict:
     start = time.monotonic()
     pg.close()
     return {"close_s": time.monotonic() - start, "threads": _shmcoll_threads()}
-
-
-def _finish(barrier, bound: float = 10.0) -> bool:
-    """Stay alive until every live rank is done (bounded); False if the others never came."""
-    try:
-        barrier.wait(timeout=bound)
-        return True
-    except threading.BrokenBarrierError:
-        return False
 
 
 def _arm(pg, after_sends: int, sig: int, stamps) -> None:
@@ -208,10 +184,10 @@ def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
         _arm(pg, 5, signal.SIGKILL, stamps)  # dies just before its 5th frame of the big call
         call(pg, data)
         return {"kind": "victim survived its own SIGKILL"}
-    out = _attempt(lambda: call(pg, data))
+    out = attempt(lambda: call(pg, data))
     out["fault_s"] = out["end"] - stamps[victim]
     out["broken"] = _broken(pg)
-    out["finished_together"] = _finish(finish)
+    out["finished_together"] = finish_together(finish)
     out.update(_close(pg))
     return out
 
@@ -249,10 +225,10 @@ def _killed_before_barrier(rank, n, port, victim, stamps, ready, finish):
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
         return {"kind": f"victim survived its own SIGKILL (inside={inside})"}
-    out = _attempt(pg.barrier)
+    out = attempt(pg.barrier)
     out["fault_s"] = out["end"] - stamps[victim]
-    out["broken"] = _attempt(lambda: pg.all_reduce(np.ones(4, np.float32)))
-    out["finished_together"] = _finish(finish)
+    out["broken"] = attempt(lambda: pg.all_reduce(np.ones(4, np.float32)))
+    out["finished_together"] = finish_together(finish)
     out.update(_close(pg))
     return out
 
@@ -294,16 +270,16 @@ def _stopped_partway(rank, n, port, victim, pids, stamps, ready, finish):
     data = np.full(BIG, float(rank), dtype=np.float32)
     if rank == victim:
         _arm(pg, 5, signal.SIGSTOP, stamps)  # stops inside all_reduce #1, resumed by the survivor
-        out = _attempt(lambda: pg.all_reduce(data))
+        out = attempt(lambda: pg.all_reduce(data))
         out["after_resume_s"] = out["end"] - stamps[n]
     else:
         try:
-            out = _attempt(lambda: pg.all_reduce(data))  # sequence number 1
+            out = attempt(lambda: pg.all_reduce(data))  # sequence number 1
             out["broken"] = _broken(pg)
         finally:
             stamps[n] = time.monotonic()
             os.kill(pids[victim], signal.SIGCONT)
-    out["finished_together"] = _finish(finish)
+    out["finished_together"] = finish_together(finish)
     out.update(_close(pg))
     return out
 
@@ -336,12 +312,12 @@ def _stopped_before_barrier(rank, n, port, victim, pids, ready, finish):
         os.kill(os.getpid(), signal.SIGSTOP)
         return {"kind": "victim resumed; it should have been killed while stopped"}
     try:
-        out = _attempt(pg.barrier)  # sequence number 1
+        out = attempt(pg.barrier)  # sequence number 1
         out["broken"] = _broken(pg)
     finally:
         if rank == 0:
             os.kill(pids[victim], signal.SIGKILL)
-    out["finished_together"] = _finish(finish)
+    out["finished_together"] = finish_together(finish)
     out.update(_close(pg))
     return out
 
@@ -374,9 +350,9 @@ def _departs(rank, n, port, victim, count, ready, finish, senders):
         out = {"kind": "departed", "inside": _inside(pg, senders, seq=1, nbytes=4 * count)}
         out.update(_close(pg))
         return out
-    out = _attempt(lambda: pg.all_reduce(np.ones(count, dtype=np.float32)))
+    out = attempt(lambda: pg.all_reduce(np.ones(count, dtype=np.float32)))
     out["broken"] = _broken(pg)
-    out["finished_together"] = _finish(finish, bound=1.5)
+    out["finished_together"] = finish_together(finish, bound=1.5)
     out.update(_close(pg))
     return out
 
@@ -432,9 +408,9 @@ def _spawn(count=1000):
 
 def _mismatched(pg, normal, odd_call, odd, ready, finish, bound):
     _check_group_works(pg, ready)  # sequence number 0; the mismatch is at sequence number 1
-    out = _attempt(lambda: (odd_call if pg.rank == odd else normal)(pg))
+    out = attempt(lambda: (odd_call if pg.rank == odd else normal)(pg))
     out["broken"] = _broken(pg)
-    out["finished_together"] = _finish(finish, bound)
+    out["finished_together"] = finish_together(finish, bound)
     return out
 
 
@@ -529,7 +505,7 @@ def _rendezvous(rank, n, port, timeouts, secrets):
     if secrets is not None:
         os.environ["SHMCOLL_SECRET"] = secrets[rank]
     groups = []
-    out = _attempt(lambda: groups.append(_init(rank, n, port, timeout=timeouts[rank])))
+    out = attempt(lambda: groups.append(_init(rank, n, port, timeout=timeouts[rank])))
     if groups:
         pg = groups[0]
         x = np.full(5, rank + 1, dtype=np.int64)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from shmcoll.transport.shm_segment import pid_alive
+
 from shmcoll.errors import InvalidArgument
 from shmcoll.launch import launch_local
 from shmcoll.launch.run_cli import main as cli_main
@@ -104,19 +106,7 @@ def job(tmp_path):
     return Job
 
 
-def alive(pid: int) -> bool:
-    """True while pid exists and is not a zombie (an orphan's zombie may linger under a lazy init)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return not sys.platform.startswith("linux")
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+alive = pid_alive  # exists and is not a zombie
 
 
 def assert_all_gone(pids: list[int], timeout: float = 5.0) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import shmcoll
-from shmcoll import CollectiveError, InvalidArgument, ReduceKind
+from shmcoll import CollectiveError, ReduceKind
 from shmcoll.config import derive_job_id
 from shmcoll.kernels import reference_reduce
 from shmcoll.transport import shm_segment
@@ -27,7 +27,7 @@ from shmcoll.transport.ring import Layout
 from shmcoll.transport.shm_segment import pid_alive
 from shmcoll.types import wire_type_of
 
-from harness import CTX, Died, run_ranks
+from harness import CTX, Died, attempt, finish_together, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,29 +64,6 @@ def _leftovers(before: set[str], ours: set[int] = frozenset()) -> set[str]:
 def _init(rank: int, n: int, port: int, timeout: float = LONG, **kwargs):
     return shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port, timeout=timeout,
                         **kwargs)
-
-
-def _attempt(fn) -> dict:
-    """Run one call; how it ended, as picklable data."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        end = time.monotonic()
-        return {"kind": type(exc).__name__, "collective_error": isinstance(exc, CollectiveError),
-                "invalid": isinstance(exc, InvalidArgument), "msg": str(exc), "peer": getattr(exc, "peer", None),
-                "end": end, "call_s": end - start}
-    end = time.monotonic()
-    return {"kind": "returned", "collective_error": False, "msg": "", "peer": None, "end": end, "call_s": end - start}
-
-
-def _finish(barrier, bound: float = 10.0) -> bool:
-    """Stay alive until every other survivor is done too (bounded)."""
-    try:
-        barrier.wait(timeout=bound)
-        return True
-    except threading.BrokenBarrierError:
-        return False
 
 
 def _warm_up(pg, ready) -> None:
@@ -311,7 +288,7 @@ def _init_with_tiny_shm(rank, n, port, patch_bootstrap, leader_failed=None):
             return real_attach(*args, **kwargs)
 
         shmcoll.bootstrap._attach = late_attach
-    out = _attempt(lambda: _init(rank, n, port, transport="shm").close())
+    out = attempt(lambda: _init(rank, n, port, transport="shm").close())
     if rank == 0 and leader_failed is not None:
         leader_failed.set()
     return out
@@ -371,7 +348,7 @@ def _with_host_id(rank, n, port, host_ids, transport, leader_failed=None):
             x = np.full(3, rank + 1.0)
             pg.all_reduce(x)
             holder["sum"] = x.tolist()
-    out = _attempt(run)
+    out = attempt(run)
     if rank == 0 and leader_failed is not None:
         leader_failed.set()
     out.update(holder)
@@ -694,10 +671,10 @@ def _killed_while_waited_on(rank, n, port, victim, call, stamps, ready, finish):
         _inside(pg, [(rank - 1) % n], seq=1, nbytes=call.nbytes)  # the rank sending to us first is waiting inside call 1
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
-    out = _attempt(lambda: call(pg))
+    out = attempt(lambda: call(pg))
     out["fault_s"] = out["end"] - stamps[victim]
-    out["then"] = _attempt(pg.barrier)  # the group is broken: fails at once
-    out["finished_together"] = _finish(finish)
+    out["then"] = attempt(pg.barrier)  # the group is broken: fails at once
+    out["finished_together"] = finish_together(finish)
     pg.close()
     return out
 
@@ -730,9 +707,9 @@ def _p2p_to_killed(rank, n, port, direction, stamps, ready):
         stamps[1] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
     if direction == "send":
-        out = _attempt(lambda: pg.send(1, 1, _pattern(0, 32 * MIB)))
+        out = attempt(lambda: pg.send(1, 1, _pattern(0, 32 * MIB)))
     else:
-        out = _attempt(lambda: pg.recv(1, 1))
+        out = attempt(lambda: pg.recv(1, 1))
     out["fault_s"] = out["end"] - stamps[1]
     pg.close()
     return out
@@ -765,8 +742,8 @@ def _closes_early(rank, n, port, leaver, ready, finish):
         inside = _inside(pg, [r for r in range(n) if r != leaver], seq=1, nbytes=400)  # one-shot: all send to us
         pg.close()
         return {"kind": "left", "inside": inside, "end": time.monotonic()}
-    out = _attempt(lambda: pg.all_reduce(np.ones(100, dtype=np.float32)))
-    out["finished_together"] = _finish(finish)
+    out = attempt(lambda: pg.all_reduce(np.ones(100, dtype=np.float32)))
+    out["finished_together"] = finish_together(finish)
     pg.close()
     return out
 
@@ -803,7 +780,7 @@ def _leaves_after_final(rank, n, port, leaver, final, gates, pids, left, ready):
             return real(src, tag, *args, **kwargs)
 
         transport.recv_into = recv_into
-    out = _attempt(lambda: final(pg))
+    out = attempt(lambda: final(pg))
     if rank == leaver:
         pg.close()
         left.set()
