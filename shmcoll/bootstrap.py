@@ -15,7 +15,7 @@ import time
 import weakref
 
 from .config import Config, load_config
-from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
+from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLost, ShmSetupError, error_of_kind
 from .group import ProcessGroup
 from .netio import Deadline
 from .rendezvous.store import ABORT_KEY, StoreAbort, StoreClient, StoreServer
@@ -23,13 +23,11 @@ from .transport.base import Transport
 from .transport.mesh import connect_mesh, open_listener
 from .transport.ring import Layout, fit_layout
 from .transport.shm import ShmTransport
-from .transport.shm_segment import Segment, ShmSetupError, attach_segment, create_segment, free_bytes
+from .transport.shm_segment import Segment, attach_segment, create_segment, free_bytes
 from .transport.tcp import NetTransport
 
 _open_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 _LINGER_SECONDS = 3.0
-_RELAYED_KINDS = {cls.__name__: cls for cls in (CollectiveError, InvalidArgument, CollectiveTimeout, PeerLost,
-                                                 CollectiveMismatch, ShmSetupError)}
 
 
 def init(rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
@@ -99,9 +97,8 @@ def _relayed(abort: StoreAbort) -> CollectiveError:
         kind, rank, message = reason["kind"], reason["rank"], reason["message"]
     except (ValueError, KeyError, TypeError):
         kind, rank, message = "CollectiveError", "?", abort.args[0]
-    cls = _RELAYED_KINDS.get(kind, CollectiveError)
-    text = f"rank {rank} failed during start-up: {message}"
-    error = cls(text, int(rank) if str(rank).isdigit() else None) if cls is PeerLost else cls(text)
+    peer = int(rank) if str(rank).isdigit() else None
+    error = error_of_kind(kind, f"rank {rank} failed during start-up: {message}", peer)
     error.from_peer = True
     return error
 

@@ -25,3 +25,17 @@ class PeerLost(CollectiveError, ConnectionError):
 
 class CollectiveMismatch(CollectiveError):
     """Ranks called different collectives, dtypes or lengths at the same sequence number."""
+
+
+class ShmSetupError(CollectiveError):
+    """Shared memory could not be set up (too little space, permissions, ...); says what to do."""
+
+
+_BY_NAME = {cls.__name__: cls for cls in (CollectiveError, InvalidArgument, CollectiveTimeout, PeerLost,
+                                          CollectiveMismatch, ShmSetupError)}
+
+
+def error_of_kind(kind: str, message: str, peer: int | None = None) -> CollectiveError:
+    """Rebuild an error another rank reported by class name (unknown names: CollectiveError)."""
+    cls = _BY_NAME.get(kind, CollectiveError)
+    return cls(message, peer) if cls is PeerLost else cls(message)

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
+from ..errors import CollectiveError, CollectiveTimeout, PeerLost, error_of_kind
 from .frame import Header, unpack
 
 _MAX_WAIT_SLICE = 3600.0  # Condition.wait rejects timeouts past threading.TIMEOUT_MAX; loop instead
-_ERROR_CLASSES = {cls.__name__: cls for cls in (CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost)}
 
 
 @dataclass(slots=True)
@@ -32,13 +31,12 @@ class Message:
 class AbortReason:
     """Why the group was aborted; rebuilt into a fresh exception for every waiter."""
 
-    kind: str  # an error class name from _ERROR_CLASSES
+    kind: str  # the name of a shmcoll error class
     message: str
     peer: int | None = None
 
     def error(self) -> CollectiveError:
-        cls = _ERROR_CLASSES.get(self.kind, CollectiveError)
-        return cls(self.message, self.peer) if cls is PeerLost else cls(self.message)
+        return error_of_kind(self.kind, self.message, self.peer)
 
     def encode(self) -> bytes:
         return f"{self.kind}\n{'' if self.peer is None else self.peer}\n{self.message}".encode()[:60000]

@@ -15,17 +15,13 @@ import os
 import numpy as np
 import posix_ipc
 
-from ..errors import CollectiveError
+from ..errors import ShmSetupError
 
 from .ring import (HOST_HEADER_BYTES, MAGIC, W_MAGIC, W_N_LOCAL, W_N_SLOTS, W_PIDS, W_SLOT_BYTES,
                    W_STATES, STATE_ATTACHED, Layout)
 
 SHM_DIR = "/dev/shm"
 NAME_TAG = "shmcoll"
-
-
-class ShmSetupError(CollectiveError):
-    """Shared memory could not be set up (too little space, permissions, ...); says what to do."""
 
 
 def pid_alive(pid: int) -> bool:

@@ -37,7 +37,6 @@ class NetTransport(Transport):
         self._send_locks = {peer: threading.Lock() for peer in socks}
         self._closing = False
         self._close_lock = threading.Lock()
-        self.bytes_sent = 0
         self._readers = []
         for peer, sock in socks.items():
             sock.settimeout(_POLL)
@@ -74,7 +73,6 @@ class NetTransport(Transport):
                 continue
             except OSError as exc:
                 raise PeerLost(f"sending to rank {to} failed: {exc}", to) from exc
-            self.bytes_sent += sent
             parts = _advance(parts, sent)
 
     def _check_can_send(self, to: int, deadline: float | None, control: bool = False) -> None:
