@@ -4,6 +4,12 @@ Launchers disagree on names (torchrun, Open MPI, MPICH/PMI, Slurm), so each sett
 list of fallbacks; the first non-empty one wins and an explicit argument beats all of them. Nothing
 here opens a socket or touches shared memory: the only I/O is reading the environment and the
 kernel's boot id, so the module is unit-testable with plain dicts.
+
+External launchers (README, "Running under mpirun, torchrun and srun"): the variable that supplied
+the rank names the launcher, which words the errors (how to export the rendezvous address there) and
+adds the launcher's own job identity to the derived job id. Under torchrun, MASTER_PORT belongs to
+torch (its agent serves a TCPStore there), so shmcoll's rendezvous takes the next port
+(`torchrun_port`) unless SHMCOLL_MASTER_PORT or an explicit argument says otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ WORLD_SIZE_VARS = ("SHMCOLL_WORLD_SIZE", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "
 LOCAL_RANK_VARS = (
     "SHMCOLL_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
 )
+LOCAL_WORLD_SIZE_VARS = (
+    "SHMCOLL_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+)
 MASTER_ADDR_VARS = ("SHMCOLL_MASTER_ADDR", "MASTER_ADDR")
 MASTER_PORT_VARS = ("SHMCOLL_MASTER_PORT", "MASTER_PORT")
 HOST_ID_VAR = "SHMCOLL_HOST_ID"
@@ -38,6 +47,8 @@ SPIN_US_VAR = "SHMCOLL_SPIN_US"
 BOARD_BYTES_VAR = "SHMCOLL_SHM_BOARD_BYTES"
 TRANSPORT_VAR = "SHMCOLL_TRANSPORT"
 TRANSPORTS = ("auto", "hier", "tcp", "shm")
+# torchrun sets both for every worker (every torch since 1.9); either one means "under torchrun".
+TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
 DEFAULT_TIMEOUT = 300.0
 SINGLE_RANK_ADDR = "127.0.0.1"
@@ -78,6 +89,9 @@ class Config:
     debug: bool
     tuning: Tuning = Tuning()
     transport: str = "auto"  # init(transport=...), else SHMCOLL_TRANSPORT, else "auto"
+    local_world_size: int | None = None  # ranks on this host, when the launcher says (for checks only)
+    launcher: str = ""  # Launcher.name of what supplied the rank ("torchrun", "Open MPI's mpirun", ...)
+    master_port_from: str = ""  # where master_port came from, for error messages (the torchrun rule says so)
 
 
 def default_host_id() -> str:
@@ -122,55 +136,174 @@ def _as_int(value: object, what: str, names: tuple[str, ...]) -> int:
     raise InvalidArgument(f"{what} must be an integer, got {value!r}; set {_hint(names)}")
 
 
-def _resolve_int(explicit, environ, names, what) -> int | None:
-    """Explicit argument first, then the environment fallbacks; None when nothing is set."""
+@dataclass(frozen=True)
+class Launcher:
+    """One way ranks get started: its name for messages, and what its users must export."""
+
+    name: str
+    how_to_set_master: str  # the exact way to give every rank MASTER_ADDR/MASTER_PORT under it
+    job_vars: tuple[str, ...] = ()  # identical on every rank of one job: mixed into the derived job id
+
+
+ARGUMENTS = Launcher("init() arguments", "pass master_addr= and master_port= to init() on every rank")
+SHMCOLL_RUN = Launcher("shmcoll", "set SHMCOLL_MASTER_ADDR and SHMCOLL_MASTER_PORT for every rank (shmcoll-run does)")
+GENERIC = Launcher("RANK/WORLD_SIZE", "export MASTER_ADDR=<host of rank 0> MASTER_PORT=<free port> to every rank")
+TORCHRUN = Launcher(
+    "torchrun", "torchrun sets MASTER_ADDR and MASTER_PORT itself: start the program with torchrun, "
+    "or set SHMCOLL_MASTER_ADDR and SHMCOLL_MASTER_PORT", ("TORCHELASTIC_RUN_ID",))
+MPIRUN = Launcher(
+    "Open MPI's mpirun", "export them to every rank: "
+    "mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<free port> ...",
+    ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"))
+MPIEXEC = Launcher(
+    "mpiexec (PMI)", "export them to every rank: "
+    "mpiexec -genv MASTER_ADDR <host of rank 0> -genv MASTER_PORT <free port> ...")
+SRUN = Launcher(
+    "Slurm's srun", "export them before srun (srun passes the environment on): "
+    'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) MASTER_PORT=<free port>',
+    ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+
+EXTERNAL_LAUNCHERS = (TORCHRUN, MPIRUN, MPIEXEC, SRUN)  # the ones whose errors explain how to export
+_LAUNCHER_OF_VAR = {
+    "SHMCOLL_RANK": SHMCOLL_RUN, "SHMCOLL_WORLD_SIZE": SHMCOLL_RUN,
+    "OMPI_COMM_WORLD_RANK": MPIRUN, "OMPI_COMM_WORLD_SIZE": MPIRUN,
+    "PMI_RANK": MPIEXEC, "PMI_SIZE": MPIEXEC,
+    "SLURM_PROCID": SRUN, "SLURM_NTASKS": SRUN,
+}
+
+
+def under_torchrun(environ: Mapping[str, str]) -> bool:
+    """True in a torchrun worker: torch then owns MASTER_PORT (see torchrun_port)."""
+    return _lookup(environ, TORCHRUN_VARS) is not None
+
+
+def launcher_of(source: str | None, environ: Mapping[str, str]) -> Launcher:
+    """The launcher behind the variable that supplied a rank (None: an explicit argument).
+
+    RANK/WORLD_SIZE are torchrun's when its TORCHELASTIC_* variables are present, else some
+    generic launcher's. Keyed on the rank's source, not on which variables exist, so that one
+    launcher started inside another (torchrun under srun) is named by the one that numbered ranks.
+    """
+    if source is None:
+        return ARGUMENTS
+    if source in ("RANK", "WORLD_SIZE"):
+        return TORCHRUN if under_torchrun(environ) else GENERIC
+    return _LAUNCHER_OF_VAR[source]
+
+
+def torchrun_port(master_port: int) -> int:
+    """shmcoll's rendezvous port under torchrun: MASTER_PORT + 1 (MASTER_PORT - 1 for 65535).
+
+    torchrun's agent serves its own TCPStore on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), or,
+    in older torch, worker rank 0 does once the program calls init_process_group: either way the
+    port is torch's. Every rank computes the same neighbour without talking, and a user can open
+    it in a firewall; SHMCOLL_MASTER_PORT or init(master_port=) overrides it.
+    """
+    return master_port + 1 if master_port < 65535 else master_port - 1
+
+
+def _resolve_int(explicit, environ, names, what) -> tuple[int | None, str | None]:
+    """(value, source): the explicit argument first (source None), then the environment fallbacks."""
     if explicit is not None:
-        return _as_int(explicit, f"{what} argument", names)
+        return _as_int(explicit, f"{what} argument", names), None
     found = _lookup(environ, names)
     if found is None:
-        return None
-    return _as_int(found[1], f"{what} ({found[0]})", names)
+        return None, None
+    return _as_int(found[1], f"{what} ({found[0]})", names), found[0]
 
 
-def _resolve_ranks(rank, world_size, environ) -> tuple[int, int, int | None]:
-    """rank, world_size and local rank, validated against each other."""
-    world = _resolve_int(world_size, environ, WORLD_SIZE_VARS, "world size")
-    r = _resolve_int(rank, environ, RANK_VARS, "rank")
+def _check_one_launcher(rank_src: str | None, world_src: str | None) -> None:
+    """Refuse a rank from one launcher's variables and a world size from another's.
+
+    That mix means a stale export (RANK left in the shell, then mpirun): every rank would take the
+    same rank and the rendezvous would fail obscurely. SHMCOLL_* and arguments are deliberate
+    overrides, so they may be combined with anything.
+    """
+    if rank_src is None or world_src is None or "SHMCOLL_" in rank_src + world_src:
+        return
+    if RANK_VARS.index(rank_src) != WORLD_SIZE_VARS.index(world_src):  # both list launchers in one order
+        raise InvalidArgument(
+            f"the rank comes from {rank_src} but the world size from {world_src}: two launchers' "
+            f"variables are mixed (a stale export in the shell?); unset the stale one, or set "
+            f"SHMCOLL_RANK and SHMCOLL_WORLD_SIZE")
+
+
+def _missing_ranks(r, world, rank_src, world_src, environ) -> None:
+    """InvalidArgument naming what to set when the rank or the world size is not found."""
     missing = [f"{what}: set {_hint(names)} or pass {arg}=" for value, what, names, arg in (
         (r, "rank", RANK_VARS, "rank"), (world, "world size", WORLD_SIZE_VARS, "world_size"))
         if value is None]
-    if missing:
-        raise InvalidArgument("not set: " + "; ".join(missing) + " (shmcoll-run sets both)")
+    if not missing:
+        return
+    found = rank_src or world_src
+    launcher = launcher_of(found, environ)
+    where = (f" ({found} is set, by {launcher.name}, which sets both: is this process really one of "
+             f"its ranks?)" if launcher in EXTERNAL_LAUNCHERS else " (shmcoll-run sets both)")
+    raise InvalidArgument("not set: " + "; ".join(missing) + where)
+
+
+def _resolve_ranks(rank, world_size, environ) -> tuple[int, int, int | None, str | None]:
+    """rank, world_size, local rank and the rank's source variable, validated against each other."""
+    world, world_src = _resolve_int(world_size, environ, WORLD_SIZE_VARS, "world size")
+    r, rank_src = _resolve_int(rank, environ, RANK_VARS, "rank")
+    _missing_ranks(r, world, rank_src, world_src, environ)
+    _check_one_launcher(rank_src, world_src)
     if world < 1:
         raise InvalidArgument(f"world size must be >= 1, got {world}; set {_hint(WORLD_SIZE_VARS)}")
     if not 0 <= r < world:
         raise InvalidArgument(f"rank {r} is out of range for world size {world}; set {_hint(RANK_VARS)}")
-    local = _resolve_int(None, environ, LOCAL_RANK_VARS, "local rank")
+    local, _ = _resolve_int(None, environ, LOCAL_RANK_VARS, "local rank")
     if local is not None and not 0 <= local < world:
         raise InvalidArgument(
             f"local rank {local} is out of range for world size {world}; set {_hint(LOCAL_RANK_VARS)}")
-    return r, world, local
+    return r, world, local, rank_src
 
 
-def _resolve_master(addr, port, world, environ) -> tuple[str, int]:
-    """Rendezvous endpoint; a single rank needs none, so it gets loopback and port 0."""
+def _resolve_local_world(local: int | None, world: int, environ) -> int | None:
+    """Ranks on this host when the launcher says; it must hold the local rank and fit the world."""
+    n, src = _resolve_int(None, environ, LOCAL_WORLD_SIZE_VARS, "local world size")
+    if n is None:
+        return None
+    if not 1 <= n <= world or (local is not None and local >= n):
+        raise InvalidArgument(
+            f"local world size {n} ({src}) does not fit world size {world} and local rank {local}; "
+            f"set {_hint(LOCAL_WORLD_SIZE_VARS)}")
+    return n
+
+
+def _resolve_port(explicit, environ) -> tuple[int | None, str]:
+    """The rendezvous port and a phrase saying where it came from (the torchrun rule applied)."""
+    p, src = _resolve_int(explicit, environ, MASTER_PORT_VARS, "master port")
+    if p is None:
+        return None, ""
+    if not 0 <= p <= 65535:
+        raise InvalidArgument(f"master port must be in 0..65535, got {p}; set {_hint(MASTER_PORT_VARS)}")
+    if src == "MASTER_PORT" and under_torchrun(environ):
+        return torchrun_port(p), (f"MASTER_PORT {p} moved to {torchrun_port(p)}: under torchrun, torch "
+                                  f"serves its own store on MASTER_PORT; set SHMCOLL_MASTER_PORT to choose")
+    return p, src or "init(master_port=)"
+
+
+def _resolve_master(addr, port, world, launcher: Launcher, environ) -> tuple[str, int, str]:
+    """Rendezvous endpoint and the port's origin; a single rank needs none (loopback, port 0)."""
     if addr is None:
         found = _lookup(environ, MASTER_ADDR_VARS)
         addr = found[1] if found else None
     elif not isinstance(addr, str) or not addr.strip():
         raise InvalidArgument(f"master_addr must be a non-empty string, got {addr!r}")
-    p = _resolve_int(port, environ, MASTER_PORT_VARS, "master port")
-    if p is not None and not 0 <= p <= 65535:
-        raise InvalidArgument(f"master port must be in 0..65535, got {p}; set {_hint(MASTER_PORT_VARS)}")
+    p, port_from = _resolve_port(port, environ)
     if world == 1:
-        return (addr.strip() if addr else SINGLE_RANK_ADDR), (p if p is not None else 0)
+        return (addr.strip() if addr else SINGLE_RANK_ADDR), (p if p is not None else 0), port_from
+    under = f" under {launcher.name}" if launcher in EXTERNAL_LAUNCHERS else ""
     if not addr:
         raise InvalidArgument(
-            f"rendezvous address is not set for world size {world}; set {_hint(MASTER_ADDR_VARS)}")
+            f"rendezvous address is not set for world size {world}{under}; set {_hint(MASTER_ADDR_VARS)}"
+            f"{' and ' + _hint(MASTER_PORT_VARS) if p is None else ''}: {launcher.how_to_set_master}")
     if p is None:
         raise InvalidArgument(
-            f"rendezvous port is not set (address {addr!r}); set {_hint(MASTER_PORT_VARS)}")
-    return addr.strip(), p
+            f"rendezvous port is not set (address {addr!r}){under}; set {_hint(MASTER_PORT_VARS)}: "
+            f"{launcher.how_to_set_master}")
+    return addr.strip(), p, port_from
 
 
 def _resolve_timeout(explicit, environ) -> float:
@@ -227,23 +360,37 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
     )
 
 
-def derive_job_id(master_addr: str, master_port: int, world_size: int) -> str:
+def derive_job_id(master_addr: str, master_port: int, world_size: int, launcher_key: str = "") -> str:
     """A name every rank computes alike without talking: a hash of the rendezvous endpoint.
 
-    A single rank rendezvouses with nobody and often uses port 0, so two such processes on one host
-    would collide; there the process id is mixed in (still stable across calls in one process).
+    launcher_key (see launcher_key) adds the launcher's own job identity, so two runs that reuse an
+    endpoint still differ. A single rank rendezvouses with nobody and often uses port 0, so two such
+    processes on one host would collide; there the process id is mixed in (still stable across
+    calls in one process).
     """
     key = f"{master_addr}:{master_port}"
+    if launcher_key:
+        key += f"/{launcher_key}"
     if world_size == 1:
         key += f"/pid{os.getpid()}"
     return "j" + hashlib.sha256(key.encode()).hexdigest()[:15]
 
 
-def _resolve_job_id(environ, addr: str, port: int, world: int) -> str:
+def launcher_key(launcher: Launcher, environ: Mapping[str, str]) -> str:
+    """The launcher's job identity: its job_vars that are set, which it sets alike on every rank.
+
+    Deliberately not TORCHELASTIC_RESTART_COUNT: each torchrun agent counts only its own restarts,
+    so nodes disagree after one node's workers fail, and ranks with different job ids cannot meet.
+    """
+    parts = [f"{n}={v}" for n in launcher.job_vars if (v := environ.get(n, "").strip())]
+    return ",".join(parts)
+
+
+def _resolve_job_id(environ, addr: str, port: int, world: int, launcher: Launcher) -> str:
     """SHMCOLL_JOB_ID as given (validated, since it lands in shm names), else derived."""
     found = _lookup(environ, (JOB_ID_VAR,))
     if found is None:
-        return derive_job_id(addr, port, world)
+        return derive_job_id(addr, port, world, launcher_key(launcher, environ))
     if not _JOB_ID_RE.match(found[1]):
         raise InvalidArgument(
             f"{JOB_ID_VAR} must be 1-64 characters of [A-Za-z0-9_.-], got {found[1]!r}")
@@ -266,8 +413,9 @@ def load_config(*, rank=None, world_size=None, master_addr=None, master_port=Non
                 transport=None, environ: Mapping[str, str] | None = None) -> Config:
     """Resolve one rank's Config: explicit arguments, then the environment, then defaults."""
     env = os.environ if environ is None else environ
-    r, world, local = _resolve_ranks(rank, world_size, env)
-    addr, port = _resolve_master(master_addr, master_port, world, env)
+    r, world, local, rank_src = _resolve_ranks(rank, world_size, env)
+    launcher = launcher_of(rank_src, env)
+    addr, port, port_from = _resolve_master(master_addr, master_port, world, launcher, env)
     host = _lookup(env, (HOST_ID_VAR,))
     secret = _lookup(env, (SECRET_VAR,), strip=False)
     return Config(
@@ -279,8 +427,11 @@ def load_config(*, rank=None, world_size=None, master_addr=None, master_port=Non
         host_id=host[1] if host else default_host_id(),
         timeout=_resolve_timeout(timeout, env),
         secret=secret[1].encode("utf-8") if secret else None,
-        job_id=_resolve_job_id(env, addr, port, world),
+        job_id=_resolve_job_id(env, addr, port, world, launcher),
         debug=_resolve_debug(env),
         tuning=load_tuning(env),
         transport=_resolve_transport(transport, env),
+        local_world_size=_resolve_local_world(local, world, env),
+        launcher=launcher.name,
+        master_port_from=port_from,
     )

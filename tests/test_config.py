@@ -284,3 +284,226 @@ def test_environment_not_mutated():
     before = dict(e)
     load_config(environ=e, rank=0)
     assert e == before
+
+
+# --- external launchers: each one's real variable set (captured from torch 2.13 and Open MPI 4.1) --
+
+def torchrun_env(rank: int, world: int = 2, run_id: str = "468ea04f", restart: str = "0") -> dict[str, str]:
+    """What torchrun --standalone --nproc-per-node 2 gives worker `rank` (MASTER_PORT is its agent's)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "localhost", "MASTER_PORT": "39271", "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": restart, "TORCHELASTIC_MAX_RESTARTS": "3",
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"}
+
+
+def mpirun_env(rank: int, world: int = 3, jobid: str = "855769089") -> dict[str, str]:
+    """mpirun -np 3 -x MASTER_ADDR=10.0.0.1 -x MASTER_PORT=29500 on one host."""
+    return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(world),
+            "OMPI_COMM_WORLD_NODE_RANK": str(rank), "OMPI_MCA_ess_base_jobid": jobid, "PMIX_NAMESPACE": jobid,
+            "PMIX_RANK": str(rank), "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def srun_env(rank: int, world: int = 4, job: str = "1234", step: str = "0") -> dict[str, str]:
+    """srun -N2 -n4 after `export MASTER_ADDR=node01 MASTER_PORT=29500` (two tasks per node)."""
+    return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world), "SLURM_NPROCS": str(world),
+            "SLURM_LOCALID": str(rank % 2), "SLURM_NODEID": str(rank // 2), "SLURM_JOB_ID": job,
+            "SLURM_STEP_ID": step, "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_JOB_NODELIST": "node[01-02]",
+            "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
+
+
+def mpiexec_env(rank: int, world: int = 2) -> dict[str, str]:
+    """MPICH's hydra: mpiexec -n 2 -genv MASTER_ADDR 10.0.0.2 -genv MASTER_PORT 29500."""
+    return {"PMI_RANK": str(rank), "PMI_SIZE": str(world), "MPI_LOCALRANKID": str(rank),
+            "MPI_LOCALNRANKS": str(world), "PMI_FD": "6", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500"}
+
+
+def srun_torchrun_env(rank: int) -> dict[str, str]:
+    """torchrun started by srun (one agent per node): torchrun's numbering must win over Slurm's."""
+    return {**srun_env(rank // 2, world=2), **torchrun_env(rank, world=4), "SLURM_LOCALID": "0"}
+
+
+# launcher env builder, world size, expected (master_addr, master_port, local_world_size, launcher)
+LAUNCHERS = {
+    "torchrun": (torchrun_env, 2, ("localhost", 39272, 2, "torchrun")),
+    "mpirun": (mpirun_env, 3, ("10.0.0.1", 29500, 3, "Open MPI's mpirun")),
+    "srun": (srun_env, 4, ("node01", 29500, None, "Slurm's srun")),
+    "mpiexec": (mpiexec_env, 2, ("10.0.0.2", 29500, 2, "mpiexec (PMI)")),
+    "srun+torchrun": (srun_torchrun_env, 4, ("localhost", 39272, 4, "torchrun")),
+}
+LOCAL_RANK_OF = {"srun": lambda r: r % 2}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_launcher_variables_resolve(name):
+    make, world, (addr, port, local_world, launcher) = LAUNCHERS[name]
+    for rank in range(world):
+        c = load_config(environ=make(rank))
+        assert (c.rank, c.world_size) == (rank, world)
+        assert c.local_rank == LOCAL_RANK_OF.get(name, lambda r: r)(rank)
+        assert (c.master_addr, c.master_port, c.local_world_size, c.launcher) == (addr, port, local_world, launcher)
+        assert c.secret is None  # nothing exported: no secret on any rank, so they still agree
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_launcher_ranks_agree_on_job_id(name):
+    make, world, _ = LAUNCHERS[name]
+    ids = {load_config(environ=make(rank)).job_id for rank in range(world)}
+    assert len(ids) == 1
+    if name != "mpiexec":  # hydra sets no job identity that every rank shares
+        assert ids != {derive_job_id_of(make(0))}  # the launcher's identity is mixed in
+
+
+def derive_job_id_of(e: dict[str, str]) -> str:
+    """The job id of the same endpoint without any launcher identity."""
+    c = load_config(environ=e)
+    return cfg.derive_job_id(c.master_addr, c.master_port, c.world_size)
+
+
+@pytest.mark.parametrize("make,change", [
+    (torchrun_env, {"TORCHELASTIC_RUN_ID": "other-run"}),
+    (mpirun_env, {"PMIX_NAMESPACE": "1", "OMPI_MCA_ess_base_jobid": "1"}),
+    (srun_env, {"SLURM_STEP_ID": "1"}),
+    (srun_env, {"SLURM_JOB_ID": "1235"}),
+])
+def test_another_launch_on_the_same_endpoint_gets_another_job_id(make, change):
+    assert load_config(environ={**make(0), **change}).job_id != load_config(environ=make(0)).job_id
+
+
+def test_torchrun_restart_count_does_not_change_the_job_id():
+    """Each agent counts only its own restarts, so nodes can disagree: the count must not matter."""
+    assert load_config(environ=torchrun_env(0, restart="0")).job_id == \
+        load_config(environ=torchrun_env(1, restart="2")).job_id
+
+
+def test_explicit_arguments_carry_no_launcher_identity():
+    """init(rank=, world_size=, ...) gives the plain endpoint hash, whatever launcher surrounds it
+    (tests and users compute it with derive_job_id(addr, port, world))."""
+    c = load_config(rank=0, world_size=2, master_addr="127.0.0.1", master_port=5000, environ=srun_env(0))
+    assert c.job_id == cfg.derive_job_id("127.0.0.1", 5000, 2)
+    assert c.launcher == cfg.ARGUMENTS.name
+
+
+# --- precedence: explicit argument > SHMCOLL_* > generic > launcher-specific --------------------
+
+LAYERS = [
+    ("launcher", {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                  "MASTER_ADDR": "g", "MASTER_PORT": "2000"}),  # the rendezvous is always exported
+    ("generic", {"RANK": "2", "WORLD_SIZE": "6", "LOCAL_RANK": "2", "MASTER_ADDR": "g", "MASTER_PORT": "2000"}),
+    ("shmcoll", {"SHMCOLL_RANK": "3", "SHMCOLL_WORLD_SIZE": "7", "SHMCOLL_LOCAL_RANK": "3",
+                 "SHMCOLL_MASTER_ADDR": "s", "SHMCOLL_MASTER_PORT": "3000"}),
+]
+EXPECTED = {"launcher": (1, 5, 1, "g", 2000), "generic": (2, 6, 2, "g", 2000), "shmcoll": (3, 7, 3, "s", 3000)}
+
+
+@pytest.mark.parametrize("top", range(len(LAYERS)))
+def test_precedence_of_layers(top):
+    """With layers 0..top present, the highest one wins every setting it has."""
+    e = {}
+    for _, layer in LAYERS[:top + 1]:
+        e.update(layer)
+    c = load_config(environ=e)
+    assert (c.rank, c.world_size, c.local_rank, c.master_addr, c.master_port) == EXPECTED[LAYERS[top][0]]
+    c = load_config(rank=4, world_size=8, master_addr="x", master_port=4000, environ=e)
+    assert (c.rank, c.world_size, c.master_addr, c.master_port) == (4, 8, "x", 4000)
+
+
+# --- the torchrun port rule -----------------------------------------------------------------
+
+@pytest.mark.parametrize("given,port", [("29500", 29501), ("39271", 39272), ("65535", 65534), ("0", 1)])
+def test_torchrun_takes_the_port_after_master_port(given, port):
+    c = load_config(environ={**torchrun_env(0), "MASTER_PORT": given})
+    assert c.master_port == port == cfg.torchrun_port(int(given))
+    assert "torchrun" in c.master_port_from and "SHMCOLL_MASTER_PORT" in c.master_port_from
+
+
+@pytest.mark.parametrize("marker", cfg.TORCHRUN_VARS)
+def test_torchrun_is_recognised_by_either_variable(marker):
+    e = {k: v for k, v in torchrun_env(0).items() if k not in cfg.TORCHRUN_VARS}
+    assert load_config(environ=e).master_port == 39271
+    assert load_config(environ={**e, marker: "x"}).master_port == 39272
+
+
+def test_torchrun_port_rule_also_with_explicit_ranks():
+    """init(rank=int(os.environ["RANK"]), ...) under torchrun: MASTER_PORT is still torch's."""
+    assert load_config(rank=1, world_size=2, environ=torchrun_env(1)).master_port == 39272
+
+
+def test_torchrun_port_overrides():
+    assert load_config(environ={**torchrun_env(0), "SHMCOLL_MASTER_PORT": "40000"}).master_port == 40000
+    assert load_config(master_port=40001, environ=torchrun_env(0)).master_port == 40001
+    assert load_config(environ={**torchrun_env(0), "SHMCOLL_MASTER_PORT": "40000"}).master_port_from == \
+        "SHMCOLL_MASTER_PORT"
+
+
+def test_master_port_kept_without_torchrun():
+    for make in (mpirun_env, srun_env, mpiexec_env):
+        assert load_config(environ=make(0)).master_port == 29500
+
+
+# --- half-set launcher variables: the error says what to set, and how under that launcher ----
+
+@pytest.mark.parametrize("make,drop,needles", [
+    (mpirun_env, ("MASTER_ADDR", "MASTER_PORT"),
+     ["under Open MPI's mpirun", "MASTER_ADDR", "MASTER_PORT", "mpirun -x MASTER_ADDR=", "-x MASTER_PORT="]),
+    (mpirun_env, ("MASTER_PORT",), ["under Open MPI's mpirun", "set SHMCOLL_MASTER_PORT (or MASTER_PORT)", "'10.0.0.1'"]),
+    (srun_env, ("MASTER_ADDR", "MASTER_PORT"),
+     ["under Slurm's srun", "before srun", "scontrol show hostnames", "MASTER_PORT="]),
+    (srun_env, ("MASTER_ADDR",), ["under Slurm's srun", "set SHMCOLL_MASTER_ADDR (or MASTER_ADDR)"]),
+    (mpiexec_env, ("MASTER_ADDR", "MASTER_PORT"), ["under mpiexec (PMI)", "-genv MASTER_ADDR", "-genv MASTER_PORT"]),
+    (torchrun_env, ("MASTER_ADDR",), ["under torchrun", "torchrun sets MASTER_ADDR"]),
+])
+def test_missing_rendezvous_under_a_launcher(make, drop, needles):
+    msg = raises({k: v for k, v in make(1).items() if k not in drop})
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_missing_rendezvous_without_launcher_mentions_none():
+    msg = raises({"RANK": "0", "WORLD_SIZE": "2"})
+    assert "MASTER_ADDR" in msg and "under" not in msg and "mpirun" not in msg
+
+
+def test_single_rank_under_a_launcher_needs_no_rendezvous():
+    c = load_config(environ={k: v for k, v in mpirun_env(0, world=1).items() if not k.startswith("MASTER_")})
+    assert (c.world_size, c.master_addr, c.master_port) == (1, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("e,needles", [
+    ({"SLURM_PROCID": "1"}, ["SLURM_PROCID is set", "Slurm's srun", "SLURM_NTASKS", "world size"]),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, ["OMPI_COMM_WORLD_SIZE is set", "Open MPI's mpirun", "OMPI_COMM_WORLD_RANK"]),
+])
+def test_half_a_launchers_numbering(e, needles):
+    msg = raises({**e, "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+@pytest.mark.parametrize("e,rank_var,world_var", [
+    ({**mpirun_env(1), "RANK": "0"}, "RANK", "OMPI_COMM_WORLD_SIZE"),  # RANK left exported in the shell
+    ({**srun_env(1), "WORLD_SIZE": "8"}, "SLURM_PROCID", "WORLD_SIZE"),
+    ({**srun_env(1), "OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_RANK", "SLURM_NTASKS"),
+])
+def test_two_launchers_mixed_are_refused(e, rank_var, world_var):
+    """A stale export must not give every rank the same number: say which two variables clash."""
+    msg = raises(e)
+    assert f"rank comes from {rank_var} but the world size from {world_var}" in msg
+    assert "SHMCOLL_RANK and SHMCOLL_WORLD_SIZE" in msg
+
+
+def test_shmcoll_variables_may_override_a_launchers():
+    c = load_config(environ={**mpirun_env(1), "SHMCOLL_RANK": "0"})
+    assert (c.rank, c.world_size) == (0, 3)
+    c = load_config(environ={**srun_env(3), "SHMCOLL_WORLD_SIZE": "5"})
+    assert (c.rank, c.world_size) == (3, 5)
+
+
+@pytest.mark.parametrize("value", ["0", "4", "x"])
+def test_bad_local_world_size(value):
+    msg = raises({**mpirun_env(1), "OMPI_COMM_WORLD_LOCAL_SIZE": value})
+    assert "OMPI_COMM_WORLD_LOCAL_SIZE" in msg
+
+
+def test_local_rank_must_fit_local_world_size():
+    assert "local world size" in raises({**mpirun_env(2), "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
