@@ -16,15 +16,19 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from shmcoll.errors import InvalidArgument
+from shmcoll.launch.remote import death_signal_hook, shell_status, signal_group
+from shmcoll.launch.tagout import OutputMux
 
 LOCAL_ADDR = "127.0.0.1"
 GRACE_S = 3.0          # between SIGTERM and SIGKILL when stopping ranks
 POLL_S = 0.02          # supervision poll interval: the latency of noticing a dead rank
 REAP_S = 5.0           # how long to wait for a SIGKILLed process before giving up on it
+OUTPUT_DRAIN_S = 2.0   # --tag-output: how long to wait for the last lines once every rank is reaped
 EXIT_TIMEOUT = 124     # like coreutils timeout(1)
 EXIT_NOT_FOUND = 127   # like a shell: command not found
 EXIT_NOT_EXEC = 126    # like a shell: found but not executable
@@ -52,13 +56,13 @@ def program_argv(argv: Sequence[str]) -> list[str]:
     return argv
 
 
-def job_env(n: int, port: int, base: Mapping[str, str]) -> dict[str, str]:
+def job_env(n: int, port: int, base: Mapping[str, str], addr: str = LOCAL_ADDR) -> dict[str, str]:
     """What every rank of one job shares: world size, rendezvous endpoint, a fresh secret and job id."""
     env = dict(base)
     env.update(
         SHMCOLL_WORLD_SIZE=str(n),
         SHMCOLL_LOCAL_WORLD_SIZE=str(n),
-        SHMCOLL_MASTER_ADDR=LOCAL_ADDR,
+        SHMCOLL_MASTER_ADDR=addr,
         SHMCOLL_MASTER_PORT=str(port),
         SHMCOLL_SECRET=secrets.token_hex(16),
         SHMCOLL_JOB_ID="r" + secrets.token_hex(8),
@@ -84,66 +88,70 @@ def describe_status(rc: int) -> str:
     return f"was killed by signal {-rc} ({name})"
 
 
-def shell_status(rc: int) -> int:
-    """A Popen returncode as a shell reports it: a signal death becomes 128 + signum."""
-    return 128 - rc if rc < 0 else rc
-
-
-def _death_signal_hook():
-    """preexec_fn asking Linux to SIGKILL the rank if the launcher itself dies (even by SIGKILL).
-
-    Returns None where prctl is unavailable; the launcher's own cleanup still covers every other exit.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def hook() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
-
-
 @dataclass
 class Rank:
-    """A started rank and, once reaped, its Popen returncode."""
+    """A started rank and, once reaped, its Popen returncode.
+
+    The supervision below only talks to ranks through these methods, so a rank started on another
+    host (multihost.RemoteRank) is stopped the same way by overriding them.
+    """
 
     rank: int
     proc: subprocess.Popen
     rc: int | None = None
+    stop_margin: ClassVar[float] = 0.0  # extra time a stop may take beyond the grace period
 
     def poll(self) -> int | None:
         if self.rc is None:
             self.rc = self.proc.poll()
         return self.rc
 
-    def signal_group(self, sig: int) -> None:
-        """Signal the rank's whole session (it is its group leader): helpers it spawned go too."""
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def where(self) -> str:
+        return f"pid {self.proc.pid}"
+
+    def forward(self, sig: int) -> None:
+        """Pass on a signal the launcher received (Ctrl-C) to the rank's whole session."""
+        signal_group(self.proc.pid, sig)
+
+    def terminate(self, sig: int, grace: float) -> None:
+        """Begin stopping: the rank gets `sig` now and is killed if still there after `grace`."""
+        signal_group(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the session: also sweeps helpers left behind by a rank that did exit."""
+        signal_group(self.proc.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Release what the launcher holds for this rank, once it is reaped."""
 
 
-def start_ranks(argv: Sequence[str], envs: Sequence[Mapping[str, str]]) -> list[Rank]:
+def popen_rank(argv: Sequence[str], env: Mapping[str, str], *, stdin, rank: int,
+               mux: OutputMux | None = None) -> subprocess.Popen:
+    """One process in its own session that dies with the launcher; its output through `mux` if any."""
+    pipes = (os.pipe(), os.pipe()) if mux is not None else ()
+    try:
+        proc = subprocess.Popen(
+            list(argv), env=dict(env), start_new_session=True, preexec_fn=death_signal_hook(), stdin=stdin,
+            stdout=pipes[0][1] if pipes else None, stderr=pipes[1][1] if pipes else None)
+    except BaseException:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+        raise
+    for r, w in pipes:
+        os.close(w)
+    if mux is not None:
+        mux.add(rank, pipes[0][0], pipes[1][0])
+    return proc
+
+
+def start_ranks(argv: Sequence[str], envs: Sequence[Mapping[str, str]], mux: OutputMux | None = None) -> list[Rank]:
     """Start one process per environment; on a spawn failure, stop the ones already started."""
-    hook = _death_signal_hook()
     ranks: list[Rank] = []
     try:
         for i, env in enumerate(envs):
-            proc = subprocess.Popen(
-                list(argv), env=dict(env), start_new_session=True, preexec_fn=hook,
-                stdin=None if i == 0 else subprocess.DEVNULL,  # like mpirun: stdin goes to rank 0
-            )
-            ranks.append(Rank(i, proc))
+            stdin = None if i == 0 else subprocess.DEVNULL  # like mpirun: stdin goes to rank 0
+            ranks.append(Rank(i, popen_rank(argv, env, stdin=stdin, rank=i, mux=mux)))
     except BaseException:
         stop_ranks(ranks, grace=0.0)
         raise
@@ -154,10 +162,10 @@ def stop_ranks(ranks: Sequence[Rank], grace: float = GRACE_S, first: int = signa
     """Send `first` to every running rank, SIGKILL whatever is left after `grace`, reap everything."""
     for r in ranks:
         if r.poll() is None:
-            r.signal_group(first)
-    _wait_all(ranks, time.monotonic() + grace)
+            r.terminate(first, grace)
+    _wait_all(ranks, time.monotonic() + grace + max((r.stop_margin for r in ranks), default=0.0))
     for r in ranks:
-        r.signal_group(signal.SIGKILL)  # also sweeps helpers left behind by ranks that did exit
+        r.kill()
     _wait_all(ranks, time.monotonic() + REAP_S)
 
 
@@ -184,7 +192,7 @@ class _Signals:
         sig = signum if len(self.received) == 1 else signal.SIGKILL
         for r in self.ranks:
             if r.rc is None:
-                r.signal_group(sig)
+                r.forward(sig)
 
     def install(self) -> dict:
         """Install the handlers (main thread only; elsewhere the caller keeps its own handling)."""
@@ -213,7 +221,7 @@ def supervise(ranks: list[Rank], sigs: _Signals, deadline: float | None) -> int:
         for r in ranks:
             rc = r.poll()
             if rc is not None and rc != 0:
-                _say(f"rank {r.rank} (pid {r.proc.pid}) {describe_status(rc)}; stopping the other ranks")
+                _say(f"rank {r.rank} ({r.where()}) {describe_status(rc)}; stopping the other ranks")
                 stop_ranks(ranks)
                 return shell_status(rc)
         if all(r.rc == 0 for r in ranks):
@@ -225,34 +233,52 @@ def supervise(ranks: list[Rank], sigs: _Signals, deadline: float | None) -> int:
         time.sleep(POLL_S)
 
 
-def launch_local(n: int, argv: list[str], *, env: dict | None = None, master_port: int | None = None,
-                 timeout: float | None = None) -> int:
-    """Run `argv` as ranks 0..n-1 on this host; return the job's exit status as a shell would.
+def run_job(start: Callable[[], list[Rank]], what: str, *, timeout: float | None = None,
+            mux: OutputMux | None = None) -> int:
+    """Start the ranks with `start()` and supervise them; the job's exit status as a shell would.
 
-    `env` replaces the parent environment as the base of every rank's (as in subprocess); the
-    SHMCOLL_* variables are set on top of it. `timeout` (seconds) bounds the whole job: past it
-    every rank is stopped and 124 is returned.
+    `what` names the command started, for the message when it cannot be. Signal handlers are in
+    place before the first rank starts, and no rank outlives this call, whatever happens.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InvalidArgument(f"the number of ranks must be an integer >= 1, got {n!r}")
-    if not argv:
-        raise InvalidArgument("no program to run")
     if timeout is not None and not timeout > 0:
         raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout!r}")
     deadline = None if timeout is None else time.monotonic() + timeout
-    port = free_port() if master_port is None else master_port
-    shared = job_env(n, port, os.environ if env is None else env)
     ranks: list[Rank] = []
     sigs = _Signals(ranks)
     old = sigs.install()
     try:
         try:
-            ranks.extend(start_ranks(program_argv(argv), [rank_env(shared, i, i) for i in range(n)]))
+            ranks.extend(start())
         except OSError as e:
-            _say(f"cannot start {argv[0]!r}: {e.strerror or e}")
+            _say(f"cannot start {what!r}: {e.strerror or e}")
             return EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else EXIT_NOT_EXEC
+        if mux is not None:
+            mux.start()
         return supervise(ranks, sigs, deadline)
     finally:
         if any(r.rc is None for r in ranks):  # only after an unexpected error: never leave a child
             stop_ranks(ranks, grace=0.0)
+        for r in ranks:
+            r.close()
+        if mux is not None and not mux.join(OUTPUT_DRAIN_S):
+            _say("some rank output did not end (a leftover process holds its pipe); not waiting for it")
         _restore(old)
+
+
+def launch_local(n: int, argv: list[str], *, env: dict | None = None, master_port: int | None = None,
+                 timeout: float | None = None, tag_output: bool = False) -> int:
+    """Run `argv` as ranks 0..n-1 on this host; return the job's exit status as a shell would.
+
+    `env` replaces the parent environment as the base of every rank's (as in subprocess); the
+    SHMCOLL_* variables are set on top of it. `timeout` (seconds) bounds the whole job: past it
+    every rank is stopped and 124 is returned. `tag_output` prefixes each output line with `[rank] `.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidArgument(f"the number of ranks must be an integer >= 1, got {n!r}")
+    if not argv:
+        raise InvalidArgument("no program to run")
+    port = free_port() if master_port is None else master_port
+    shared = job_env(n, port, os.environ if env is None else env)
+    mux = OutputMux(sys.stdout.buffer, sys.stderr.buffer) if tag_output else None
+    envs = [rank_env(shared, i, i) for i in range(n)]
+    return run_job(lambda: start_ranks(program_argv(argv), envs, mux), argv[0], timeout=timeout, mux=mux)
