@@ -1,0 +1,119 @@
+"""Real multi-host jobs on one machine: two network namespaces (tools/netns.sh) as two hosts, ranks
+started with `shmcoll-run --hostfile ... --rsh "ip netns exec"`, every public collective checked
+exactly by tests/programs/api_check.py. Ranks on different "hosts" have separate network stacks,
+so whatever crosses between them really went over TCP through the bridge.
+
+Needs root and `ip netns`; skipped otherwise, unless SHMCOLL_REQUIRE_NETNS=1 (CI), where a missing
+capability is a failure: this test must not silently stop running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NETNS = REPO / "tools" / "netns.sh"
+API_CHECK = REPO / "tests" / "programs" / "api_check.py"
+OK_LINE = re.compile(r"^\[(\d+)\] OK rank=(\d+) world=(\d+) host=(\S+) transport=(\S+) netns=(\S+)$")
+
+
+def _sh(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def netns_unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None when they can (probed, not guessed)."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (the 'ip' command)"
+    if shutil.which("bash") is None or shutil.which("flock") is None:
+        return "tools/netns.sh needs bash and flock"
+    probe = "scprobe" + secrets.token_hex(3)
+    res = _sh("ip", "netns", "add", probe)
+    _sh("ip", "netns", "del", probe)
+    if res.returncode != 0:
+        return f"'ip netns add' failed here: {res.stderr.strip()}"
+    return None
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Anything tools/netns.sh made for prefix that is still there."""
+    found = [f"namespace {n}" for n in _sh("ip", "netns", "list").stdout.split() if n.startswith(prefix)]
+    if _sh("ip", "link", "show", f"{prefix}-sw").returncode == 0:
+        found.append(f"interface {prefix}-sw")
+    found += [f"/etc/netns/{p.name}" for p in Path("/etc/netns").glob(f"{prefix}*")]
+    if f"shmcoll-netns {prefix}" in Path("/etc/hosts").read_text():
+        found.append("/etc/hosts block")
+    if Path("/run/shmcoll-netns", prefix).exists():
+        found.append("state file")
+    return found
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """The prefix of two fresh namespace hosts, PREFIX1 and PREFIX2; everything removed afterwards."""
+    reason = netns_unavailable()
+    if reason is not None:
+        if os.environ.get("SHMCOLL_REQUIRE_NETNS") == "1":
+            pytest.fail(f"SHMCOLL_REQUIRE_NETNS=1 but {reason}")
+        pytest.skip(reason)
+    prefix = "sc" + secrets.token_hex(3)  # unique per session: parallel runs never share names
+    try:
+        up = _sh("bash", str(NETNS), "up", "2", prefix)
+        assert up.returncode == 0, up.stderr
+        yield prefix
+    finally:
+        down = _sh("bash", str(NETNS), "down", prefix)
+        assert down.returncode == 0, down.stderr
+        assert leftovers(prefix) == []
+
+
+def run_job(tmp_path: Path, hostfile: str) -> list[re.Match]:
+    """api_check.py on the hostfile's hosts through `ip netns exec`; its OK lines, by rank."""
+    (tmp_path / "hosts").write_text(hostfile)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOLL_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "shmcoll.launch.run_cli", "--hostfile", str(tmp_path / "hosts"),
+           "--rsh", "ip netns exec", "--tag-output", "--timeout", "40", str(API_CHECK)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr[-4000:]}"
+    lines = [OK_LINE.match(ln) for ln in res.stdout.splitlines() if " OK " in ln]
+    assert lines and all(m and m.group(1) == m.group(2) for m in lines), res.stdout  # tag = rank
+    return sorted(lines, key=lambda m: int(m.group(1)))
+
+
+def check_layout(oks: list[re.Match], layout: list[str]) -> None:
+    """One OK per rank, each on the host the hostfile put it on, in that host's own network stack."""
+    world = len(layout)
+    assert [int(m.group(2)) for m in oks] == list(range(world))
+    assert {int(m.group(3)) for m in oks} == {world}
+    assert [m.group(4) for m in oks] == layout
+    assert len({m.group(5) for m in oks}) == 1  # one transport for the whole job
+    by_host = {}
+    for m in oks:
+        by_host.setdefault(m.group(4), set()).add(m.group(6))
+    assert all(len(ids) == 1 for ids in by_host.values()), by_host  # one namespace per host...
+    namespaces = {ids.pop() for ids in by_host.values()}
+    assert len(namespaces) == len(by_host) == 2  # ...and a different one for each host
+    assert str(os.stat("/proc/self/ns/net").st_ino) not in namespaces
+
+
+@pytest.mark.timeout(90)
+def test_two_hosts_two_ranks_each(hosts, tmp_path):
+    oks = run_job(tmp_path, f"{hosts}1 slots=2\n{hosts}2 slots=2\n")
+    check_layout(oks, [f"{hosts}1", f"{hosts}1", f"{hosts}2", f"{hosts}2"])
+
+
+@pytest.mark.timeout(60)
+def test_uneven_hosts_one_and_two(hosts, tmp_path):
+    oks = run_job(tmp_path, f"{hosts}1 slots=1   # the rendezvous host\n{hosts}2 slots=2\n")
+    check_layout(oks, [f"{hosts}1", f"{hosts}2", f"{hosts}2"])
