@@ -260,6 +260,8 @@ def run_job(start: Callable[[], list[Rank]], what: str, *, timeout: float | None
             stop_ranks(ranks, grace=0.0)
         for r in ranks:
             r.close()
+        if mux is not None:
+            mux.start()  # also after a failed start: drain and close the pipes of the started ranks
         if mux is not None and not mux.join(OUTPUT_DRAIN_S):
             _say("some rank output did not end (a leftover process holds its pipe); not waiting for it")
         _restore(old)

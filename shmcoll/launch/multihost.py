@@ -156,7 +156,8 @@ def start_remote(placements: Sequence[Placement], rsh: Sequence[str], specs: Seq
             os.set_blocking(w, False)  # a control write must never block the launcher
             rank = RemoteRank(p.rank, proc, host=p.host, control=w)
             ranks.append(rank)
-            rank.send(spec, wait=SPEC_WRITE_S)
+            if not rank.send(spec, wait=SPEC_WRITE_S):
+                raise OSError(f"rank {p.rank} on {p.host} did not take its spec within {SPEC_WRITE_S:g} s")
     except BaseException:
         stop_ranks(ranks, grace=0.0)
         for rank in ranks:

@@ -53,6 +53,9 @@ class OutputMux:
             self.open += 1
 
     def start(self) -> None:
+        """Start relaying (once; later calls do nothing)."""
+        if self.thread is not None:
+            return
         self.thread = threading.Thread(target=self._run, name="shmcoll-tag-output", daemon=True)
         self.thread.start()
 
