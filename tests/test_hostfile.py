@@ -21,6 +21,7 @@ from shmcoll.errors import InvalidArgument
 from shmcoll.launch import remote
 from shmcoll.launch.hostfile import Host, Placement, parse_hostfile, place_ranks, read_hostfile
 from shmcoll.launch.multihost import forwarded_env, rsh_argv, rsh_is_shell, supervisor_argv
+from shmcoll.launch.run_cli import parse_args
 from shmcoll.launch.tagout import LineTagger
 from test_launcher import LONG, PROMPT, REPO, alive, assert_all_gone, job, launcher_cmd, launcher_env  # noqa: F401
 
@@ -323,16 +324,17 @@ def test_sigterm_stops_remote_ranks_that_ignore_it(job):
 
 @pytest.mark.timeout(30)
 def test_remote_ranks_die_with_a_killed_launcher(job):
+    # No helper processes here: a supervisor killed outright cannot sweep its rank's helpers (the
+    # rank itself goes through its parent-death signal), as with a SIGKILLed local launcher.
     prog = job.program(f'''
         note(f"sup{{RANK}}.pid", str(os.getppid()))
         started()
-        spawn_helper()
         block({LONG})
     ''')
     launcher = start_hostfile(job, "alpha slots=1\nbeta slots=1\n", prog, str(job.dir))
     try:
         job.wait_started(2)
-        launcher.kill()  # no cleanup at all: the supervisors must notice on their own
+        launcher.kill()  # no cleanup at all: rsh processes and supervisors must go on their own
         launcher.wait(timeout=5)
     finally:
         launcher.kill()
@@ -348,6 +350,12 @@ def test_hostfile_usage_errors(job, tmp_path):
     res = subprocess.run(launcher_cmd("-n", "2", "--rsh", "ssh -p 2", "true"), cwd=REPO, env=launcher_env(),
                          capture_output=True, text=True, timeout=25)
     assert res.returncode == 2 and "only apply with --hostfile" in res.stderr
+
+
+def test_cli_options_stop_at_the_program():
+    args = parse_args(["--hostfile", "h", "-x", "A", "-x", "B=1", "--tag-output", "prog", "-x", "C", "--rsh", "r"])
+    assert (args.hostfile, args.export, args.tag_output, args.n, args.rsh) == ("h", ["A", "B=1"], True, None, "ssh")
+    assert args.command == ["prog", "-x", "C", "--rsh", "r"]
 
 
 @pytest.mark.timeout(30)
