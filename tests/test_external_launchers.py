@@ -1,0 +1,182 @@
+"""Real external launchers: OpenMPI's mpirun and torchrun start ranks that call shmcoll.init() with
+no arguments, and tests/programs/external_launcher_check.py checks numbering and collectives exactly.
+
+mpirun missing -> skip, unless SHMCOLL_REQUIRE_MPIRUN=1 (CI sets it once OpenMPI is installed),
+which turns the skip into a failure so a broken install cannot pass silently. torch missing -> skip.
+Slurm's srun cannot run here (no Slurm daemons): tests/test_config.py covers its variables.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRAM = str(REPO / "tests" / "programs" / "external_launcher_check.py")
+RUN_S = 30.0  # one launcher run takes 1-4 s here; this is the hang guard
+RANK_TIMEOUT_S = "15"  # SHMCOLL_TIMEOUT inside the ranks: they fail on their own before RUN_S
+REQUIRE_MPIRUN = "SHMCOLL_REQUIRE_MPIRUN"
+# Whatever a surrounding launcher, CI job or earlier export left behind must not leak into the runs.
+_LAUNCHER_PREFIXES = ("SHMCOLL_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
+_LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                   "MASTER_PORT", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"}
+OK_LINE = re.compile(r"^OK rank=(\d+) world=(\d+) transport=(\w+)$", re.M)
+# numba calls colorama.init() when it compiles, so each rank's stdout ends with ESC[0m at exit
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without launcher variables, with the repo importable."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["SHMCOLL_TIMEOUT"] = RANK_TIMEOUT_S
+    env["CHECK_DEADLINE"] = str(int(RUN_S) - 5)
+    env.update(extra)
+    return env
+
+
+def run_bounded(argv: list[str], env: dict[str, str], timeout: float = RUN_S) -> tuple[int, str]:
+    """(exit status, stdout+stderr) of a launcher run, which is stopped with its ranks on a hang.
+
+    The launcher gets its own session so that on timeout the whole tree (launcher and ranks) is
+    signalled: SIGTERM first so mpirun/torchrun can stop their ranks, then SIGKILL.
+    """
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        out = _stop_tree(proc)
+        pytest.fail(f"{argv[0]} did not finish within {timeout:g} s; output:\n{out}")
+
+
+def _stop_tree(proc: subprocess.Popen) -> str:
+    """SIGTERM the launcher's process group, SIGKILL what is left after 5 s; the output so far."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return proc.communicate(timeout=grace)[0] or ""
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
+
+
+def assert_all_ok(rc: int, out: str, n: int, transport: str | None = None) -> None:
+    """Exit status 0 and exactly one OK line from each of ranks 0..n-1, each seeing world size n."""
+    assert rc == 0, f"exit status {rc}; output:\n{out}"
+    oks = OK_LINE.findall(ANSI.sub("", out))
+    assert sorted(int(r) for r, _, _ in oks) == list(range(n)), out
+    assert {int(w) for _, w, _ in oks} == {n}, out
+    if transport is not None:
+        assert {t for _, _, t in oks} == {transport}, out
+
+
+# --- OpenMPI's mpirun --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mpirun() -> str:
+    """Path of Open MPI's mpirun; skip without it (fail under SHMCOLL_REQUIRE_MPIRUN=1)."""
+    path = shutil.which("mpirun")
+    problem = None if path else "mpirun is not on PATH (install openmpi-bin)"
+    if path:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
+        if "Open MPI" not in version.stdout + version.stderr:
+            problem = f"{path} is not Open MPI's mpirun: {version.stdout.strip()[:200]!r}"
+    if problem:
+        if os.environ.get(REQUIRE_MPIRUN) == "1":
+            pytest.fail(f"{problem}, but {REQUIRE_MPIRUN}=1 says it must be tested")
+        pytest.skip(problem)
+    return path
+
+
+def mpirun_cmd(mpirun: str, n: int, *exports: str, program: list[str] | None = None) -> list[str]:
+    """The README's command line, plus what a 2-core container needs: run as root, 3 ranks on 2
+    cores (--oversubscribe) and no pinning of several spinning ranks to one core (--bind-to none)."""
+    argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(n)]
+    for name in ("PYTHONPATH", "SHMCOLL_TIMEOUT", "CHECK_DEADLINE"):
+        argv += ["-x", name]  # forwarded so that ranks on other hosts would get them too
+    for e in exports:
+        argv += ["-x", e]
+    return argv + (program or [sys.executable, PROGRAM, "mpirun"])
+
+
+@pytest.mark.parametrize("n", [3, 2])
+def test_mpirun_init_from_its_variables(mpirun, n):
+    port = free_port()
+    argv = mpirun_cmd(mpirun, n, "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}")
+    rc, out = run_bounded(argv + ["--expect-port", str(port)], clean_env())
+    assert_all_ok(rc, out, n)
+
+
+def test_mpirun_over_tcp(mpirun):
+    """The TCP mesh path under mpirun too (every rank listens and connects, not only the store)."""
+    argv = mpirun_cmd(mpirun, 3, "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={free_port()}", "SHMCOLL_TRANSPORT=tcp")
+    rc, out = run_bounded(argv, clean_env())
+    assert_all_ok(rc, out, 3, transport="NetTransport")
+
+
+def test_mpirun_with_exported_secret(mpirun):
+    """-x SHMCOLL_SECRET reaches every rank, and ranks holding it meet (the no-secret case is above)."""
+    argv = mpirun_cmd(mpirun, 2, "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={free_port()}",
+                      f"SHMCOLL_SECRET={secrets.token_hex(16)}", "SHMCOLL_TRANSPORT=tcp")
+    rc, out = run_bounded(argv + ["--expect-secret"], clean_env())
+    assert_all_ok(rc, out, 2, transport="NetTransport")
+
+
+def test_mpirun_without_master_addr_says_what_to_export(mpirun):
+    """Every rank fails at once with the exact -x flags to add; nothing waits for a timeout."""
+    program = [sys.executable, "-c", "import shmcoll; shmcoll.init()"]
+    rc, out = run_bounded(mpirun_cmd(mpirun, 2, program=program), clean_env(), timeout=20)
+    assert rc != 0, out
+    assert "InvalidArgument" in out, out
+    assert "under Open MPI's mpirun" in out and "mpirun -x MASTER_ADDR=" in out, out
+
+
+# --- torchrun ----------------------------------------------------------------------------------
+
+def torchrun_cmd(*args: str) -> list[str]:
+    """torchrun through this interpreter (its workers run under sys.executable too)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (CI installs torch==2.13.0)")
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", *args]
+
+
+def test_torchrun_standalone_uses_the_port_after_torchs():
+    """--standalone: torch's agent holds MASTER_PORT (a port it picked), shmcoll takes the next one."""
+    argv = torchrun_cmd("--standalone", PROGRAM, "torchrun", "--expect-port", "MASTER_PORT+1")
+    rc, out = run_bounded(argv, clean_env())
+    assert_all_ok(rc, out, 2)
+
+
+def test_torchrun_static_master_port():
+    port = free_port()
+    argv = torchrun_cmd("--master-addr", "127.0.0.1", "--master-port", str(port), PROGRAM, "torchrun",
+                        "--expect-port", str(port + 1))
+    rc, out = run_bounded(argv, clean_env())
+    assert_all_ok(rc, out, 2)
+
+
+def test_torchrun_shmcoll_master_port_overrides():
+    """SHMCOLL_MASTER_PORT, exported to torchrun, is used as is (no +1), over a TCP mesh this time."""
+    port = free_port()
+    argv = torchrun_cmd("--standalone", PROGRAM, "torchrun", "--expect-port", str(port))
+    rc, out = run_bounded(argv, clean_env(SHMCOLL_MASTER_PORT=str(port), SHMCOLL_TRANSPORT="tcp"))
+    assert_all_ok(rc, out, 2, transport="NetTransport")
