@@ -2,7 +2,8 @@
 ProcessGroup over the chosen transport.
 
 Rank 0 serves the store. Every rank publishes its host id; when all ranks share a host (and the
-transport allows it) they build shared memory, otherwise a TCP mesh, each rank listening on the
+transport allows it) they build shared memory; across hosts the hierarchy: shared memory per host
+plus TCP between hosts (transport="tcp": TCP between every pair). Each rank listens on the
 interface it used to reach rank 0 (so multi-homed hosts pick a routable one). Rank 0 shuts the
 store down as soon as the new transport has carried one barrier: by then every rank is done with it.
 """
@@ -20,11 +21,14 @@ from .group import ProcessGroup
 from .netio import Deadline
 from .rendezvous.store import ABORT_KEY, StoreAbort, StoreClient, StoreServer
 from .transport.base import Transport
+from .transport.hier import HierarchicalTransport
+from .transport.mailbox import Mailbox
 from .transport.mesh import connect_mesh, open_listener
 from .transport.ring import Layout, fit_layout
 from .transport.shm import ShmTransport
 from .transport.shm_segment import Segment, attach_segment, create_segment, free_bytes
 from .transport.tcp import NetTransport
+from .transport.topology import Topology
 
 _open_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 _LINGER_SECONDS = 3.0
@@ -124,6 +128,8 @@ def _build_transport(cfg: Config, client: StoreClient, choice: str, deadline: fl
         hosts = _gather(cfg, client, "host", cfg.host_id, deadline)
         if _use_shm(choice, hosts):
             return _shm_transport(cfg, client, hosts, deadline)
+        if choice in ("auto", "hier"):
+            return _hier_transport(cfg, client, hosts, deadline)
         return _tcp_transport(cfg, client, deadline)
     except Deadline as exc:
         raise CollectiveTimeout(f"rendezvous at {_where(cfg)} did not finish within {cfg.timeout:g} s") from exc
@@ -154,7 +160,22 @@ def _use_shm(choice: str, hosts: dict[int, str]) -> bool:
     return choice == "shm" or (choice in ("auto", "hier") and one_host)
 
 
-def _tcp_transport(cfg: Config, client: StoreClient, deadline: float) -> NetTransport:
+def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], deadline: float) -> HierarchicalTransport:
+    """Shared memory among this host's ranks, TCP to the others, one mailbox between them."""
+    topology = Topology.from_host_ids(hosts)
+    mailbox = Mailbox(cfg.rank, cfg.world_size)
+    shm = _shm_transport(cfg, client, hosts, deadline, mailbox)
+    try:
+        remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
+        net = _tcp_transport(cfg, client, deadline, remote, mailbox)
+    except BaseException:
+        shm.close()
+        raise
+    return HierarchicalTransport(shm, net, topology, mailbox)
+
+
+def _tcp_transport(cfg: Config, client: StoreClient, deadline: float, peers: set[int] | None = None,
+                   mailbox: Mailbox | None = None) -> NetTransport:
     listener = open_listener(client.local_address)
     try:
         me = json.dumps([client.local_address, listener.getsockname()[1]])
@@ -162,11 +183,12 @@ def _tcp_transport(cfg: Config, client: StoreClient, deadline: float) -> NetTran
     except BaseException:
         listener.close()
         raise
-    socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline)
-    return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout)
+    socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers)
+    return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox)
 
 
-def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], deadline: float) -> ShmTransport:
+def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], deadline: float,
+                   mailbox: Mailbox | None = None) -> ShmTransport:
     """The leader (lowest rank of the host) creates the segment; all attach; the leader unlinks the
     names as soon as everyone is attached, so nothing outlives the job even after kill -9."""
     local = sorted(r for r, h in hosts.items() if h == cfg.host_id)
@@ -174,7 +196,7 @@ def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], dead
     segment = _create(cfg, client, key, len(local), deadline) if is_leader else _attach(cfg, client, key, len(local), deadline)
     try:
         transport = ShmTransport(segment, {r: i for i, r in enumerate(local)}, cfg.rank, cfg.world_size,
-                                 timeout=cfg.timeout, spin_s=cfg.tuning.spin_us * 1e-6)
+                                 timeout=cfg.timeout, spin_s=cfg.tuning.spin_us * 1e-6, mailbox=mailbox)
         _gather(cfg, client, "shm-attached", "1", deadline)
     except BaseException:
         segment.close()

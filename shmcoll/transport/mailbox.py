@@ -100,6 +100,11 @@ class Mailbox:
         with self._cond:
             return dict(self._lost)
 
+    def unreachable(self) -> set[int]:
+        """Peers lost or departed: no message from them will come any more."""
+        with self._cond:
+            return set(self._lost) | self._departed
+
     def has(self, src: int, tag: int) -> bool:
         with self._cond:
             return bool(self._queues.get((src, tag)))

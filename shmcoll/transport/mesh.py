@@ -29,12 +29,15 @@ def _purpose(job_id: str, acceptor: int) -> str:
 
 
 def connect_mesh(rank: int, world_size: int, listener: socket.socket, addrs: dict[int, tuple[str, int]],
-                 secret: bytes | None, job_id: str, deadline: float) -> dict[int, socket.socket]:
+                 secret: bytes | None, job_id: str, deadline: float,
+                 peers: set[int] | None = None) -> dict[int, socket.socket]:
+    """Connections to `peers` (default: every other rank; a hierarchy passes the remote ones)."""
+    peers = set(range(world_size)) - {rank} if peers is None else set(peers)
     socks: dict[int, socket.socket] = {}
     try:
-        for peer in range(rank):
+        for peer in sorted(p for p in peers if p < rank):
             socks[peer] = _connect(peer, addrs[peer], rank, secret, job_id, deadline)
-        _accept_higher(rank, world_size, listener, socks, secret, job_id, deadline)
+        _accept_higher(rank, {p for p in peers if p > rank}, listener, socks, secret, job_id, deadline)
     except BaseException:
         for sock in socks.values():
             sock.close()
@@ -59,9 +62,9 @@ def _connect(peer: int, addr: tuple[str, int], rank: int, secret, job_id: str, d
     return sock
 
 
-def _accept_higher(rank: int, world_size: int, listener: socket.socket, socks: dict[int, socket.socket],
+def _accept_higher(rank: int, expected: set[int], listener: socket.socket, socks: dict[int, socket.socket],
                    secret, job_id: str, deadline: float) -> None:
-    expected = set(range(rank + 1, world_size))
+    expected = set(expected)
     while expected:
         left = deadline - time.monotonic()
         if left <= 0:

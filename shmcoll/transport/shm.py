@@ -46,12 +46,15 @@ class _Assembly:
 
 class ShmTransport(Transport):
     def __init__(self, segment: Segment, local_of: dict[int, int], rank: int, world_size: int, *,
-                 timeout: float = 300.0, spin_s: float = DEFAULT_SPIN_S):
+                 timeout: float = 300.0, spin_s: float = DEFAULT_SPIN_S, mailbox: Mailbox | None = None):
+        """mailbox: shared with a NetTransport under a HierarchicalTransport, so aborts and lost
+        remote peers reported by TCP end shared-memory waits too."""
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._seg, self._mem, self._layout = segment, segment.mem, segment.layout
         self._local_of, self._me = dict(local_of), local_of[rank]
         self._spin_s = spin_s
-        self._mailbox = Mailbox(rank, world_size)
+        self._mailbox = mailbox or Mailbox(rank, world_size)
+        self.bytes_sent = 0  # payload bytes written into rings to other ranks (hierarchy tests read it)
         peers = [r for r in local_of if r != rank]
         self._out = {p: self._channel(self._me, local_of[p]) for p in peers}
         self._in = {p: self._channel(local_of[p], self._me) for p in peers}
@@ -70,6 +73,7 @@ class ShmTransport(Transport):
         if to == self.rank:
             self._mailbox.post_to_self(header, buf)
             return
+        self.bytes_sent += buf.nbytes
         raw = buf.reshape(-1).view(np.uint8)
         head = np.frombuffer(header, dtype=np.uint8)
         ch, slot_bytes = self._out[to], self._layout.slot_bytes
@@ -90,7 +94,7 @@ class ShmTransport(Transport):
     def _check_send(self, to: int) -> None:
         """Between waits for a free slot: fail on abort or death, and drain our own incoming rings."""
         self._check(to, strict=False)
-        self._drain_incoming()
+        self.drain_incoming()
 
     # ---- receiving ----
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
@@ -188,7 +192,7 @@ class ShmTransport(Transport):
             del self._assembling[src]
             self._mailbox.put(Message(job.header, job.payload))
 
-    def _drain_incoming(self) -> None:
+    def drain_incoming(self) -> None:
         """Move every filled slot of our incoming rings into the mailbox, without waiting."""
         for src, ch in self._in.items():
             if not has_token(ch.data) or not ch.lock.acquire(blocking=False):
@@ -211,13 +215,13 @@ class ShmTransport(Transport):
                 msg = self._mailbox.pop(src, tag)
                 if msg is not None:
                     return msg
-                if not self._usable(src):
+                if not self.usable(src):
                     srcs.discard(src)
             self._raise_if_aborted()
             left = deadline - time.monotonic()
             if not srcs or left <= 0:
                 return None
-            self._drain_incoming()
+            self.drain_incoming()
             self._wait_a_little(srcs, left)
 
     def _wait_a_little(self, srcs: set[int], left: float) -> None:
@@ -229,7 +233,7 @@ class ShmTransport(Transport):
         except posix_ipc.BusyError:
             pass
 
-    def _usable(self, peer: int) -> bool:
+    def usable(self, peer: int) -> bool:
         return peer == self.rank or (self._peer_alive(peer) and not self._departed(peer))
 
     # ---- liveness and aborts ----
@@ -238,7 +242,7 @@ class ShmTransport(Transport):
         another collective at this sequence number (its ring frames for our tag, or its board entry)."""
         def guard(src: int | None = None) -> None:
             self._check(src, True, want)
-            self._drain_incoming()
+            self.drain_incoming()
             for src in self._in:
                 msg = self._mailbox.pop(src, tag)
                 if msg is not None:
@@ -249,6 +253,8 @@ class ShmTransport(Transport):
     def _check(self, src: int | None, strict: bool, want: Meta | None = None) -> None:
         """Called between wait slices: raise if waiting for src can no longer succeed."""
         self._raise_if_aborted()
+        if strict:
+            self._raise_if_remote_lost()
         if want is not None:
             problem = self.board.probe(want)
             if problem:
@@ -260,6 +266,22 @@ class ShmTransport(Transport):
                 raise PeerLost(f"rank {peer} was lost: its process is gone (killed?)", peer)
         if src is not None and src != self.rank and self._departed(src) and not has_token(self._in[src].data):
             raise PeerLost(f"rank {src} closed its group while this rank still expected a message from it", src)
+
+    def check_health(self, strict: bool = True) -> None:
+        """Raise if the group is aborted or (strict) any peer was lost. A HierarchicalTransport calls
+        it while waiting on TCP, since TCP alone cannot see local deaths or this host's abort flag;
+        not strict is for waits that outlive lost peers (federated rounds)."""
+        if strict:
+            self._check(None, True)
+        else:
+            self._raise_if_aborted()
+
+    def _raise_if_remote_lost(self) -> None:
+        """Peers lost on a shared mailbox (TCP peers of a hierarchy); empty for plain shared memory."""
+        lost = self._mailbox.lost_peers()
+        if lost:
+            peer, reason = next(iter(lost.items()))
+            raise PeerLost(f"rank {peer} was lost: {reason}", peer)
 
     def _peer_alive(self, peer: int) -> bool:
         pid = int(self._seg.words[W_PIDS + self._local_of[peer]])

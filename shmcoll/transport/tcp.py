@@ -29,10 +29,14 @@ HEARTBEAT_SECONDS = 0.5
 
 class NetTransport(Transport):
     def __init__(self, rank: int, world_size: int, socks: dict[int, socket.socket], *,
-                 timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD):
+                 timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD, mailbox: Mailbox | None = None):
+        """socks: one connected socket per peer this transport reaches (every other rank, or only
+        the remote ones under a HierarchicalTransport, which passes the mailbox it shares)."""
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._max_payload = max_payload
-        self._mailbox = Mailbox(rank, world_size)
+        self._mailbox = mailbox or Mailbox(rank, world_size)
+        self.bytes_sent = 0  # payload bytes sent to other ranks (hierarchy tests read it)
+        self.health_check = None  # optional callable raising while a send waits (a hierarchy's local state)
         self._socks = socks
         self._send_locks = {peer: threading.Lock() for peer in socks}
         self._closing = False
@@ -56,6 +60,7 @@ class NetTransport(Transport):
         if to == self.rank:
             self._mailbox.post_to_self(header, buf)
             return
+        self.bytes_sent += buf.nbytes
         self._send_frame(to, header, memoryview(buf).cast("B") if buf.nbytes else b"", deadline)
 
     def _send_frame(self, to: int, header: bytes, payload, deadline: float | None, control: bool = False) -> None:
@@ -79,6 +84,8 @@ class NetTransport(Transport):
         reason = self._mailbox.aborted
         if reason is not None and not control:
             raise reason.error()
+        if self.health_check is not None and not control:
+            self.health_check()
         lost = self._mailbox.lost_peers()
         if to in lost:
             raise PeerLost(f"rank {to} was lost: {lost[to]}", to)
@@ -161,9 +168,9 @@ class NetTransport(Transport):
         if self._mailbox.aborted is not None:
             return  # already aborted (perhaps by a peer, which told everyone itself)
         self._mailbox.set_abort(reason)
-        self._broadcast_control(ABORT, reason.encode())
+        self.broadcast_control(ABORT, reason.encode())
 
-    def _broadcast_control(self, kind: int, payload: bytes) -> None:
+    def broadcast_control(self, kind: int, payload: bytes) -> None:
         header = frame.pack(kind, self.rank, 0, Meta(), 0, (), len(payload))
         for peer in self._socks:
             try:
@@ -182,7 +189,7 @@ class NetTransport(Transport):
             if self._closing:
                 return
             if self._mailbox.aborted is None:
-                self._broadcast_control(GOODBYE, b"")
+                self.broadcast_control(GOODBYE, b"")
             self._closing = True
         self._stop_heartbeat.set()
         if self._heartbeat.is_alive():

@@ -1,0 +1,101 @@
+"""HierarchicalTransport: shared memory to ranks on this host, TCP to ranks on other hosts.
+
+Each peer is routed by the topology. The two transports below share one mailbox, so an abort or a
+lost TCP peer ends shared-memory waits as well; a TCP wait, which only a mailbox signal could end,
+is cut into slices between which the shared-memory side is checked (a local peer's death, the host's
+abort flag), so a failure on either side reaches every wait within a slice.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, TypeVar
+
+import numpy as np
+
+from ..errors import CollectiveTimeout
+from .base import Transport
+from .frame import ABORT, Meta
+from .mailbox import AbortReason, Mailbox, Message
+from .shm import ShmTransport
+from .shm_channel import WAIT_SLICE
+from .tcp import NetTransport
+from .topology import Topology
+
+_T = TypeVar("_T")
+_ANY_SLICE = WAIT_SLICE / 4  # recv_any looks at the shared-memory rings this often
+
+
+class HierarchicalTransport(Transport):
+    def __init__(self, shm: ShmTransport, net: NetTransport, topology: Topology, mailbox: Mailbox):
+        """shm and net must have been built with `mailbox`; net reaches exactly the remote ranks."""
+        self.rank, self.world_size, self.timeout = shm.rank, shm.world_size, shm.timeout
+        self.shm, self.net, self.topology, self._mailbox = shm, net, topology, mailbox
+        self._local = frozenset(topology.local_ranks(self.rank))
+        net.health_check = lambda: shm.check_health(strict=False)  # a blocked send ends on an abort
+
+    def _route(self, peer: int) -> Transport:
+        return self.shm if peer in self._local else self.net
+
+    def traffic(self) -> dict[str, int]:
+        """Payload bytes this rank sent so far, per path."""
+        return {"shm": self.shm.bytes_sent, "tcp": self.net.bytes_sent}
+
+    # ---- moving data ----
+    def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
+        self._route(to).send(to, tag, buf, code, meta, deadline)
+
+    def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
+        if src in self._local:
+            return self.shm.recv(src, tag, deadline, strict)
+        return self._sliced(lambda d: self.net.recv(src, tag, d, strict), deadline, strict)
+
+    def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
+                  want: Meta | None = None, op=None, strict: bool = True) -> None:
+        if src in self._local:
+            return self.shm.recv_into(src, tag, out, code, deadline, want, op, strict)
+        return super().recv_into(src, tag, out, code, deadline, want, op, strict)
+
+    def _sliced(self, wait: Callable[[float], _T], deadline: float, strict: bool) -> _T:
+        """A TCP wait in slices, checking the shared-memory side (aborts, local deaths) between them."""
+        while True:
+            try:
+                return wait(min(deadline, time.monotonic() + WAIT_SLICE))
+            except CollectiveTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+            self.shm.check_health(strict)
+
+    def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
+        """Alternately drain the local rings into the shared mailbox and wait on it briefly."""
+        srcs = set(srcs)
+        while True:
+            self.shm.drain_incoming()
+            gone = self._mailbox.unreachable()
+            srcs = {s for s in srcs if (self.shm.usable(s) if s in self._local else s not in gone)}
+            msg = self._mailbox.take_any(srcs, tag, min(deadline, time.monotonic() + _ANY_SLICE))
+            if msg is not None or not srcs or time.monotonic() >= deadline:
+                return msg
+            self.shm.check_health(strict=False)
+
+    # ---- state ----
+    def abort(self, reason: AbortReason) -> None:
+        """Local ranks learn it from the host's abort flag, remote ones from an ABORT frame."""
+        if self._mailbox.aborted is not None:
+            return  # already aborted here; whoever aborted first told everyone
+        self.shm.abort(reason)
+        self.net.broadcast_control(ABORT, reason.encode())
+
+    def retire_below(self, seq: int) -> None:
+        self._mailbox.retire_below(seq)
+
+    def last_heard(self) -> list[float]:
+        heard = self.net.last_heard()
+        local = self.shm.last_heard()
+        for peer in self._local:
+            heard[peer] = local[peer]
+        return heard
+
+    def close(self) -> None:
+        self.net.close()
+        self.shm.close()

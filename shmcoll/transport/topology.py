@@ -1,0 +1,66 @@
+"""Which ranks share a host: the map the hierarchical algorithms plan their phases with.
+
+Hosts are numbered by their lowest rank, and the ranks of a host are listed in rank order, so every
+rank computes the same topology from the same host ids without talking. A rank's "local index" is
+its position on its host; the "column" j is local index j of every host that has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class Topology:
+    hosts: tuple[tuple[int, ...], ...]  # ranks of each host, hosts ordered by their lowest rank
+    host_of: tuple[int, ...]  # host index of each rank
+
+    @classmethod
+    def from_host_ids(cls, host_ids: Mapping[int, str]) -> "Topology":
+        """host_ids: rank -> host id string, for every rank 0..n-1."""
+        order: dict[str, list[int]] = {}
+        for rank in sorted(host_ids):
+            order.setdefault(host_ids[rank], []).append(rank)
+        hosts = tuple(tuple(ranks) for ranks in order.values())
+        host_of = [0] * len(host_ids)
+        for index, ranks in enumerate(hosts):
+            for rank in ranks:
+                host_of[rank] = index
+        return cls(hosts, tuple(host_of))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.host_of)
+
+    @property
+    def n_hosts(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def min_local(self) -> int:
+        """Ranks on the smallest host: how many columns every host can take part in."""
+        return min(len(h) for h in self.hosts)
+
+    def local_ranks(self, rank: int) -> tuple[int, ...]:
+        return self.hosts[self.host_of[rank]]
+
+    def local_index(self, rank: int) -> int:
+        return self.local_ranks(rank).index(rank)
+
+    def leader(self, rank: int) -> int:
+        """The lowest rank on rank's host: the one that talks to other hosts in leader-based phases."""
+        return self.local_ranks(rank)[0]
+
+    def leaders(self) -> tuple[int, ...]:
+        return tuple(h[0] for h in self.hosts)
+
+    def column(self, j: int) -> tuple[int, ...]:
+        """Local index j of every host that has one, in host order."""
+        return tuple(h[j] for h in self.hosts if j < len(h))
+
+    def same_host(self, a: int, b: int) -> bool:
+        return self.host_of[a] == self.host_of[b]
+
+    def describe(self) -> str:
+        return " + ".join(str(len(h)) for h in self.hosts) + f" ranks on {self.n_hosts} hosts"
