@@ -21,6 +21,7 @@ from .algorithms.board import board_all_gather, board_all_reduce, board_barrier,
 from .algorithms.broadcast import chain_broadcast
 from .algorithms.call import Call
 from .algorithms.federated import federated_average
+from .algorithms.hier import hier_all_gather, hier_barrier, hier_broadcast, small_all_reduce, two_level_all_reduce
 from .algorithms.ring import one_shot_all_reduce, ring_all_gather, ring_all_reduce
 from .config import Tuning
 from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
@@ -28,6 +29,7 @@ from .transport.base import Transport
 from .transport.frame import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, COLLECTIVE_NAMES,
                               FEDERATED_AVERAGE, Meta)
 from .transport.mailbox import AbortReason
+from .transport.topology import Topology
 from .types import TAG_RESERVED_BASE, WIRE_TYPES, ReduceKind
 from .worker import CollectiveHandle, OrderedWorker
 
@@ -109,7 +111,11 @@ class ProcessGroup:
 
     # ---- collectives ----
     def barrier(self) -> None:
-        body = board_barrier if self.transport.board is not None else dissemination_barrier
+        topo = self._hosts()
+        if topo is not None:
+            body = lambda c: hier_barrier(c, topo)
+        else:
+            body = board_barrier if self.transport.board is not None else dissemination_barrier
         self._collective(BARRIER, _BARRIER_CODE, 0, body)
 
     def _startup_barrier(self) -> None:
@@ -145,7 +151,11 @@ class ProcessGroup:
         shape = arr.shape if arr.ndim else (1,)
         out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype)
         flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
-        gather = board_all_gather if self._fits_board(flat_in) else ring_all_gather
+        topo = self._hosts()
+        if topo is not None:
+            gather = lambda c, i, o: hier_all_gather(c, topo, i, o)
+        else:
+            gather = board_all_gather if self._fits_board(flat_in) else ring_all_gather
         self._collective(ALL_GATHER, wire.code, flat_in.size, lambda c: gather(c, flat_in, flat_out))
         return out
 
@@ -154,7 +164,11 @@ class ProcessGroup:
         arr = v.as_array(data, "data", writable=root != self.rank)
         wire = v.wire_of(arr, "data")
         flat = v.storage_view(arr, wire)
-        cast = board_broadcast if self._fits_board(flat) else chain_broadcast
+        topo = self._hosts()
+        if topo is not None:
+            cast = lambda c, r, d: hier_broadcast(c, topo, r, d)
+        else:
+            cast = board_broadcast if self._fits_board(flat) else chain_broadcast
         self._collective(BROADCAST, wire.code, flat.size, lambda c: cast(c, root, flat), root=root)
         return data
 
@@ -248,6 +262,11 @@ class ProcessGroup:
         how_long = ", ".join(f"rank {r} for {now - heard[r]:.1f} s" if heard[r] else f"rank {r} never" for r in silent)
         return f"silent ranks: {silent} (not heard from: {how_long})"
 
+    def _hosts(self) -> Topology | None:
+        """The topology when the group spans several hosts (the two-level algorithms apply), else None."""
+        topo = getattr(self.transport, "topology", None)
+        return topo if topo is not None and topo.n_hosts > 1 else None
+
     def _fits_board(self, flat: np.ndarray) -> bool:
         """Small enough for the shared-memory board (every rank decides alike: by size alone)."""
         board = self.transport.board
@@ -255,10 +274,16 @@ class ProcessGroup:
 
     def _all_reduce_body(self, flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
         """The shared-memory board or a one-shot (one step) for small arrays, the bandwidth-optimal
-        ring for large ones. Every rank picks the same: the choice depends on the size alone."""
+        ring for large ones; across hosts the two-level versions of the latter two. Every rank picks
+        the same: the choice depends on the size (and the topology every rank shares) alone."""
+        topo, one_shot = self._hosts(), self._st.tuning.one_shot_bytes
+        if topo is not None:
+            if flat.nbytes <= one_shot:
+                return lambda c: small_all_reduce(c, topo, flat, kind)
+            return lambda c: two_level_all_reduce(c, topo, flat, kind, one_shot)
         if self._fits_board(flat):
             return lambda c: board_all_reduce(c, flat, kind)
-        if flat.nbytes <= self._st.tuning.one_shot_bytes:
+        if flat.nbytes <= one_shot:
             return lambda c: one_shot_all_reduce(c, flat, kind)
         return lambda c: ring_all_reduce(c, flat, kind)
 

@@ -6,6 +6,8 @@ everybody arrived.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from .call import Call
@@ -13,9 +15,11 @@ from .call import Call
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
-def dissemination_barrier(c: Call) -> None:
-    n, r, distance = c.size, c.rank, 1
+def dissemination_barrier(c: Call, members: Sequence[int] | None = None) -> None:
+    """members: the ranks taking part (default every rank); the hierarchy runs it per host and across hosts."""
+    ranks = range(c.size) if members is None else members
+    n, p, distance = len(ranks), ranks.index(c.rank), 1
     while distance < n:
-        c.t.send((r + distance) % n, c.tag, _EMPTY, c.code, c.meta, c.deadline)
-        c.t.recv_into((r - distance) % n, c.tag, _EMPTY, c.code, c.deadline, c.meta)
+        c.t.send(ranks[(p + distance) % n], c.tag, _EMPTY, c.code, c.meta, c.deadline)
+        c.t.recv_into(ranks[(p - distance) % n], c.tag, _EMPTY, c.code, c.deadline, c.meta)
         distance *= 2

@@ -9,6 +9,8 @@ and the tail tells everyone the data reached the end (so no rank returns before 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from .call import Call, chunk_count, sub_bounds
@@ -16,11 +18,13 @@ from .call import Call, chunk_count, sub_bounds
 _EMPTY = np.empty(0, dtype=np.uint8)
 
 
-def chain_broadcast(c: Call, root: int, data: np.ndarray) -> None:
-    n = c.size
-    if n == 1:
+def chain_broadcast(c: Call, root: int, data: np.ndarray, order: Sequence[int] | None = None) -> None:
+    """order: the chain, root first (default: every rank, from root upwards); others skip the call."""
+    if order is None:
+        order = [(root + i) % c.size for i in range(c.size)]
+    n = len(order)
+    if n == 1 or c.rank not in order:
         return
-    order = [(root + i) % n for i in range(n)]
     pos, tail = order.index(c.rank), order[-1]
     if pos > 0:
         _signal(c, root)  # "arrived": the root checks it at the end

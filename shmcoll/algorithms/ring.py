@@ -3,9 +3,15 @@
 Every rank moves about 2(n-1)/n of the array regardless of n. Each segment is reduced once, along
 the ring, by a fixed sequence of ranks, then copied around: every rank ends bitwise identical.
 Sends never block on a peer that is itself sending, because transports always drain their inputs.
+
+Every function also runs on a sub-ring: `members` lists the ranks taking part, in ring order (the
+hierarchical algorithms run one inside each host and one across hosts), and `owned[p]` is the
+(start, stop) piece that position p ends up owning; pieces may differ in length, even be empty.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
@@ -13,52 +19,79 @@ from .. import kernels
 from ..types import ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
 
+Bounds = tuple[int, int]
 
-def _ring_step(c: Call, data: np.ndarray, send_seg, recv_seg, pieces: int, op: ReduceKind | None) -> None:
+
+def _members(c: Call, members: Sequence[int] | None) -> Sequence[int]:
+    return range(c.size) if members is None else members
+
+
+def _ring_step(c: Call, data: np.ndarray, ring: Sequence[int], p: int, send_seg: Bounds, recv_seg: Bounds,
+               pieces: int, op: ReduceKind | None) -> None:
     """Send one segment to the right neighbour while receiving (reducing or copying) one from the left."""
-    right, left = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+    n = len(ring)
+    right, left = ring[(p + 1) % n], ring[(p - 1) % n]
     for (s0, s1), (r0, r1) in zip(sub_bounds(*send_seg, pieces), sub_bounds(*recv_seg, pieces)):
         c.t.send(right, c.tag, data[s0:s1], c.code, c.meta, c.deadline)
         c.t.recv_into(left, c.tag, data[r0:r1], c.code, c.deadline, c.meta, op)
 
 
-def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
-    """In place over a 1-D storage array; AVG is a SUM scaled by the segment's owner."""
-    n, r = c.size, c.rank
-    segs = segment_bounds(len(data), n)
-    pieces = chunk_count(max(b - a for a, b in segs), data.itemsize, c.chunk_bytes)
+def _pieces(c: Call, data: np.ndarray, owned: Sequence[Bounds]) -> int:
+    """Frames per segment: the same for every segment, so both ends of a step agree."""
+    return chunk_count(max(b - a for a, b in owned), data.itemsize, c.chunk_bytes)
+
+
+def ring_reduce_scatter(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequence[int],
+                        owned: Sequence[Bounds]) -> None:
+    """Position p of `ring` ends with op over every member's data[owned[p]] (other pieces: partial)."""
+    n, p = len(ring), ring.index(c.rank)
+    pieces = _pieces(c, data, owned)
     for step in range(n - 1):
-        _ring_step(c, data, segs[(r - step) % n], segs[(r - step - 1) % n], pieces, op)
-    owned = segs[(r + 1) % n]
+        _ring_step(c, data, ring, p, owned[(p - step - 1) % n], owned[(p - step - 2) % n], pieces, op)
+
+
+def ring_all_gather_owned(c: Call, data: np.ndarray, ring: Sequence[int], owned: Sequence[Bounds]) -> None:
+    """Every member ends with every position's data[owned[p]], copied around the ring."""
+    n, p = len(ring), ring.index(c.rank)
+    pieces = _pieces(c, data, owned)
+    for step in range(n - 1):
+        _ring_step(c, data, ring, p, owned[(p - step) % n], owned[(p - step - 1) % n], pieces, None)
+
+
+def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:
+    """In place over a 1-D storage array; AVG is a SUM scaled by each segment's owner."""
+    ring = _members(c, members)
+    owned = segment_bounds(len(data), len(ring))
+    inner = ReduceKind.SUM if op is ReduceKind.AVG else op
+    ring_reduce_scatter(c, data, inner, ring, owned)
     if op is ReduceKind.AVG:
-        kernels.scale_into(data[owned[0]:owned[1]], c.code, n)
-    for step in range(n - 1):
-        _ring_step(c, data, segs[(r + 1 - step) % n], segs[(r - step) % n], pieces, None)
+        a, b = owned[ring.index(c.rank)]
+        kernels.scale_into(data[a:b], c.code, len(ring))
+    ring_all_gather_owned(c, data, ring, owned)
 
 
-def one_shot_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
-    """Small arrays: everyone sends everything to everyone, then every rank folds all inputs in rank
-    order (x0 op x1 op ...), reducing straight from the received messages: bitwise identical."""
-    n, r = c.size, c.rank
-    for step in range(1, n):
-        c.t.send((r + step) % n, c.tag, data, c.code, c.meta, c.deadline)
-    own = data.copy() if r else data
-    if r:
-        c.t.recv_into(0, c.tag, data, c.code, c.deadline, c.meta)
-    for src in range(1, n):
-        if src == r:
+def one_shot_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:
+    """Small arrays: everyone sends everything to everyone, then every rank folds all inputs in
+    member order (x0 op x1 op ...), reducing straight from the received messages: bitwise identical."""
+    ranks = _members(c, members)
+    n, p = len(ranks), ranks.index(c.rank)
+    for step in range(1, n):  # each rank starts with a different peer: no one is sent to by all at once
+        c.t.send(ranks[(p + step) % n], c.tag, data, c.code, c.meta, c.deadline)
+    first = ranks[0]
+    own = data.copy() if c.rank != first else data
+    if c.rank != first:
+        c.t.recv_into(first, c.tag, data, c.code, c.deadline, c.meta)
+    for src in ranks[1:]:
+        if src == c.rank:
             kernels.reduce_into(data, own, c.code, op)
         else:
             c.t.recv_into(src, c.tag, data, c.code, c.deadline, c.meta, op)
     if op is ReduceKind.AVG:
-        kernels.scale_into(data, c.code, n)
+        kernels.scale_into(data, c.code, len(ranks))
 
 
 def ring_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:
     """out (1-D, n * len(local)) receives every rank's block in rank order."""
     n, r, block = c.size, c.rank, len(local)
     out[r * block:(r + 1) * block] = local
-    segs = [(i * block, (i + 1) * block) for i in range(n)]
-    pieces = chunk_count(block, out.itemsize, c.chunk_bytes)
-    for step in range(n - 1):
-        _ring_step(c, out, segs[(r - step) % n], segs[(r - step - 1) % n], pieces, None)
+    ring_all_gather_owned(c, out, range(n), [(i * block, (i + 1) * block) for i in range(n)])

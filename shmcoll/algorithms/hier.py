@@ -1,0 +1,114 @@
+"""Two-level collectives: shared memory inside each host, TCP between hosts.
+
+Each collective runs in phases: an inner one among the ranks of each host (shared memory), an
+outer one across hosts (TCP), and an inner one again; one copy of the data crosses each host
+boundary, not one per rank. The transport routes every send by peer, so the phases only choose who
+talks to whom. All phases share the call's tag: any two ranks meet in at most one kind of phase,
+and messages of one (source, tag) arrive in order.
+
+Uneven hosts: K = the smallest host's rank count. A large all-reduce is cut into K slices; local
+rank j < K of every host owns slice j and all-reduces it across hosts with its peers of the same
+local rank (K rings busy at once); a larger host's extra ranks only take part inside their host.
+All-gather and barrier go through one leader per host (its lowest rank); broadcast is one chain
+that visits the hosts one after another.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..transport.topology import Topology
+from ..types import ReduceKind
+from .barrier import dissemination_barrier
+from .broadcast import chain_broadcast
+from .call import Call, segment_bounds
+from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter
+
+
+def _inner(op: ReduceKind) -> ReduceKind:
+    """AVG is summed in every phase and divided once by the world size at the end."""
+    return ReduceKind.SUM if op is ReduceKind.AVG else op
+
+
+def _scale_if_avg(c: Call, data: np.ndarray, op: ReduceKind) -> None:
+    if op is ReduceKind.AVG:
+        kernels.scale_into(data, c.code, c.size)
+
+
+def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int) -> None:
+    """Reduce-scatter in the host, all-reduce of each slice across hosts, all-gather in the host.
+    Each element is reduced at one place and copied from there: bitwise identical everywhere."""
+    host, k, end = topo.local_ranks(c.rank), topo.min_local, len(data)
+    slices = segment_bounds(end, k)
+    owned = slices + [(end, end)] * (len(host) - k)
+    ring_reduce_scatter(c, data, _inner(op), host, owned)
+    j = host.index(c.rank)
+    if j < k:
+        a, b = slices[j]
+        _across(c, data[a:b], _inner(op), topo.column(j), one_shot_bytes)
+        _scale_if_avg(c, data[a:b], op)
+    ring_all_gather_owned(c, data, host, owned)
+
+
+def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], one_shot_bytes: int) -> None:
+    if piece.nbytes <= one_shot_bytes:
+        one_shot_all_reduce(c, piece, op, ranks)
+    else:
+        ring_all_reduce(c, piece, op, ranks)
+
+
+def small_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
+    """Latency first: one-shot in the host, one-shot among host leaders, leader fans out."""
+    host = topo.local_ranks(c.rank)
+    one_shot_all_reduce(c, data, _inner(op), host)
+    leader = host[0]
+    if c.rank == leader:
+        one_shot_all_reduce(c, data, _inner(op), topo.leaders())
+        for peer in host[1:]:
+            c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
+    else:
+        c.t.recv_into(leader, c.tag, data, c.code, c.deadline, c.meta)
+    _scale_if_avg(c, data, op)
+
+
+def hier_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:
+    """Gather in the host, exchange whole hosts' blocks among leaders, leaders hand the rest out.
+
+    The blocks are staged in host order, so each host's blocks are contiguous; when ranks are
+    already numbered host by host (the launcher's placement) the staging area is `out` itself.
+    """
+    m, order = len(local), [r for h in topo.hosts for r in h]
+    at = {r: i * m for i, r in enumerate(order)}
+    staged = out if order == sorted(order) else np.empty_like(out)
+    staged[at[c.rank]:at[c.rank] + m] = local
+    host = topo.local_ranks(c.rank)
+    ring_all_gather_owned(c, staged, host, [(at[r], at[r] + m) for r in host])
+    span = {h[0]: (at[h[0]], at[h[0]] + len(h) * m) for h in topo.hosts}
+    if c.rank == host[0]:
+        ring_all_gather_owned(c, staged, topo.leaders(), [span[r] for r in topo.leaders()])
+    lo, hi = span[host[0]]
+    for a, b in ((0, lo), (hi, len(staged))):
+        chain_broadcast(c, host[0], staged[a:b], order=host)
+    if staged is not out:
+        n = len(order)
+        out.reshape(n, m)[order] = staged.reshape(n, m)
+
+
+def hier_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
+    """One pipelined chain through the root's host first, then host after host: the data crosses
+    each host boundary once, and the chain's arrival and completion signals keep every rank from
+    returning before the last one has the data (so disagreement fails everywhere)."""
+    home = topo.local_ranks(root)
+    order = [root, *(r for r in home if r != root)]
+    order += [r for h in topo.hosts if h is not home for r in h]
+    chain_broadcast(c, root, data, order=order)
+
+
+def hier_barrier(c: Call, topo: Topology) -> None:
+    """Host barrier, leaders' barrier, host barrier: nobody leaves before the leaders all met."""
+    host = topo.local_ranks(c.rank)
+    dissemination_barrier(c, host)
+    if c.rank == host[0]:
+        dissemination_barrier(c, topo.leaders())
+    dissemination_barrier(c, host)
