@@ -28,11 +28,28 @@ def no_shm_leaks():
         assert not leaked, f"shared memory left in /dev/shm: {sorted(leaked)}"
 
 
-TRANSPORTS = ["tcp", "shm"]
+#: "hier" simulates two hosts (ranks split in halves, see harness.HOST_LAYOUTS) on this machine.
+TRANSPORTS = ["tcp", "shm", "hier"]
+#: The hierarchy over every simulated host layout: uneven, one rank per host, interleaved.
+LAYOUTS = TRANSPORTS + ["hier:first-alone", "hier:each", "hier:interleaved"]
+
+
+def _use(monkeypatch, name: str) -> str:
+    """Forked ranks inherit SHMCOLL_TRANSPORT (init() reads it) and SHMCOLL_TEST_HOSTS (the harness)."""
+    kind, _, layout = name.partition(":")
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", kind)
+    if kind == "hier":
+        monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout or "halves")
+    return kind
 
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request, monkeypatch):
-    """Run the test once per transport: forked ranks inherit SHMCOLL_TRANSPORT, which init() reads."""
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", request.param)
-    return request.param
+    """Run the test once per transport."""
+    return _use(monkeypatch, request.param)
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request, monkeypatch):
+    """Run the test once per transport and once per simulated multi-host layout."""
+    return _use(monkeypatch, request.param)

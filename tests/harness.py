@@ -71,9 +71,26 @@ class _Failure:
     text: str
 
 
+#: Simulated host layouts (SHMCOLL_TEST_HOSTS): which host each of n ranks is on.
+HOST_LAYOUTS = {
+    "halves": lambda rank, n: "a" if rank < (n + 1) // 2 else "b",   # 2+2, 2+1, 1+1
+    "first-alone": lambda rank, n: "a" if rank == 0 else "b",         # 1+3, 1+2, 1+1
+    "each": lambda rank, n: f"h{rank}",                               # 1+1+1+1
+    "interleaved": lambda rank, n: "ab"[rank % 2],                    # a,b,a,b
+}
+
+
+def simulated_host_id(layout: str, rank: int, n: int) -> str:
+    """SHMCOLL_HOST_ID for a simulated host: the ranks of one machine pretend to be on several."""
+    return f"test-{HOST_LAYOUTS[layout](rank, n)}"
+
+
 def _child(rank, n, port, body, args, conn, group_timeout, env, init) -> None:
     faulthandler.enable(all_threads=True)  # SIGABRT from the parent on a hang: print every stack, die
     os.environ.update(env)
+    layout = os.environ.get("SHMCOLL_TEST_HOSTS")
+    if layout:
+        os.environ["SHMCOLL_HOST_ID"] = simulated_host_id(layout, rank, n)
     try:
         if init:
             with shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port,

@@ -12,7 +12,7 @@ from shmcoll.types import BFLOAT16, wire_type_of
 
 from harness import run_ranks
 
-pytestmark = pytest.mark.usefixtures("transport")  # every test runs over tcp and over shm
+pytestmark = pytest.mark.usefixtures("layout")  # over tcp, shm and every simulated multi-host layout
 
 
 SIZES = [1, 2, 3, 4]

@@ -49,6 +49,7 @@ STOP_TIMEOUT = 3.0  # group timeout for the SIGSTOP tests
 BIG = 1 << 20  # float32 elements (4 MiB): many chunks per ring step with...
 CHUNKS = {"SHMCOLL_CHUNK_BYTES": str(64 << 10)}  # ...64 KiB frames
 RUN_TIMEOUT = 30.0  # run_ranks' own deadline (dumps the stacks of hung ranks)
+FORWARDER = "a rank that forwards the root's data"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,11 +198,13 @@ def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
     (_call_all_reduce, 3, 0),
     (_call_all_reduce, 4, 2),
     (_call_broadcast, 3, 0),  # the root dies while streaming
-    (_call_broadcast, 4, 1),  # a forwarding rank dies
+    (_call_broadcast, 4, FORWARDER),  # a forwarding rank dies
     (_call_spawn_all_reduce, 3, 1),  # dies on the victim's background worker thread
 ], ids=["all_reduce-n2", "all_reduce-n3-rank0", "all_reduce-n4", "broadcast-root", "broadcast-middle",
         "spawn_all_reduce-n3"])
-def test_sigkill_partway_through_collective(call, n, victim):
+def test_sigkill_partway_through_collective(call, n, victim, transport):
+    if victim is FORWARDER:  # in a flat chain rank 1 forwards; over two hosts (0,1 + 2,3), rank 2 does
+        victim = 2 if transport == "hier" else 1
     stamps = CTX.RawArray("d", n)
     results = run_ranks(n, _killed_partway, victim, call, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), init=False,
                         env=CHUNKS, may_die={victim}, timeout=RUN_TIMEOUT)
@@ -216,12 +219,12 @@ def test_sigkill_partway_through_collective(call, n, victim):
     _assert_no_children()
 
 
-def _killed_before_barrier(rank, n, port, victim, stamps, ready, finish):
+def _killed_before_barrier(rank, n, port, victim, sender, stamps, ready, finish):
     pg = _init(rank, n, port)
     _check_group_works(pg, ready)
     if rank == victim:
-        # die before calling barrier, once the rank before it in the first round is waiting inside it
-        inside = _inside(pg, [(rank - 1) % n], seq=1)
+        # die before calling barrier, once the rank that signals it first is waiting inside it
+        inside = _inside(pg, [sender], seq=1)
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
         return {"kind": f"victim survived its own SIGKILL (inside={inside})"}
@@ -233,10 +236,11 @@ def _killed_before_barrier(rank, n, port, victim, stamps, ready, finish):
     return out
 
 
-def test_sigkill_while_others_wait_in_barrier():
+def test_sigkill_while_others_wait_in_barrier(transport):
     n, victim = 4, 2
+    sender = 3 if transport == "hier" else 1  # over hosts 0,1 + 2,3 rank 2 first hears from its host's rank 3
     stamps = CTX.RawArray("d", n)
-    results = run_ranks(n, _killed_before_barrier, victim, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), init=False,
+    results = run_ranks(n, _killed_before_barrier, victim, sender, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), init=False,
                         may_die={victim}, timeout=RUN_TIMEOUT)
     assert results[victim] == Died(-signal.SIGKILL)
     outs = {r: out for r, out in enumerate(results) if r != victim}
@@ -357,10 +361,12 @@ def _departs(rank, n, port, victim, count, ready, finish, senders):
     return out
 
 
-def test_rank_closing_early_is_reported_as_lost_peer():
-    """One-shot all_reduce (every rank waits on the departed one directly)."""
+def test_rank_closing_early_is_reported_as_lost_peer(transport):
+    """One-shot all_reduce: every rank waits on the departed one directly (over hosts 0,1 + 2,
+    only the leader does, and rank 1 hears of it from rank 0's abort)."""
     n, victim = 3, 2
-    results = run_ranks(n, _departs, victim, 100, CTX.Barrier(n), CTX.Barrier(n - 1), [0, 1], init=False,
+    senders = [0] if transport == "hier" else [0, 1]
+    results = run_ranks(n, _departs, victim, 100, CTX.Barrier(n), CTX.Barrier(n - 1), senders, init=False,
                         timeout=RUN_TIMEOUT)
     assert results[victim]["inside"]
     _assert_closed_cleanly(results[victim])

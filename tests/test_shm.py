@@ -377,14 +377,18 @@ def test_shm_refuses_several_hosts_on_every_rank_even_when_late(n):
         assert _says_several_hosts(out), (rank, out)
 
 
-@pytest.mark.parametrize("host_ids, want", [
-    (["a", "b", "c"], "NetTransport"),
-    (["a", "a", "b"], "NetTransport"),
-    (["same", "same", "same"], "ShmTransport"),
-], ids=["all-differ", "two-hosts", "one-host"])
-def test_auto_picks_tcp_across_hosts_and_shm_on_one(host_ids, want):
+@pytest.mark.parametrize("host_ids, choice, want", [
+    (["a", "b", "c"], "auto", "HierarchicalTransport"),
+    (["a", "a", "b"], "auto", "HierarchicalTransport"),
+    (["a", "a", "b"], "hier", "HierarchicalTransport"),
+    (["a", "a", "b"], "tcp", "NetTransport"),
+    (["same", "same", "same"], "auto", "ShmTransport"),
+    (["same", "same", "same"], "hier", "ShmTransport"),
+    (["same", "same", "same"], "tcp", "NetTransport"),
+], ids=["all-differ", "two-hosts", "two-hosts-hier", "two-hosts-tcp", "one-host", "one-host-hier", "one-host-tcp"])
+def test_auto_picks_the_hierarchy_across_hosts_and_shm_on_one(host_ids, choice, want):
     n = len(host_ids)
-    for rank, out in enumerate(run_ranks(n, _with_host_id, host_ids, "auto", init=False, timeout=RUN)):
+    for rank, out in enumerate(run_ranks(n, _with_host_id, host_ids, choice, init=False, timeout=RUN)):
         assert out["kind"] == "returned" and out["transport"] == want, (rank, out)
         assert out["sum"] == [n * (n + 1) / 2] * 3
 
