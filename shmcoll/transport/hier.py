@@ -37,9 +37,9 @@ class HierarchicalTransport(Transport):
     def _route(self, peer: int) -> Transport:
         return self.shm if peer in self._local else self.net
 
-    def traffic(self) -> dict[str, int]:
-        """Payload bytes this rank sent so far, per path."""
-        return {"shm": self.shm.bytes_sent, "tcp": self.net.bytes_sent}
+    def traffic(self) -> dict[str, list[int]]:
+        """Payload bytes this rank sent so far to each rank, per path."""
+        return {"shm": list(self.shm.bytes_to), "tcp": list(self.net.bytes_to)}
 
     # ---- moving data ----
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:

@@ -54,7 +54,7 @@ class ShmTransport(Transport):
         self._local_of, self._me = dict(local_of), local_of[rank]
         self._spin_s = spin_s
         self._mailbox = mailbox or Mailbox(rank, world_size)
-        self.bytes_sent = 0  # payload bytes written into rings to other ranks (hierarchy tests read it)
+        self.bytes_to = [0] * world_size  # payload bytes sent to each rank (what the hierarchy moves where)
         peers = [r for r in local_of if r != rank]
         self._out = {p: self._channel(self._me, local_of[p]) for p in peers}
         self._in = {p: self._channel(local_of[p], self._me) for p in peers}
@@ -73,7 +73,7 @@ class ShmTransport(Transport):
         if to == self.rank:
             self._mailbox.post_to_self(header, buf)
             return
-        self.bytes_sent += buf.nbytes
+        self.bytes_to[to] += buf.nbytes
         raw = buf.reshape(-1).view(np.uint8)
         head = np.frombuffer(header, dtype=np.uint8)
         ch, slot_bytes = self._out[to], self._layout.slot_bytes

@@ -35,7 +35,7 @@ class NetTransport(Transport):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._max_payload = max_payload
         self._mailbox = mailbox or Mailbox(rank, world_size)
-        self.bytes_sent = 0  # payload bytes sent to other ranks (hierarchy tests read it)
+        self.bytes_to = [0] * world_size  # payload bytes sent to each rank (what the hierarchy moves where)
         self.health_check = None  # optional callable raising while a send waits (a hierarchy's local state)
         self._socks = socks
         self._send_locks = {peer: threading.Lock() for peer in socks}
@@ -60,7 +60,7 @@ class NetTransport(Transport):
         if to == self.rank:
             self._mailbox.post_to_self(header, buf)
             return
-        self.bytes_sent += buf.nbytes
+        self.bytes_to[to] += buf.nbytes
         self._send_frame(to, header, memoryview(buf).cast("B") if buf.nbytes else b"", deadline)
 
     def _send_frame(self, to: int, header: bytes, payload, deadline: float | None, control: bool = False) -> None:

@@ -1,0 +1,131 @@
+"""The hierarchy really is one: traffic between simulated hosts goes over TCP, inside a host over
+shared memory, and the two-level algorithms send fewer bytes across hosts than flat ones.
+
+Ranks pretend to be on several hosts through SHMCOLL_HOST_ID (harness.HOST_LAYOUTS). Each rank
+reports how many payload bytes it sent to every other rank on each path (the transports count
+them), and the test compares those counts with what the algorithm must send, exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness import run_ranks, simulated_host_id
+from shmcoll.transport.topology import Topology
+
+S = 1 << 20  # bytes of float32 data in the bandwidth case (1 MiB: the ring, not the one-shot path)
+
+
+def _hosts(layout: str, n: int) -> list[str]:
+    return [simulated_host_id(layout, r, n) for r in range(n)]
+
+
+def _counts(t) -> dict[str, list[int]]:
+    """Bytes this rank sent to each rank, per path (a flat TCP transport has only one)."""
+    if hasattr(t, "traffic"):
+        return t.traffic()
+    return {"tcp": list(t.bytes_to), "shm": [0] * t.world_size}
+
+
+def _traffic_of(pg, action) -> dict:
+    before = _counts(pg.transport)
+    action(pg)
+    after = _counts(pg.transport)
+    return {"kind": type(pg.transport).__name__,
+            **{path: [a - b for a, b in zip(after[path], before[path])] for path in after}}
+
+
+def _all_reduce(pg):
+    x = np.full(S // 4, pg.rank + 1.0, dtype=np.float32)
+    pg.all_reduce(x)
+    n = pg.world_size
+    assert np.all(x == n * (n + 1) / 2)
+
+
+def _broadcast(pg):
+    x = np.full(S // 4, float(pg.rank), dtype=np.float32)
+    pg.broadcast(1, x)
+    assert np.all(x == 1.0)
+
+
+def _all_gather(pg):
+    out = pg.all_gather(np.full(S // 4, float(pg.rank), dtype=np.float32))
+    assert np.array_equal(out, np.repeat(np.arange(pg.world_size, dtype=np.float32), S // 4))
+
+
+def _cross(results, hosts) -> int:
+    """Bytes all ranks sent to ranks on other hosts, whatever the path."""
+    return sum(out[path][peer] for rank, out in enumerate(results) for path in ("tcp", "shm")
+               for peer in range(len(hosts)) if hosts[peer] != hosts[rank])
+
+
+def _run(layout: str, n: int, transport: str, action, monkeypatch) -> list[dict]:
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", transport)
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    return run_ranks(n, _traffic_of, action, timeout=60)
+
+
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4), ("each", 4)])
+def test_paths_follow_the_hosts(layout, n, monkeypatch):
+    """Every byte to a rank on this host goes through shared memory, every other one through TCP."""
+    hosts = _hosts(layout, n)
+    for action in (_all_reduce, _broadcast, _all_gather):
+        results = _run(layout, n, "hier", action, monkeypatch)
+        for rank, out in enumerate(results):
+            assert out["kind"] == "HierarchicalTransport"
+            for peer in range(n):
+                local = hosts[peer] == hosts[rank]
+                assert out["tcp" if local else "shm"][peer] == 0, (action.__name__, rank, peer, out)
+        assert _cross(results, hosts) > 0
+        if len(set(hosts)) < n:
+            assert sum(sum(out["shm"]) for out in results) > 0, action.__name__
+
+
+# Bytes that must cross host boundaries for 1 MiB (S), two-level versus the flat TCP ring or chain.
+# all_reduce, 2+2: each of the 2 column rings moves S/2 with 2 ranks: S per ring, 2S in all; the flat
+# ring moves 2(n-1)/n * S = 1.5S per rank, over 2 of its 4 edges (a,a,b,b) or all 4 (a,b,a,b).
+# 1+2: one column ring of 2 ranks over all of S: 2S; flat: 2 of 3 edges cross, (4/3)S each.
+@pytest.mark.parametrize("layout, n, action, hier_bytes, flat_bytes", [
+    ("halves", 4, _all_reduce, 2 * S, 3 * S),
+    ("interleaved", 4, _all_reduce, 2 * S, 6 * S),
+    ("first-alone", 3, _all_reduce, 2 * S, None),  # flat: uneven thirds, checked only as larger
+    ("halves", 4, _broadcast, S, 2 * S),  # root 1: chain 1,0 | 2,3 versus 1 | 2,3 | 0
+    ("interleaved", 4, _broadcast, S, 3 * S),
+    ("halves", 4, _all_gather, 4 * S, 6 * S),  # leaders swap whole hosts (2S each); flat: 3S over 2 edges
+    ("interleaved", 4, _all_gather, 4 * S, 12 * S),
+])
+def test_two_level_crosses_hosts_less_than_flat(layout, n, action, hier_bytes, flat_bytes, monkeypatch):
+    hosts = _hosts(layout, n)
+    hier = _cross(_run(layout, n, "hier", action, monkeypatch), hosts)
+    flat = _cross(_run(layout, n, "tcp", action, monkeypatch), hosts)
+    assert hier == hier_bytes
+    assert flat == (flat_bytes or flat)
+    assert hier < flat
+
+
+def test_small_all_reduce_goes_through_the_leaders(monkeypatch):
+    """8 bytes over 2+2: only the two leaders talk across hosts, one message each way."""
+    def small(pg):
+        x = np.full(2, pg.rank + 1.0, dtype=np.float32)
+        pg.all_reduce(x)
+        assert np.all(x == 10.0)
+
+    results = _run("halves", 4, "hier", small, monkeypatch)
+    assert [sum(out["tcp"]) for out in results] == [8, 0, 8, 0]
+
+
+@pytest.mark.parametrize("ids, hosts, columns", [
+    ({0: "a", 1: "a", 2: "b", 3: "b"}, ((0, 1), (2, 3)), [(0, 2), (1, 3)]),
+    ({0: "x", 1: "y", 2: "x", 3: "y"}, ((0, 2), (1, 3)), [(0, 1), (2, 3)]),
+    ({0: "b", 1: "a", 2: "a"}, ((0,), (1, 2)), [(0, 1), (2,)]),
+    ({0: "h", 1: "h", 2: "h"}, ((0, 1, 2),), [(0,), (1,), (2,)]),
+])
+def test_topology_groups_ranks_by_host(ids, hosts, columns):
+    topo = Topology.from_host_ids(ids)
+    assert topo.hosts == hosts
+    assert [topo.column(j) for j in range(len(columns))] == columns
+    assert topo.min_local == min(len(h) for h in hosts)
+    assert topo.leaders() == tuple(h[0] for h in hosts)
+    for rank in ids:
+        assert rank in topo.local_ranks(rank) and topo.local_ranks(rank)[topo.local_index(rank)] == rank
