@@ -13,6 +13,11 @@ after the other, never at once:
             (comm.Allreduce(MPI.IN_PLACE, buf) on a numpy float32 array)
   gloo      python bench/gloo_allreduce.py -n N ... (dist.all_reduce(t) on a float32 CPU tensor)
 
+With --hosts H the shmcoll ranks pretend to be on H hosts (SHMCOLL_HOST_ID); `--transports hier,tcp`
+then times the two-level algorithms against the flat TCP ring and prints their ratio:
+
+  python bench/compare.py -n 4 --hosts 2 --transports hier,tcp --peers shmcoll --sizes 1M,64M --rounds 3
+
 A peer that is not installed, or a shmcoll transport whose init raises, is skipped with the reason
 printed; the others still run. Every launch is killed after --timeout seconds. Exit status 0; 1
 when a peer failed (not skipped) or timed out; 2 on a usage error. Missed targets do not change it.
@@ -124,7 +129,7 @@ def run_shmcoll(transport: str, args, tmp: Path) -> PeerResult:
         out = tmp / f"shmcoll-{transport}-{k}.json"
         cmd = [sys.executable, "-m", "shmcoll.launch.bench_cli", "-n", str(args.n), "--transport", transport_arg,
                "-b", str(group[0]), "-e", str(group[-1]), "-f", repr(factor), *policy_args(args),
-               "--json", str(out)]
+               "--json", str(out), *(["--hosts", str(args.hosts)] if args.hosts else [])]
         rc, err, rows, used = _bench(res, cmd, out, args.timeout)
         why = ""
         if rc == 2 and "invalid choice" in err and k == 0 and transport != "auto":
@@ -234,6 +239,16 @@ def run_round(args, tmp: Path, prev: dict[str, PeerResult]) -> dict[str, PeerRes
     return prev
 
 
+def hier_vs_flat(hier: PeerResult, flat: PeerResult, sizes) -> list[str]:
+    """The two-level algorithms' time over the flat TCP ring's, per size (< 1: the hierarchy wins)."""
+    lines = ["# shmcoll-hier time / shmcoll-tcp time (below 1: the two-level algorithm is faster)"]
+    for size in sizes:
+        a, b = hier.rows.get(size), flat.rows.get(size)
+        ratio = f"{a['time_us'] / b['time_us']:.2f}x" if a and b and b["time_us"] else "-"
+        lines.append(human(size).rjust(12) + ratio.rjust(12))
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench/compare.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -243,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated sizes in bytes, K/M/G suffixes allowed (default {DEFAULT_SIZES})")
     p.add_argument("--transports", default="shm,tcp", metavar="LIST",
                    help="shmcoll transports to run, comma-separated (default shm,tcp)")
+    p.add_argument("--hosts", type=int, default=None, metavar="H",
+                   help="shmcoll ranks simulate H hosts (shmcoll-bench --hosts): with --transports hier,tcp "
+                        "this times the two-level algorithms against flat TCP; the peers stay on one host")
     p.add_argument("--peers", default=",".join(PEER_NAMES), metavar="LIST",
                    help=f"which of {', '.join(PEER_NAMES)} to run (default all)")
     p.add_argument("--iters", type=int, default=1000, help="timed calls per size at most (default 1000)")
@@ -329,6 +347,9 @@ def main(argv=None) -> int:
             comparison += records
             print("#")
             print("\n".join(ratio_table(records, args.n)))
+    if peers.get("shmcoll-hier") and peers.get("shmcoll-tcp") and peers["shmcoll-hier"].ran:
+        print("#")
+        print("\n".join(hier_vs_flat(peers["shmcoll-hier"], peers["shmcoll-tcp"], args.sizes)))
     noted = [p for p in results if p.status != "ok"]
     if noted:
         print("#")

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=TRANSPORTS, default=None,
                    help="transport passed to shmcoll.init (default: SHMCOLL_TRANSPORT, else auto: "
                         "shared memory on one host)")
+    p.add_argument("--hosts", type=int_in(1), default=None, metavar="H",
+                   help="simulate H hosts on this machine: ranks are split into H equal runs, each with "
+                        "its own SHMCOLL_HOST_ID (to try the hierarchy: shared memory inside, TCP between)")
     return p
 
 
@@ -182,6 +185,8 @@ def run_rank(args) -> int:
             _say(f"-n {args.n} does not match this job's world size {cfg.world_size} "
                  "(leave -n out when a launcher starts the ranks)")
         return EXIT_USAGE
+    if args.hosts is not None:
+        os.environ["SHMCOLL_HOST_ID"] = f"simulated-host-{rank * args.hosts // cfg.world_size}"
     spec = Spec(args.collective, args.dtype, args.op, args.iters, args.warmup, args.check, args.max_time)
     rows: list[Row] = []
     try:

@@ -273,4 +273,7 @@ def transport_name(pg) -> str:
     cls = type(t).__name__
     known = {"NetTransport": "tcp", "TcpTransport": "tcp", "ShmTransport": "shm",
              "HierarchicalTransport": "hier", "HierTransport": "hier"}
+    topology = getattr(t, "topology", None)
+    if topology is not None:
+        return f"{known.get(cls, cls)} ({topology.describe()})"
     return known.get(cls, cls)
