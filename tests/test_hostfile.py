@@ -21,6 +21,7 @@ from shmcoll.errors import InvalidArgument
 from shmcoll.launch import remote
 from shmcoll.launch.hostfile import Host, Placement, parse_hostfile, place_ranks, read_hostfile
 from shmcoll.launch.multihost import forwarded_env, rsh_argv, rsh_is_shell, supervisor_argv
+from shmcoll.launch.run_cli import main as cli_main
 from shmcoll.launch.run_cli import parse_args
 from shmcoll.launch.tagout import LineTagger
 from test_launcher import LONG, PROMPT, REPO, alive, assert_all_gone, job, launcher_cmd, launcher_env  # noqa: F401
@@ -342,14 +343,21 @@ def test_remote_ranks_die_with_a_killed_launcher(job):
 
 
 @pytest.mark.timeout(30)
-def test_hostfile_usage_errors(job, tmp_path):
-    res = run_hostfile(job, "alpha slots=2\n", "-n", "3", "true")
-    assert res.returncode == 2 and "3 ranks requested but the hostfile has only 2 slots" in res.stderr
-    res = run_hostfile(job, "alpha slots=2\nbeta slots=x\n", "true")
-    assert res.returncode == 2 and "hosts:2: slots must be an integer" in res.stderr
-    res = subprocess.run(launcher_cmd("-n", "2", "--rsh", "ssh -p 2", "true"), cwd=REPO, env=launcher_env(),
-                         capture_output=True, text=True, timeout=25)
-    assert res.returncode == 2 and "only apply with --hostfile" in res.stderr
+@pytest.mark.parametrize("hostfile, args, words", [
+    ("alpha slots=2\n", ["-n", "3"], "3 ranks requested but the hostfile has only 2 slots"),
+    ("alpha slots=2\nbeta slots=x\n", [], "hosts:2: slots must be an integer"),
+])
+def test_hostfile_usage_errors(tmp_path, capsys, hostfile, args, words):
+    (tmp_path / "hosts").write_text(hostfile)
+    assert cli_main(["--hostfile", str(tmp_path / "hosts"), *args, "/nonexistent/program"]) == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--rsh", "ssh -p 2"], ["--master-addr", "h"], ["-x", "A"], []])
+def test_hostfile_options_need_a_hostfile(capsys, args):
+    assert cli_main([*args, "true"]) == 2
+    err = capsys.readouterr().err
+    assert "usage" in err and ("only apply with --hostfile" in err or "-n N is required" in err)
 
 
 def test_cli_options_stop_at_the_program():
@@ -454,3 +462,16 @@ def test_supervisor_start_failures(spec, status, words):
     res = subprocess.run(supervisor_argv(), input=spec, capture_output=True, timeout=20, env=launcher_env())
     assert res.returncode == status
     assert words in res.stderr.decode()
+
+
+def test_control_lines_keep_what_shares_the_specs_read():
+    r, w = os.pipe()
+    with os.fdopen(r, "rb", buffering=0) as reader:
+        control = remote.Control(reader.fileno())
+        with os.fdopen(w, "wb", buffering=0) as writer:
+            writer.write(remote.spec_line(["prog"], {}, "/", 1, "h") + remote.signal_line(2) + b"stop 15 0.5")
+            spec = remote.read_spec(control, time.monotonic() + 5)
+            assert (spec["argv"], spec["rank"], spec["host"]) == (["prog"], 1, "h")
+            assert control.lines(5) == ["signal 2"]
+            assert remote.read_spec(control, time.monotonic() + 0.05) is None  # nothing more came
+        assert control.lines(5) == ["stop 15 0.5", None]  # at end of file an unfinished line still counts

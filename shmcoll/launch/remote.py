@@ -100,8 +100,12 @@ class Control:
         self.fd = fd
         self.buf = b""
         self.eof = False
+        self.pending: list = []  # lines read but not yet handled
 
     def lines(self, timeout: float) -> list:
+        if self.pending:
+            lines, self.pending = self.pending, []
+            return lines
         if self.eof:
             time.sleep(timeout)
             return []
@@ -125,15 +129,18 @@ def _say(spec: dict, msg: str) -> None:
 def read_spec(control: Control, deadline: float) -> dict | None:
     """The first line as a spec, or None if it does not come (or is not one) before the deadline."""
     while time.monotonic() < deadline:
-        for line in control.lines(deadline - time.monotonic()):
-            if line is None:
-                return None
-            try:
-                spec = json.loads(line)
-            except ValueError:
-                return None
-            ok = isinstance(spec, dict) and isinstance(spec.get("argv"), list) and spec["argv"]
-            return spec if ok and isinstance(spec.get("env"), dict) else None
+        lines = control.lines(deadline - time.monotonic())
+        if not lines:
+            continue
+        first, control.pending = lines[0], lines[1:]  # a control line may share the spec's read
+        if first is None:
+            return None
+        try:
+            spec = json.loads(first)
+        except ValueError:
+            return None
+        ok = isinstance(spec, dict) and isinstance(spec.get("argv"), list) and spec["argv"]
+        return spec if ok and isinstance(spec.get("env"), dict) else None
     return None
 
 
