@@ -1,6 +1,6 @@
 """Soak: thousands of random collectives, every result checked against a float64 reference.
 
-    shmcoll-run -n 3 python bench/soak.py --minutes 10 [--transport shm|tcp] [--seed 1]
+    shmcoll-run -n 3 python bench/soak.py --minutes 10 [--transport shm|tcp|hier] [--hosts H] [--seed 1]
 
 Every rank draws the same sequence of calls from a shared seed (op, dtype, size from 0 to
 --max-bytes, root, spawned or blocking), builds its input from (seed, call, rank), so each rank can
@@ -22,6 +22,7 @@ import numpy as np
 
 import shmcoll
 from shmcoll import ReduceKind
+from shmcoll.config import load_config
 from shmcoll.types import BFLOAT16
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64] + ([BFLOAT16] if BFLOAT16 is not None else [])
@@ -88,7 +89,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", type=int, default=4 << 20)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--transport", default=None)
+    p.add_argument("--hosts", type=int, default=None,
+                   help="simulate this many hosts (ranks split in equal runs, each its own SHMCOLL_HOST_ID)")
     args = p.parse_args(argv)
+    if args.hosts:
+        cfg = load_config()
+        os.environ["SHMCOLL_HOST_ID"] = f"simulated-host-{cfg.rank * args.hosts // cfg.world_size}"
     with shmcoll.init(transport=args.transport) as pg:
         rng = np.random.default_rng(args.seed)
         rss_warm = 0

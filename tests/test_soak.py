@@ -1,4 +1,5 @@
-"""A short soak (bench/soak.py): thousands of random collectives checked exactly, over both transports."""
+"""A short soak (bench/soak.py): thousands of random collectives checked exactly, over every transport
+(the hierarchy over two simulated hosts)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport, n", [("shm", 3), ("tcp", 2)])
-def test_short_soak_finds_no_wrong_result_and_no_growth(transport, n):
+@pytest.mark.parametrize("transport, n, hosts", [("shm", 3, 1), ("tcp", 2, 1), ("hier", 3, 2)])
+def test_short_soak_finds_no_wrong_result_and_no_growth(transport, n, hosts):
     run = subprocess.run([sys.executable, "-m", "shmcoll.launch.run_cli", "-n", str(n), "--timeout", "100",
                           str(ROOT / "bench" / "soak.py"), "--minutes", "0.12", "--max-bytes", str(1 << 20),
-                          "--transport", transport, "--seed", str(n)],
+                          "--transport", transport, "--hosts", str(hosts), "--seed", str(n)],
                          cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stdout + run.stderr
+    kind = {"shm": "ShmTransport", "tcp": "NetTransport", "hier": "HierarchicalTransport"}[transport]
+    assert f"soak: {kind}," in run.stdout, run.stdout
     total = int(re.search(r": (\d+) collectives", run.stdout).group(1))
     assert total >= 500, run.stdout  # it really ran a soak, past the point where memory is sampled
     ranks = re.findall(r"wrong elements (\d+); resident (\d+) MiB after 500 calls, (\d+) MiB at the end", run.stdout)
