@@ -49,6 +49,7 @@ TRANSPORT_VAR = "SHMCOLL_TRANSPORT"
 TRANSPORTS = ("auto", "hier", "tcp", "shm")
 # torchrun sets both for every worker (every torch since 1.9); either one means "under torchrun".
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"  # "True": torchrun's agent serves a TCPStore on MASTER_PORT
 
 DEFAULT_TIMEOUT = 300.0
 SINGLE_RANK_ADDR = "127.0.0.1"
@@ -92,6 +93,9 @@ class Config:
     local_world_size: int | None = None  # ranks on this host, when the launcher says (for checks only)
     launcher: str = ""  # Launcher.name of what supplied the rank ("torchrun", "Open MPI's mpirun", ...)
     master_port_from: str = ""  # where master_port came from, for error messages (the torchrun rule says so)
+    # torchrun's agent store (MASTER_ADDR, MASTER_PORT) when the torchrun rule moved the port and the
+    # agent serves it: a place every rank can already reach, to publish a port rank 0 really bound
+    torch_agent_store: tuple[str, int] | None = None
 
 
 def default_host_id() -> str:
@@ -191,15 +195,24 @@ def launcher_of(source: str | None, environ: Mapping[str, str]) -> Launcher:
     return _LAUNCHER_OF_VAR[source]
 
 
+TORCHRUN_PORT_STEP = 2
+
+
 def torchrun_port(master_port: int) -> int:
-    """shmcoll's rendezvous port under torchrun: MASTER_PORT + 1 (MASTER_PORT - 1 for 65535).
+    """shmcoll's rendezvous port under torchrun: MASTER_PORT + 2 (MASTER_PORT - 2 above 65533).
 
     torchrun's agent serves its own TCPStore on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), or,
     in older torch, worker rank 0 does once the program calls init_process_group: either way the
     port is torch's. Every rank computes the same neighbour without talking, and a user can open
     it in a firewall; SHMCOLL_MASTER_PORT or init(master_port=) overrides it.
+
+    Why 2 and not 1: with --standalone or a c10d rendezvous, torch takes MASTER_PORT from bind(0),
+    which Linux gives an odd port, while it gives outgoing connections even ports (since 4.6). So
+    MASTER_PORT + 1 is where the job's own client sockets land (seen here: "address in use" in 2 of
+    30 torchrun runs on a busy host); MASTER_PORT + 2 keeps the listener's parity.
     """
-    return master_port + 1 if master_port < 65535 else master_port - 1
+    step = TORCHRUN_PORT_STEP
+    return master_port + step if master_port <= 65535 - step else master_port - step
 
 
 def _resolve_int(explicit, environ, names, what) -> tuple[int | None, str | None]:
@@ -271,6 +284,12 @@ def _resolve_local_world(local: int | None, world: int, environ) -> int | None:
     return n
 
 
+def _torchrun_rule_applies(explicit_port, environ) -> bool:
+    """The port comes from MASTER_PORT (nothing shmcoll-specific or explicit) in a torchrun worker."""
+    found = _lookup(environ, MASTER_PORT_VARS)
+    return explicit_port is None and found is not None and found[0] == "MASTER_PORT" and under_torchrun(environ)
+
+
 def _resolve_port(explicit, environ) -> tuple[int | None, str]:
     """The rendezvous port and a phrase saying where it came from (the torchrun rule applied)."""
     p, src = _resolve_int(explicit, environ, MASTER_PORT_VARS, "master port")
@@ -278,7 +297,7 @@ def _resolve_port(explicit, environ) -> tuple[int | None, str]:
         return None, ""
     if not 0 <= p <= 65535:
         raise InvalidArgument(f"master port must be in 0..65535, got {p}; set {_hint(MASTER_PORT_VARS)}")
-    if src == "MASTER_PORT" and under_torchrun(environ):
+    if _torchrun_rule_applies(explicit, environ):
         return torchrun_port(p), (f"MASTER_PORT {p} moved to {torchrun_port(p)}: under torchrun, torch "
                                   f"serves its own store on MASTER_PORT; set SHMCOLL_MASTER_PORT to choose")
     return p, src or "init(master_port=)"
@@ -304,6 +323,16 @@ def _resolve_master(addr, port, world, launcher: Launcher, environ) -> tuple[str
             f"rendezvous port is not set (address {addr!r}){under}; set {_hint(MASTER_PORT_VARS)}: "
             f"{launcher.how_to_set_master}")
     return addr.strip(), p, port_from
+
+
+def _torch_agent_store(explicit_port, environ) -> tuple[str, int] | None:
+    """(MASTER_ADDR, MASTER_PORT) of torchrun's agent store, when the torchrun rule applied and the
+    agent says it serves one (TORCHELASTIC_USE_AGENT_STORE=True); None otherwise."""
+    addr = _lookup(environ, ("MASTER_ADDR",))
+    if addr is None or not _torchrun_rule_applies(explicit_port, environ) \
+            or environ.get(AGENT_STORE_VAR, "").strip() != "True":
+        return None
+    return addr[1], int(environ["MASTER_PORT"].strip())
 
 
 def _resolve_timeout(explicit, environ) -> float:
@@ -434,4 +463,5 @@ def load_config(*, rank=None, world_size=None, master_addr=None, master_port=Non
         local_world_size=_resolve_local_world(local, world, env),
         launcher=launcher.name,
         master_port_from=port_from,
+        torch_agent_store=_torch_agent_store(master_port, env) if world > 1 else None,
     )

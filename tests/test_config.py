@@ -326,11 +326,11 @@ def srun_torchrun_env(rank: int) -> dict[str, str]:
 
 # launcher env builder, world size, expected (master_addr, master_port, local_world_size, launcher)
 LAUNCHERS = {
-    "torchrun": (torchrun_env, 2, ("localhost", 39272, 2, "torchrun")),
+    "torchrun": (torchrun_env, 2, ("localhost", 39273, 2, "torchrun")),
     "mpirun": (mpirun_env, 3, ("10.0.0.1", 29500, 3, "Open MPI's mpirun")),
     "srun": (srun_env, 4, ("node01", 29500, None, "Slurm's srun")),
     "mpiexec": (mpiexec_env, 2, ("10.0.0.2", 29500, 2, "mpiexec (PMI)")),
-    "srun+torchrun": (srun_torchrun_env, 4, ("localhost", 39272, 4, "torchrun")),
+    "srun+torchrun": (srun_torchrun_env, 4, ("localhost", 39273, 4, "torchrun")),
 }
 LOCAL_RANK_OF = {"srun": lambda r: r % 2}
 
@@ -411,8 +411,9 @@ def test_precedence_of_layers(top):
 
 # --- the torchrun port rule -----------------------------------------------------------------
 
-@pytest.mark.parametrize("given,port", [("29500", 29501), ("39271", 39272), ("65535", 65534), ("0", 1)])
-def test_torchrun_takes_the_port_after_master_port(given, port):
+@pytest.mark.parametrize("given,port", [("29500", 29502), ("39271", 39273), ("65533", 65535), ("65534", 65532),
+                                        ("65535", 65533), ("0", 2)])
+def test_torchrun_takes_the_port_two_after_master_port(given, port):
     c = load_config(environ={**torchrun_env(0), "MASTER_PORT": given})
     assert c.master_port == port == cfg.torchrun_port(int(given))
     assert "torchrun" in c.master_port_from and "SHMCOLL_MASTER_PORT" in c.master_port_from
@@ -422,12 +423,12 @@ def test_torchrun_takes_the_port_after_master_port(given, port):
 def test_torchrun_is_recognised_by_either_variable(marker):
     e = {k: v for k, v in torchrun_env(0).items() if k not in cfg.TORCHRUN_VARS}
     assert load_config(environ=e).master_port == 39271
-    assert load_config(environ={**e, marker: "x"}).master_port == 39272
+    assert load_config(environ={**e, marker: "x"}).master_port == 39273
 
 
 def test_torchrun_port_rule_also_with_explicit_ranks():
     """init(rank=int(os.environ["RANK"]), ...) under torchrun: MASTER_PORT is still torch's."""
-    assert load_config(rank=1, world_size=2, environ=torchrun_env(1)).master_port == 39272
+    assert load_config(rank=1, world_size=2, environ=torchrun_env(1)).master_port == 39273
 
 
 def test_torchrun_port_overrides():
@@ -507,3 +508,17 @@ def test_bad_local_world_size(value):
 
 def test_local_rank_must_fit_local_world_size():
     assert "local world size" in raises({**mpirun_env(2), "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+
+
+def test_torch_agent_store_is_reported_only_where_torch_serves_one():
+    """bootstrap may publish rank 0's real port there; it must be torch's endpoint or None."""
+    assert load_config(environ=torchrun_env(1)).torch_agent_store == ("localhost", 39271)
+    assert load_config(rank=1, world_size=2, environ=torchrun_env(1)).torch_agent_store == ("localhost", 39271)
+    assert load_config(environ={**torchrun_env(1), "TORCHELASTIC_USE_AGENT_STORE": "False"}).torch_agent_store is None
+    assert load_config(environ={**torchrun_env(1), "SHMCOLL_MASTER_PORT": "4000"}).torch_agent_store is None
+    assert load_config(master_port=4000, environ=torchrun_env(1)).torch_agent_store is None
+    assert load_config(environ=torchrun_env(0, world=1)).torch_agent_store is None
+    for make in (mpirun_env, srun_env, mpiexec_env):
+        assert load_config(environ=make(0)).torch_agent_store is None
+    e = {**torchrun_env(1), "SHMCOLL_MASTER_ADDR": "10.1.1.1"}  # shmcoll elsewhere; torch's store stays
+    assert load_config(environ=e).torch_agent_store == ("localhost", 39271)

@@ -159,9 +159,9 @@ def torchrun_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", *args]
 
 
-def test_torchrun_standalone_uses_the_port_after_torchs():
-    """--standalone: torch's agent holds MASTER_PORT (a port it picked), shmcoll takes the next one."""
-    argv = torchrun_cmd("--standalone", PROGRAM, "torchrun", "--expect-port", "MASTER_PORT+1")
+def test_torchrun_standalone_uses_a_port_beside_torchs():
+    """--standalone: torch's agent holds MASTER_PORT (a port it picked), shmcoll takes MASTER_PORT + 2."""
+    argv = torchrun_cmd("--standalone", PROGRAM, "torchrun", "--expect-port", "MASTER_PORT+2")
     rc, out = run_bounded(argv, clean_env())
     assert_all_ok(rc, out, 2)
 
@@ -169,13 +169,13 @@ def test_torchrun_standalone_uses_the_port_after_torchs():
 def test_torchrun_static_master_port():
     port = free_port()
     argv = torchrun_cmd("--master-addr", "127.0.0.1", "--master-port", str(port), PROGRAM, "torchrun",
-                        "--expect-port", str(port + 1))
+                        "--expect-port", str(port + 2))
     rc, out = run_bounded(argv, clean_env())
     assert_all_ok(rc, out, 2)
 
 
 def test_torchrun_shmcoll_master_port_overrides():
-    """SHMCOLL_MASTER_PORT, exported to torchrun, is used as is (no +1), over a TCP mesh this time."""
+    """SHMCOLL_MASTER_PORT, exported to torchrun, is used as is (no +2), over a TCP mesh this time."""
     port = free_port()
     argv = torchrun_cmd("--standalone", PROGRAM, "torchrun", "--expect-port", str(port))
     rc, out = run_bounded(argv, clean_env(SHMCOLL_MASTER_PORT=str(port), SHMCOLL_TRANSPORT="tcp"))
