@@ -107,6 +107,19 @@ def check_layout(oks: list[re.Match], layout: list[str]) -> None:
     assert str(os.stat("/proc/self/ns/net").st_ino) not in namespaces
 
 
+@pytest.mark.timeout(60)
+def test_netns_tool_status_names_and_no_clobbering(hosts):
+    status = _sh("bash", str(NETNS), "status", hosts)
+    assert status.returncode == 0, status.stderr
+    addrs = dict(re.findall(rf"^  ({hosts}\d) UP (\S+)/24$", status.stdout, re.M))
+    assert sorted(addrs) == [f"{hosts}1", f"{hosts}2"], status.stdout
+    assert _sh("getent", "hosts", f"{hosts}2").stdout.split()[0] == addrs[f"{hosts}2"]  # this namespace
+    inside = _sh("ip", "netns", "exec", f"{hosts}1", "getent", "hosts", f"{hosts}2")  # a host's own view
+    assert inside.stdout.split()[0] == addrs[f"{hosts}2"], inside.stderr
+    again = _sh("bash", str(NETNS), "up", "2", hosts)
+    assert again.returncode == 1 and "already up" in again.stderr
+
+
 @pytest.mark.timeout(90)
 def test_two_hosts_two_ranks_each(hosts, tmp_path):
     oks = run_job(tmp_path, f"{hosts}1 slots=2\n{hosts}2 slots=2\n")
