@@ -129,3 +129,31 @@ def test_topology_groups_ranks_by_host(ids, hosts, columns):
     assert topo.leaders() == tuple(h[0] for h in hosts)
     for rank in ids:
         assert rank in topo.local_ranks(rank) and topo.local_ranks(rank)[topo.local_index(rank)] == rank
+
+
+def _disagree(pg, calls):
+    """Ranks on the first simulated host make one call, the others another, at the same sequence number."""
+    from harness import attempt
+
+    first_host = pg.rank < (pg.world_size + 1) // 2
+    return attempt(lambda: calls[0 if first_host else 1](pg))
+
+
+@pytest.mark.parametrize("calls", [
+    (lambda pg: pg.all_reduce(np.ones(2, np.float32)), lambda pg: pg.all_reduce(np.ones(1 << 20, np.float32))),
+    (lambda pg: pg.broadcast(0, np.ones(1 << 18, np.float32)), lambda pg: pg.all_gather(np.ones(1 << 16, np.float32))),
+    (lambda pg: pg.barrier(), lambda pg: pg.broadcast(3, np.ones(4, np.float64))),
+    (lambda pg: pg.all_reduce(np.ones(4096, np.float32)), lambda pg: pg.all_reduce(np.ones(4096, np.float64))),
+], ids=["small-vs-large", "broadcast-vs-all_gather", "barrier-vs-broadcast", "f32-vs-f64"])
+def test_hosts_that_disagree_all_raise_mismatch(calls, monkeypatch):
+    """Two hosts calling different things: every rank raises CollectiveMismatch, nobody hangs."""
+    results = _run_with_timeout("halves", 4, _disagree, calls, monkeypatch)
+    for rank, out in enumerate(results):
+        assert out["kind"] == "CollectiveMismatch", (rank, out["msg"])
+        assert out["call_s"] < 5.0, (rank, out)
+
+
+def _run_with_timeout(layout, n, body, arg, monkeypatch):
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    return run_ranks(n, body, arg, timeout=60, group_timeout=20.0)

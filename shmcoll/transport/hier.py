@@ -13,7 +13,7 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
-from ..errors import CollectiveTimeout
+from ..errors import CollectiveTimeout, PeerLost
 from .base import Transport
 from .frame import ABORT, Meta
 from .mailbox import AbortReason, Mailbox, Message
@@ -64,6 +64,11 @@ class HierarchicalTransport(Transport):
             except CollectiveTimeout:
                 if time.monotonic() >= deadline:
                     raise
+            except PeerLost:
+                # A remote rank that aborted quits at once; its reason may have reached this host only
+                # through the shared-memory abort flag: that reason, not the loss, is the real error.
+                self.shm.check_health(strict=False)
+                raise
             self.shm.check_health(strict)
 
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
