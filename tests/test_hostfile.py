@@ -26,7 +26,9 @@ from shmcoll.launch.run_cli import parse_args
 from shmcoll.launch.tagout import LineTagger
 from test_launcher import LONG, PROMPT, REPO, alive, assert_all_gone, job, launcher_cmd, launcher_env  # noqa: F401
 
-FAKE_RSH = '#!/bin/sh\n# a stand-in for ssh: drop the host, run the command here\nshift\nexec "$@"\n'
+FAKE_RSH = '#!/bin/sh\n# a direct-exec rsh (like ip netns exec): drop the host, exec the rest here\nshift\nexec "$@"\n'
+# Like ssh: drop the options (-o X) and the host, join the rest with spaces and let a shell parse it.
+FAKE_SSH = '#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift 2; done\nshift\nexec sh -c "$*"\n'
 
 
 # --- hostfile parsing ---------------------------------------------------------------------------
@@ -185,17 +187,27 @@ def test_tag_output_local(tmp_path):
 
 # --- real jobs through a fake rsh -----------------------------------------------------------------
 
-def hostfile_cmd(job, hostfile: str, *args: str) -> list[str]:
-    """The launcher on a hostfile, with an rsh that runs everything on this machine."""
-    (job.dir / "fake rsh").write_text(FAKE_RSH)
+def fake_rsh(job, kind: str = "exec") -> str:
+    """An --rsh that runs everything on this machine: direct exec, or through a shell like ssh."""
+    if kind == "exec":
+        (job.dir / "fake rsh").write_text(FAKE_RSH)
+        return f"sh {shlex.quote(str(job.dir / 'fake rsh'))}"
+    ssh = job.dir / "fake bin" / "ssh"  # the name is what marks it as ssh-like
+    ssh.parent.mkdir(exist_ok=True)
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    return f"{shlex.quote(str(ssh))} -o BatchMode=yes"
+
+
+def hostfile_cmd(job, hostfile: str, *args: str, rsh: str = "exec") -> list[str]:
+    """The launcher on a hostfile, with a fake rsh."""
     (job.dir / "hosts").write_text(hostfile)
-    rsh = f"sh {shlex.quote(str(job.dir / 'fake rsh'))}"
-    return launcher_cmd("--hostfile", str(job.dir / "hosts"), "--rsh", rsh, *args)
+    return launcher_cmd("--hostfile", str(job.dir / "hosts"), "--rsh", fake_rsh(job, rsh), *args)
 
 
-def run_hostfile(job, hostfile: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(hostfile_cmd(job, hostfile, *args), cwd=cwd, env=launcher_env(), capture_output=True,
-                          text=True, timeout=25)
+def run_hostfile(job, hostfile: str, *args: str, cwd=REPO, rsh: str = "exec") -> subprocess.CompletedProcess:
+    return subprocess.run(hostfile_cmd(job, hostfile, *args, rsh=rsh), cwd=cwd, env=launcher_env(),
+                          capture_output=True, text=True, timeout=25)
 
 
 def supervisor_pids(job) -> list[int]:
@@ -211,12 +223,13 @@ ENV_PROGRAM = '''
 
 
 @pytest.mark.timeout(30)
-def test_hostfile_ranks_get_their_environment(job, tmp_path):
+@pytest.mark.parametrize("rsh", ["exec", "ssh"])
+def test_hostfile_ranks_get_their_environment(job, tmp_path, rsh):
     prog = job.program(ENV_PROGRAM)
     workdir = tmp_path / "work dir"
     workdir.mkdir()
     res = run_hostfile(job, "alpha slots=2\nbeta slots=2\n", "-n", "3", "--master-addr", "127.0.0.1",
-                       "--master-port", "4321", prog, str(job.dir), cwd=workdir)
+                       "--master-port", "4321", prog, str(job.dir), cwd=workdir, rsh=rsh)
     assert res.returncode == 0, res.stderr
     seen = [json.loads((job.dir / f"env{i}.json").read_text()) for i in range(3)]
     envs = [s["env"] for s in seen]
@@ -251,7 +264,8 @@ def test_hostfile_tag_output(job, tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_failing_remote_rank_stops_every_host(job):
+@pytest.mark.parametrize("rsh", ["exec", "ssh"])
+def test_failing_remote_rank_stops_every_host(job, rsh):
     prog = job.program(f'''
         note(f"sup{{RANK}}.pid", str(os.getppid()))
         started()
@@ -262,7 +276,8 @@ def test_failing_remote_rank_stops_every_host(job):
         block({LONG})
     ''')
     t0 = time.monotonic()
-    res = run_hostfile(job, "alpha slots=2\nbeta slots=2\n", "--master-addr", "127.0.0.1", prog, str(job.dir))
+    res = run_hostfile(job, "alpha slots=2\nbeta slots=2\n", "--master-addr", "127.0.0.1", prog, str(job.dir),
+                       rsh=rsh)
     assert res.returncode == 3, res.stderr
     assert time.monotonic() - t0 < PROMPT < LONG
     assert "rank 2 (on beta" in res.stderr and "status 3" in res.stderr
