@@ -11,6 +11,7 @@ store down as soon as the new transport has carried one barrier: by then every r
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import json
 import time
 import weakref
@@ -57,9 +58,10 @@ def _rendezvous(cfg: Config, choice: str, deadline: float) -> ProcessGroup:
         try:
             server = StoreServer(cfg.master_addr, cfg.master_port, cfg.secret, f"{cfg.job_id}/store")
         except OSError as exc:
+            source = f", taken from {cfg.master_port_from}" if cfg.master_port_from else ""
             raise InvalidArgument(
-                f"rank 0 cannot serve the rendezvous on {cfg.master_addr}:{cfg.master_port}: {exc} "
-                f"(is another job using this port? set SHMCOLL_MASTER_PORT / MASTER_PORT)") from exc
+                f"rank 0 cannot serve the rendezvous on {cfg.master_addr}:{cfg.master_port}{source}: {exc} "
+                f"(is another job using this port? set SHMCOLL_MASTER_PORT to a free one)") from exc
     try:
         client = _connect_store(cfg, deadline)
         try:
@@ -167,7 +169,7 @@ def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], dea
     shm = _shm_transport(cfg, client, hosts, deadline, mailbox)
     try:
         remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
-        net = _tcp_transport(cfg, client, deadline, remote, mailbox)
+        net = _tcp_transport(cfg, client, deadline, remote, mailbox, across_hosts=True)
     except BaseException:
         shm.close()
         raise
@@ -175,16 +177,32 @@ def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], dea
 
 
 def _tcp_transport(cfg: Config, client: StoreClient, deadline: float, peers: set[int] | None = None,
-                   mailbox: Mailbox | None = None) -> NetTransport:
+                   mailbox: Mailbox | None = None, across_hosts: bool = False) -> NetTransport:
     listener = open_listener(client.local_address)
     try:
         me = json.dumps([client.local_address, listener.getsockname()[1]])
         addrs = {r: tuple(json.loads(v)) for r, v in _gather(cfg, client, "tcp", me, deadline).items()}
+        if across_hosts:
+            _check_routable(cfg, addrs)
     except BaseException:
         listener.close()
         raise
     socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers)
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox)
+
+
+def _check_routable(cfg: Config, addrs: dict[int, tuple[str, int]]) -> None:
+    """Ranks connect to the address each rank reached the rendezvous from. Some over loopback and
+    some not means the rendezvous name resolves to loopback on rank 0's host (Debian's /etc/hosts
+    maps the hostname to 127.0.1.1): the other hosts could never connect, so say so now. (All over
+    loopback is one machine simulating several hosts, which works.)"""
+    looped = sorted(r for r, (address, _) in addrs.items() if ipaddress.ip_address(address).is_loopback)
+    if looped and len(looped) < len(addrs):
+        raise InvalidArgument(
+            f"ranks {looped} reach the rendezvous {_where(cfg)} over loopback, the others over the network, "
+            f"so ranks on other hosts could not connect to them: set SHMCOLL_MASTER_ADDR (or --master-addr) "
+            f"to an address of rank 0's host that every host routes to (`getent hosts {cfg.master_addr}` "
+            f"on each host shows what the name resolves to)")
 
 
 def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], deadline: float,

@@ -157,3 +157,24 @@ def _run_with_timeout(layout, n, body, arg, monkeypatch):
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     return run_ranks(n, body, arg, timeout=60, group_timeout=20.0)
+
+
+@pytest.mark.parametrize("addresses, refused", [
+    (["127.0.1.1", "10.0.0.2", "10.0.0.3"], [0]),  # rank 0's host name resolves to loopback there
+    (["127.0.0.1", "127.0.0.1"], None),  # one machine simulating hosts: fine
+    (["10.0.0.1", "10.0.0.2"], None),
+])
+def test_ranks_published_on_loopback_next_to_routable_ones_are_refused(addresses, refused):
+    from types import SimpleNamespace
+
+    import shmcoll
+    from shmcoll.bootstrap import _check_routable
+
+    cfg = SimpleNamespace(master_addr="node1", master_port=29500)
+    addrs = {r: (a, 5000 + r) for r, a in enumerate(addresses)}
+    if refused is None:
+        _check_routable(cfg, addrs)
+        return
+    with pytest.raises(shmcoll.InvalidArgument, match=rf"ranks {refused} reach the rendezvous node1:29500 over "
+                                                       r"loopback.*SHMCOLL_MASTER_ADDR.*getent hosts node1"):
+        _check_routable(cfg, addrs)
