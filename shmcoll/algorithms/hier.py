@@ -3,8 +3,8 @@
 Each collective runs in phases: an inner one among the ranks of each host (shared memory), an
 outer one across hosts (TCP), and an inner one again; one copy of the data crosses each host
 boundary, not one per rank. The transport routes every send by peer, so the phases only choose who
-talks to whom. All phases share the call's tag: any two ranks meet in at most one kind of phase,
-and messages of one (source, tag) arrive in order.
+talks to whom. All phases share the call's tag: messages of one (source, tag) arrive in order and
+every rank runs the phases in the same order, so a phase never takes a later phase's message.
 
 Uneven hosts: K = the smallest host's rank count. A large all-reduce is cut into K slices; local
 rank j < K of every host owns slice j and all-reduces it across hosts with its peers of the same
