@@ -24,6 +24,7 @@ from .algorithms.federated import federated_average
 from .algorithms.hier import hier_all_gather, hier_barrier, hier_broadcast, small_all_reduce, two_level_all_reduce
 from .algorithms.ring import one_shot_all_reduce, ring_all_gather, ring_all_reduce
 from .config import Tuning
+from .recorder import FlightRecorder, diagnosis
 from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
 from .transport.base import Transport
 from .transport.frame import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, COLLECTIVE_NAMES,
@@ -51,6 +52,7 @@ class _State:
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     worker: OrderedWorker = field(default_factory=OrderedWorker)
+    recorder: FlightRecorder = field(default_factory=FlightRecorder)
 
 
 class ProcessGroup:
@@ -229,6 +231,8 @@ class ProcessGroup:
         except BaseException as exc:  # Ctrl-C or a bug mid-call: peers must not wait for us
             self._fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
             raise
+        if meta.seq != _STARTUP_SEQ:
+            self._st.recorder.completed(meta, time.monotonic() - start)
         self._debug("end", meta, start)
         return result
 
@@ -247,6 +251,8 @@ class ProcessGroup:
         detail = str(exc)
         if isinstance(exc, CollectiveTimeout):
             detail += f" (timeout {st.transport.timeout:g} s); {self._silence_report()}"
+        if isinstance(exc, (CollectiveTimeout, CollectiveMismatch)):
+            detail += f"; {diagnosis(st.recorder, st.transport.last_heard(), self.rank, start)}"
         error = _same_kind(exc, f"rank {self.rank}: {what} failed: {detail}")
         if st.broken is None:
             st.broken = error

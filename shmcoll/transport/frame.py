@@ -10,7 +10,7 @@ import math
 import struct
 from typing import NamedTuple
 
-from ..types import WIRE_TYPES
+from ..types import WIRE_TYPES, ReduceKind
 
 MAGIC = b"SHMC"
 VERSION = 1
@@ -113,10 +113,12 @@ def describe_mismatch(got: Meta, want: Meta, src: int) -> str | None:
     """None when `got` (from rank `src`) matches the call this rank made, else a sentence saying how."""
     if got == want:
         return None
+    return (f"at sequence number {want.seq} rank {src} called {describe_call(got)} (its sequence number "
+            f"{got.seq}) but this rank called {describe_call(want)}")
 
-    def call(m: Meta) -> str:
-        dtype = WIRE_TYPES[m.dtype].name if m.dtype in WIRE_TYPES else f"dtype#{m.dtype}"
-        return f"{COLLECTIVE_NAMES.get(m.coll, f'collective#{m.coll}')}(dtype={dtype}, count={m.count}, op={m.op}, root={m.root})"
 
-    return (f"at sequence number {want.seq} rank {src} called {call(got)} (its sequence number {got.seq}) "
-            f"but this rank called {call(want)}")
+def describe_call(m: Meta) -> str:
+    """A collective call as a reader would write it: all_reduce(dtype=float32, count=4, op=SUM, root=0)."""
+    dtype = WIRE_TYPES[m.dtype].name if m.dtype in WIRE_TYPES else f"dtype#{m.dtype}"
+    op = ReduceKind(m.op).name if m.op in ReduceKind._value2member_map_ else f"op#{m.op}"
+    return f"{COLLECTIVE_NAMES.get(m.coll, f'collective#{m.coll}')}(dtype={dtype}, count={m.count}, op={op}, root={m.root})"
