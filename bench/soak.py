@@ -3,7 +3,8 @@
     shmcoll-run -n 3 python bench/soak.py --minutes 10 [--transport shm|tcp|hier] [--hosts H] [--seed 1]
 
 Every rank draws the same sequence of calls from a shared seed (op, dtype, size from 0 to
---max-bytes, root, spawned or blocking), builds its input from (seed, call, rank), so each rank can
+--max-bytes, root, spawned or blocking; up to three spawned all-reduces stay in flight while later
+blocking calls queue behind them), builds its input from (seed, call, rank), so each rank can
 compute the exact expected result locally. Inputs are small integers, so sums and products are
 exact in every dtype and any reduction order. Rank 0 prints counts, errors and each rank's resident
 memory after the first 500 calls and at the end (it must not grow), and its peak. Exit status 1 on
@@ -60,20 +61,42 @@ def draw(rng, max_bytes: int, n: int):
     return kind, dtype, op, max(0, size // np.dtype(dtype).itemsize), int(rng.integers(n))
 
 
+def wrong_elements(got: np.ndarray, want: np.ndarray) -> int:
+    """Elements that differ bit for bit (so -0.0 and NaN payloads count too)."""
+    return int(np.count_nonzero(got.view(np.uint8).reshape(-1) != want.view(np.uint8).reshape(-1)))
+
+
+class Spawned:
+    """spawn_all_reduce calls still in flight: joined a few calls later, after blocking ones."""
+
+    def __init__(self):
+        self.pending = []  # (handle, data, expected)
+
+    def start(self, pg, seed, call, dtype, op, count) -> None:
+        data = inputs(seed, call, pg.rank, count, dtype, op)
+        want = expected_reduce(seed, call, pg.world_size, count, dtype, op)
+        self.pending.append((pg.spawn_all_reduce(data, op), data, want))
+
+    def join(self, keep: int = 0) -> int:
+        """Join all but the newest `keep`; the number of wrong elements among them."""
+        wrong = 0
+        while len(self.pending) > keep:
+            handle, data, want = self.pending.pop(0)
+            handle.join(timeout=600)
+            wrong += wrong_elements(data, want)
+        return wrong
+
+
 def one_call(pg, seed, call, kind, dtype, op, count, root) -> int:
     """Run one collective; the number of wrong elements on this rank."""
     n, r = pg.world_size, pg.rank
     if kind == "barrier":
         pg.barrier()
         return 0
-    if kind in ("all_reduce", "spawn_all_reduce"):
+    if kind == "all_reduce":
         data = inputs(seed, call, r, count, dtype, op)
-        if kind == "all_reduce":
-            pg.all_reduce(data, op)
-        else:
-            pg.spawn_all_reduce(data, op).join()
-        want = expected_reduce(seed, call, n, count, dtype, op)
-        return int(np.count_nonzero(data.view(np.uint8).reshape(-1) != want.view(np.uint8).reshape(-1)))
+        pg.all_reduce(data, op)
+        return wrong_elements(data, expected_reduce(seed, call, n, count, dtype, op))
     if kind == "broadcast":
         data = inputs(seed, call, root, count, dtype, op) if r == root else np.zeros(count, dtype)
         pg.broadcast(root, data)
@@ -101,9 +124,14 @@ def main(argv=None) -> int:
         counts, wrong, call = {k: 0 for k in KINDS}, 0, 0
         end = time.monotonic() + 60 * args.minutes
         go = np.ones(1, np.int32)
+        spawned = Spawned()
         while go[0]:
             kind, dtype, op, count, root = draw(rng, args.max_bytes, pg.world_size)
-            wrong += one_call(pg, args.seed, call, kind, dtype, op, count, root)
+            if kind == "spawn_all_reduce":
+                spawned.start(pg, args.seed, call, dtype, op, count)
+            else:
+                wrong += one_call(pg, args.seed, call, kind, dtype, op, count, root)
+            wrong += spawned.join(keep=int(rng.integers(4)))  # up to 3 stay in flight across later calls
             counts[kind] += 1
             call += 1
             if call == 500:
@@ -111,6 +139,7 @@ def main(argv=None) -> int:
             if call % 50 == 0:  # everyone stops at the same call: rank 0's clock decides
                 go[0] = int(time.monotonic() < end) if pg.rank == 0 else 0
                 pg.broadcast(0, go)
+        wrong += spawned.join()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
         final = resident_bytes()
         report = np.array([wrong, rss_warm or final, final, peak], np.int64)  # (a run under 500 calls: no baseline)

@@ -14,10 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport, n, hosts", [("shm", 3, 1), ("tcp", 2, 1), ("hier", 3, 2)])
-def test_short_soak_finds_no_wrong_result_and_no_growth(transport, n, hosts):
+@pytest.mark.parametrize("transport, n, hosts, minutes", [
+    ("hier", 4, 2, 0.5),  # the 30-second soak: shared memory and TCP at once
+    ("shm", 3, 1, 0.15),
+    ("tcp", 2, 1, 0.12),
+])
+def test_short_soak_finds_no_wrong_result_and_no_growth(transport, n, hosts, minutes):
     run = subprocess.run([sys.executable, "-m", "shmcoll.launch.run_cli", "-n", str(n), "--timeout", "100",
-                          str(ROOT / "bench" / "soak.py"), "--minutes", "0.12", "--max-bytes", str(1 << 20),
+                          str(ROOT / "bench" / "soak.py"), "--minutes", str(minutes), "--max-bytes", str(1 << 20),
                           "--transport", transport, "--hosts", str(hosts), "--seed", str(n)],
                          cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stdout + run.stderr
