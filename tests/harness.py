@@ -165,3 +165,37 @@ def finish_together(barrier, bound: float = 10.0) -> bool:
         return True
     except threading.BrokenBarrierError:
         return False
+
+
+def shm_names_of(pids) -> list[str]:
+    """Entries of /dev/shm created by any of these processes. shmcoll names every segment and
+    semaphore after its creator ("shmcoll-<pid>-...", semaphores with a "sem." prefix), so a test
+    can check its own ranks left nothing, whatever other jobs on the machine are doing."""
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return []
+    wanted = {str(pid) for pid in pids if pid}
+    left = []
+    for entry in entries:
+        parts = entry.removeprefix("sem.").split("-", 2)
+        if len(parts) == 3 and parts[0] == "shmcoll" and parts[1] in wanted:
+            left.append(entry)
+    return sorted(left)
+
+
+def child_processes(pid: int | None = None) -> list[tuple[int, str]]:
+    """(pid, state) of every process whose parent is `pid` (default: this process), zombies included."""
+    parent = os.getpid() if pid is None else pid
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == parent:
+            found.append((int(entry), fields[0].decode()))
+    return sorted(found)
