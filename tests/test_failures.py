@@ -1,5 +1,7 @@
 """Failure handling in real processes: dead, stopped and departed ranks, mismatched calls, rendezvous
-problems and wrong secrets. Every rank is a real forked process with a real ProcessGroup over TCP.
+problems and wrong secrets. Every rank is a real forked process with a real ProcessGroup; every
+scenario that involves a transport runs over tcp, shm and hier (the `transport` fixture; "hier"
+simulates two hosts, the first half of the ranks on one, the rest on the other).
 
 Conventions of this file:
 
@@ -10,14 +12,17 @@ Conventions of this file:
   it first takes the others' first frames of that call (`_inside`), so nothing relies on sleep().
 * Before the call under test every rank finishes a warm-up collective and meets the others at an
   out-of-band barrier (`_check_group_works`), so no fault lands on frames of an earlier call.
-* Ranks that raised stay alive (`_finish`, a bounded multiprocessing barrier) until every other live
-  rank is done, so what a rank sees comes from the library's own failure handling, never from a peer
-  process that already exited and closed its sockets.
+* Ranks that raised stay alive (`finish_together`, a bounded multiprocessing barrier) until every
+  other live rank is done, so what a rank sees comes from the library's own failure handling, never
+  from a peer process that already exited and closed its sockets.
 * Group timeouts are long (LONG) wherever waiting them out must fail the test, and every wait in the
   test itself is bounded (run_ranks' timeout, pytest-timeout, bounded barrier waits).
+* After every scenario (`_Aftermath.check`): nothing its ranks created is left in /dev/shm, no
+  process is left behind, and (checked in the ranks) every survivor's group refuses the next call at
+  once saying it is broken, and close() leaves no shmcoll thread and no child process.
 * Monotonic clocks are system wide on Linux, so `fault_s` (victim's fault to survivor's error) is
-  measured across processes; `call_s` is from the survivor's call to its error.
-* Run with -s to see the measured timings.
+  measured across processes; `call_s` is from the survivor's call to its error. Each scenario prints
+  a "[timing] <transport> | <scenario>: ..." line (run with -s); bench/fault_times.py tabulates them.
 """
 
 from __future__ import annotations
@@ -32,20 +37,25 @@ import threading
 import time
 
 import numpy as np
+import posix_ipc
 import pytest
 
 import shmcoll
+import shmcoll.bootstrap
 from shmcoll import CollectiveError, ReduceKind
+from shmcoll.types import WIRE_TYPES
 
-from harness import CTX, Died, attempt, finish_together, run_ranks
+from harness import CTX, Died, attempt, child_processes, finish_together, run_ranks, shm_names_of, simulated_host_id
 
 
-pytestmark = [pytest.mark.timeout(45), pytest.mark.usefixtures("transport")]  # over tcp and shm
+pytestmark = pytest.mark.timeout(45)
 
 LONG = 60.0  # group timeout where waiting it out must fail the test
-PROMPT = 5.0  # a failure must reach every rank well within this many seconds
+PROMPT = 2.0  # a lost peer or a mismatch must reach every rank within this many seconds
 AT_ONCE = 0.5  # a call on a broken group must fail within this
-STOP_TIMEOUT = 3.0  # group timeout for the SIGSTOP tests
+STOP_TIMEOUT = 3.0  # group timeout for the SIGSTOP tests (above group.SILENT_AFTER, so the stopped rank is named)
+STOP_MARGIN = 1.0  # ...and how much later than it every survivor must have raised CollectiveTimeout
+SETUP_TIMEOUT = 2.0  # group timeout for the start-up tests
 BIG = 1 << 20  # float32 elements (4 MiB): many chunks per ring step with...
 CHUNKS = {"SHMCOLL_CHUNK_BYTES": str(64 << 10)}  # ...64 KiB frames
 RUN_TIMEOUT = 30.0  # run_ranks' own deadline (dumps the stacks of hung ranks)
@@ -70,25 +80,34 @@ def _shmcoll_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("shmcoll-"))
 
 
+def _leftovers() -> dict:
+    return {"threads": _shmcoll_threads(), "children": child_processes()}
+
+
 def _close(pg) -> dict:
     start = time.monotonic()
     pg.close()
-    return {"close_s": time.monotonic() - start, "threads": _shmcoll_threads()}
+    return {"close_s": time.monotonic() - start, **_leftovers()}
 
 
 def _arm(pg, after_sends: int, sig: int, stamps) -> None:
-    """Deliver `sig` to this rank just before its `after_sends`-th frame from now on; stamp the time."""
-    transport = pg.transport
-    real_send = transport.send
+    """Deliver `sig` to this rank just before its `after_sends`-th frame from now on; stamp the time.
+    A frame is a transport send or, over shared memory, an entry published on the board (the small
+    collectives' way)."""
     count = itertools.count(1)
 
-    def send(*args, **kwargs):
-        if next(count) == after_sends:
-            stamps[pg.rank] = time.monotonic()
-            os.kill(os.getpid(), sig)
-        return real_send(*args, **kwargs)
+    def armed(real):
+        def fire_then_call(*args, **kwargs):
+            if next(count) == after_sends:
+                stamps[pg.rank] = time.monotonic()
+                os.kill(os.getpid(), sig)
+            return real(*args, **kwargs)
+        return fire_then_call
 
-    transport.send = send
+    transport = pg.transport
+    transport.send = armed(transport.send)
+    if transport.board is not None:
+        transport.board.publish = armed(transport.board.publish)
 
 
 def _inside(pg, peers, seq: int, bound: float = 10.0, nbytes: int = 0) -> bool:
@@ -120,23 +139,76 @@ def _check_group_works(pg, ready) -> None:
     ready.wait(timeout=RUN_TIMEOUT / 2)
 
 
+def _tracked(rank, n, port, pids, body, *args):
+    """body(rank, n, port, *args), with this rank's pid recorded first (for the checks afterwards)."""
+    pids[rank] = os.getpid()
+    return body(rank, n, port, *args)
+
+
 # ---------------------------------------------------------------------------------------------
 # helpers run in the test process
 # ---------------------------------------------------------------------------------------------
 
-def _report(name: str, outs: dict) -> None:
+def _label() -> str:
+    """The transport this test runs over, as the timing table names it."""
+    kind = os.environ.get("SHMCOLL_TRANSPORT", "any")
+    hosts = os.environ.get("SHMCOLL_TEST_HOSTS", "halves")
+    return f"hier:{hosts}" if kind == "hier" and hosts != "halves" else kind
+
+
+def _report(name: str, outs: dict, label: str | None = None) -> None:
+    """One "[timing]" line per scenario: each rank's error, call time and (if known) fault-to-error time."""
     parts = []
     for rank, out in sorted(outs.items()):
         text = f"rank {rank}: {out['kind']} call {out['call_s']:.3f}s"
         if "fault_s" in out:
             text += f" fault {out['fault_s']:.3f}s"
         parts.append(text)
-    print(f"\n[timing] {name}: " + "; ".join(parts))
+    print(f"\n[timing] {label or _label()} | {name}: " + "; ".join(parts))
+
+
+class _Aftermath:
+    """What must hold once a scenario is over, whatever happened in it."""
+
+    def __init__(self):
+        self.children_before = {pid for pid, _ in child_processes()}
+        self.pids: list[int] = []
+
+    def check(self, pids) -> None:
+        self.pids = list(pids)
+        left = shm_names_of(pids)
+        assert left == [], f"shared memory of this scenario left in /dev/shm: {left}"
+        stray = [c for c in child_processes() if c[0] not in self.children_before]
+        assert stray == [], f"processes left behind (pid, state): {stray}"
+        assert multiprocessing.active_children() == []
+
+    def clean_up(self) -> None:
+        """Unlink what a failed check found, so the leak is reported once, by its own scenario."""
+        for entry in shm_names_of(self.pids):
+            unlink = posix_ipc.unlink_semaphore if entry.startswith("sem.") else posix_ipc.unlink_shared_memory
+            try:
+                unlink("/" + entry.removeprefix("sem."))
+            except posix_ipc.ExistentialError:
+                pass
+
+
+@pytest.fixture
+def aftermath():
+    after = _Aftermath()
+    yield after
+    after.clean_up()
+
+
+def _run(n: int, body, *args, **kwargs) -> tuple[list, list[int]]:
+    """run_ranks(n, body, *args) with init=False; also returns the ranks' pids."""
+    pids = CTX.RawArray("q", n)
+    return run_ranks(n, _tracked, pids, body, *args, init=False, **kwargs), list(pids)
 
 
 def _assert_lost(out: dict, victim: int) -> None:
     assert out["kind"] == "PeerLost" and out["connection_error"], out
     assert out["peer"] == victim, out
+    assert f"rank {victim}" in out["msg"], out["msg"]
     assert out["call_s"] < PROMPT, out
     if "fault_s" in out:
         assert out["fault_s"] < PROMPT, out
@@ -153,15 +225,25 @@ def _assert_broken(out: dict, kind: str, peer: int | None = None) -> None:
 
 def _assert_closed_cleanly(out: dict) -> None:
     assert out["close_s"] < PROMPT, out
-    assert out["threads"] == [], f"shmcoll threads still running after close(): {out['threads']}"
+    _assert_nothing_running(out)
 
 
-def _assert_no_children() -> None:
-    assert multiprocessing.active_children() == []
+def _assert_nothing_running(out: dict) -> None:
+    assert out["threads"] == [], f"shmcoll threads still running: {out['threads']}"
+    assert out["children"] == [], f"child processes of a rank: {out['children']}"
+
+
+def _assert_survivors(outs: dict, victim: int) -> None:
+    """Every survivor: PeerLost naming the victim promptly, then a broken group, then a clean close."""
+    for out in outs.values():
+        _assert_lost(out, victim)
+        _assert_broken(out, "PeerLost", victim)
+        assert out["finished_together"], out
+        _assert_closed_cleanly(out)
 
 
 # ---------------------------------------------------------------------------------------------
-# 1, 2, 8: kill -9 of one rank inside a collective
+# kill -9 of one rank inside a collective
 # ---------------------------------------------------------------------------------------------
 
 def _call_all_reduce(pg, data):
@@ -177,12 +259,21 @@ def _call_spawn_all_reduce(pg, data):
     handle.join(timeout=RUN_TIMEOUT)
 
 
+def _call_barrier(pg, data):
+    pg.barrier()
+
+
+#: after how many of the victim's frames of the call it is killed: partway through the big calls,
+#: at its first frame of a barrier (which sends only a few)
+_AFTER_SENDS = {_call_all_reduce: 5, _call_broadcast: 5, _call_spawn_all_reduce: 5, _call_barrier: 1}
+
+
 def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
     pg = _init(rank, n, port)
     _check_group_works(pg, ready)
     data = np.full(BIG, float(rank), dtype=np.float32)
     if rank == victim:
-        _arm(pg, 5, signal.SIGKILL, stamps)  # dies just before its 5th frame of the big call
+        _arm(pg, _AFTER_SENDS[call], signal.SIGKILL, stamps)
         call(pg, data)
         return {"kind": "victim survived its own SIGKILL"}
     out = attempt(lambda: call(pg, data))
@@ -193,6 +284,18 @@ def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
     return out
 
 
+def _sigkill_partway(n: int, victim: int, call, aftermath, who: str | None = None) -> dict:
+    stamps = CTX.RawArray("d", n)
+    results, pids = _run(n, _killed_partway, victim, call, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
+                         env=CHUNKS, may_die={victim}, timeout=RUN_TIMEOUT)
+    assert results[victim] == Died(-signal.SIGKILL)
+    outs = {r: out for r, out in enumerate(results) if r != victim}
+    _report(f"SIGKILL {call.__name__[6:]} n={n} victim={who or victim}", outs)
+    _assert_survivors(outs, victim)
+    aftermath.check(pids)
+    return outs
+
+
 @pytest.mark.parametrize("call, n, victim", [
     (_call_all_reduce, 2, 1),
     (_call_all_reduce, 3, 0),
@@ -200,23 +303,36 @@ def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
     (_call_broadcast, 3, 0),  # the root dies while streaming
     (_call_broadcast, 4, FORWARDER),  # a forwarding rank dies
     (_call_spawn_all_reduce, 3, 1),  # dies on the victim's background worker thread
+    (_call_barrier, 4, 3),
 ], ids=["all_reduce-n2", "all_reduce-n3-rank0", "all_reduce-n4", "broadcast-root", "broadcast-middle",
-        "spawn_all_reduce-n3"])
-def test_sigkill_partway_through_collective(call, n, victim, transport):
+        "spawn_all_reduce-n3", "barrier-n4"])
+def test_sigkill_partway_through_collective(call, n, victim, transport, aftermath):
+    who = None
     if victim is FORWARDER:  # in a flat chain rank 1 forwards; over two hosts (0,1 + 2,3), rank 2 does
         victim = 2 if transport == "hier" else 1
-    stamps = CTX.RawArray("d", n)
-    results = run_ranks(n, _killed_partway, victim, call, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), init=False,
-                        env=CHUNKS, may_die={victim}, timeout=RUN_TIMEOUT)
-    assert results[victim] == Died(-signal.SIGKILL)
-    outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report(f"SIGKILL {call.__name__[6:]} n={n} victim={victim}", outs)
-    for out in outs.values():
-        _assert_lost(out, victim)
-        _assert_broken(out, "PeerLost", victim)
-        assert out["finished_together"], out
-        _assert_closed_cleanly(out)
-    _assert_no_children()
+        who = "forwarder"
+    _sigkill_partway(n, victim, call, aftermath, who)
+
+
+# (host layout, call, world size, victim); every case has survivors on another host than the victim's
+ACROSS_HOSTS = [
+    ("first-alone", _call_all_reduce, 4, 0),  # the only rank of its host, and the rendezvous' rank 0
+    ("first-alone", _call_all_reduce, 4, 2),  # rank 0 alone on the other host
+    ("interleaved", _call_broadcast, 4, 1),  # host b's leader, forwarding the root's data to rank 3
+    ("each", _call_all_reduce, 4, 3),  # one rank per host: every survivor learns over TCP
+    ("halves", _call_spawn_all_reduce, 4, 3),  # not its host's leader
+    ("halves", _call_barrier, 4, 2),  # its host's leader, inside the leaders' barrier
+]
+
+
+@pytest.mark.parametrize("layout, call, n, victim", ACROSS_HOSTS,
+                         ids=[f"{m[0]}-{m[1].__name__[6:]}-victim{m[3]}" for m in ACROSS_HOSTS])
+def test_sigkill_across_simulated_hosts(layout, call, n, victim, monkeypatch, aftermath):
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    hosts = {r: simulated_host_id(layout, r, n) for r in range(n)}
+    assert any(hosts[r] != hosts[victim] for r in range(n)), "the victim's host must not hold every survivor"
+    _sigkill_partway(n, victim, call, aftermath)
 
 
 def _killed_before_barrier(rank, n, port, victim, sender, stamps, ready, finish):
@@ -225,6 +341,7 @@ def _killed_before_barrier(rank, n, port, victim, sender, stamps, ready, finish)
     if rank == victim:
         # die before calling barrier, once the rank that signals it first is waiting inside it
         inside = _inside(pg, [sender], seq=1)
+        stamps[n] = float(inside)
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
         return {"kind": f"victim survived its own SIGKILL (inside={inside})"}
@@ -236,88 +353,104 @@ def _killed_before_barrier(rank, n, port, victim, sender, stamps, ready, finish)
     return out
 
 
-def test_sigkill_while_others_wait_in_barrier(transport):
+def test_sigkill_while_others_wait_in_barrier(transport, aftermath):
     n, victim = 4, 2
     sender = 3 if transport == "hier" else 1  # over hosts 0,1 + 2,3 rank 2 first hears from its host's rank 3
-    stamps = CTX.RawArray("d", n)
-    results = run_ranks(n, _killed_before_barrier, victim, sender, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), init=False,
-                        may_die={victim}, timeout=RUN_TIMEOUT)
+    stamps = CTX.RawArray("d", n + 1)
+    results, pids = _run(n, _killed_before_barrier, victim, sender, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
+                         may_die={victim}, timeout=RUN_TIMEOUT)
     assert results[victim] == Died(-signal.SIGKILL)
+    assert stamps[n] == 1.0, "the victim died before the others were inside the barrier"
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report("SIGKILL before barrier n=4", outs)
-    for out in outs.values():
-        _assert_lost(out, victim)
-        _assert_broken(out, "PeerLost", victim)
-        assert out["finished_together"], out
-        _assert_closed_cleanly(out)
-    _assert_no_children()
+    _report(f"SIGKILL before barrier n={n} victim={victim}", outs)
+    _assert_survivors(outs, victim)
+    aftermath.check(pids)
 
 
 # ---------------------------------------------------------------------------------------------
-# 3: SIGSTOP of one rank -> CollectiveTimeout within the group timeout
+# SIGSTOP of one rank -> CollectiveTimeout within the group timeout, naming op, sequence, silent rank
 # ---------------------------------------------------------------------------------------------
+
+_OP_NAMES = {_call_all_reduce: "all_reduce", _call_broadcast: "broadcast", _call_spawn_all_reduce: "all_reduce",
+             _call_barrier: "barrier"}
+
 
 def _assert_timed_out(out: dict, op: str, seq: int, silent: int) -> None:
     """CollectiveTimeout after the group timeout (plus a margin), naming op, sequence and silent rank."""
     assert out["kind"] == "CollectiveTimeout", out
     assert out["timeout_error"], out
-    assert STOP_TIMEOUT - 0.05 <= out["call_s"] <= STOP_TIMEOUT + 5.5, out
-    assert op in out["msg"] and f"sequence number {seq}" in out["msg"], out["msg"]
+    assert STOP_TIMEOUT - 0.05 <= out["call_s"] <= STOP_TIMEOUT + STOP_MARGIN, out
+    assert f"{op} (sequence number {seq})" in out["msg"], out["msg"]
     named = re.search(r"(?:silent ranks|ranks not heard from[^:]*): \[([0-9, ]*)\]", out["msg"])
     assert named and silent in [int(r) for r in named.group(1).replace(" ", "").split(",") if r], out["msg"]
 
 
-def _stopped_partway(rank, n, port, victim, pids, stamps, ready, finish):
-    pids[rank] = os.getpid()
+def _stopped_partway(rank, n, port, victim, call, pids, stamps, ready, raised, finish):
     pg = _init(rank, n, port, timeout=STOP_TIMEOUT)
     _check_group_works(pg, ready)  # sequence number 0
     data = np.full(BIG, float(rank), dtype=np.float32)
     if rank == victim:
-        _arm(pg, 5, signal.SIGSTOP, stamps)  # stops inside all_reduce #1, resumed by the survivor
-        out = attempt(lambda: pg.all_reduce(data))
+        _arm(pg, 5, signal.SIGSTOP, stamps)  # stops inside call #1, resumed by a survivor
+        out = attempt(lambda: call(pg, data))
         out["after_resume_s"] = out["end"] - stamps[n]
     else:
+        resumer = min(r for r in range(n) if r != victim)
         try:
-            out = attempt(lambda: pg.all_reduce(data))  # sequence number 1
+            out = attempt(lambda: call(pg, data))  # sequence number 1
+            out["fault_s"] = out["end"] - stamps[victim]
             out["broken"] = _broken(pg)
+            # resume the victim only once every survivor has raised: it must not change what they see
+            out["all_raised"] = finish_together(raised, bound=STOP_TIMEOUT + STOP_MARGIN + 1.0)
         finally:
-            stamps[n] = time.monotonic()
-            os.kill(pids[victim], signal.SIGCONT)
+            if rank == resumer:
+                stamps[n] = time.monotonic()
+                os.kill(pids[victim], signal.SIGCONT)
     out["finished_together"] = finish_together(finish)
     out.update(_close(pg))
     return out
 
 
-def test_sigstop_partway_through_all_reduce_times_out_then_resumed_rank_fails_too():
-    n, victim = 2, 1
-    pids, stamps = CTX.RawArray("q", n), CTX.RawArray("d", n + 1)
-    results = run_ranks(n, _stopped_partway, victim, pids, stamps, CTX.Barrier(n), CTX.Barrier(n), init=False,
-                        env=CHUNKS, timeout=RUN_TIMEOUT)
-    survivor, resumed = results[0], results[victim]
-    _report("SIGSTOP partway all_reduce n=2", {0: survivor})
-    print(f"[timing] resumed rank raised {resumed['kind']} {resumed['after_resume_s']:.3f}s after SIGCONT")
-    _assert_timed_out(survivor, "all_reduce", 1, silent=victim)
-    _assert_broken(survivor, "CollectiveTimeout")
+@pytest.mark.parametrize("call, n, victim", [
+    (_call_all_reduce, 4, 2),  # over hier: the victim on host b, two survivors on host a
+    (_call_broadcast, 3, 0),  # the root stops while streaming
+    (_call_spawn_all_reduce, 2, 1),  # stops on its background worker thread
+], ids=["all_reduce-n4", "broadcast-root-n3", "spawn_all_reduce-n2"])
+def test_sigstop_partway_times_out_then_resumed_rank_fails_too(call, n, victim, transport, aftermath):
+    stamps = CTX.RawArray("d", n + 1)
+    pids = CTX.RawArray("q", n)
+    results = run_ranks(n, _tracked, pids, _stopped_partway, victim, call, pids, stamps, CTX.Barrier(n),
+                        CTX.Barrier(n - 1), CTX.Barrier(n), init=False, env=CHUNKS, timeout=RUN_TIMEOUT)
+    resumed = results[victim]
+    outs = {r: out for r, out in enumerate(results) if r != victim}
+    name = f"SIGSTOP {call.__name__[6:]} n={n} victim={victim}"
+    _report(name, outs)
+    _report(f"{name} (resumed victim, from SIGCONT)", {victim: {**resumed, "fault_s": resumed["after_resume_s"]}})
+    for out in outs.values():
+        _assert_timed_out(out, _OP_NAMES[call], 1, silent=victim)
+        _assert_broken(out, "CollectiveTimeout")
+        assert out["all_raised"], out
     # the stopped rank, once resumed, must fail too (its deadline passed), not hang or return
     assert resumed["collective_error"], resumed
     assert resumed["after_resume_s"] < PROMPT, resumed
     for out in results:
         assert out["finished_together"], out
         _assert_closed_cleanly(out)
-    _assert_no_children()
+    aftermath.check(list(pids))
 
 
-def _stopped_before_barrier(rank, n, port, victim, pids, ready, finish):
-    pids[rank] = os.getpid()
+def _stopped_before_barrier(rank, n, port, victim, pids, stamps, ready, raised, finish):
     pg = _init(rank, n, port, timeout=STOP_TIMEOUT)
     _check_group_works(pg, ready)  # sequence number 0
     if rank == victim:
-        _inside(pg, [(rank - 1) % n], seq=1)  # the previous rank is waiting inside barrier #1
+        stamps[n] = float(_inside(pg, [(rank - 1) % n], seq=1))  # the previous rank waits inside barrier #1
+        stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGSTOP)
         return {"kind": "victim resumed; it should have been killed while stopped"}
     try:
         out = attempt(pg.barrier)  # sequence number 1
+        out["fault_s"] = out["end"] - stamps[victim]
         out["broken"] = _broken(pg)
+        out["all_raised"] = finish_together(raised, bound=STOP_TIMEOUT + STOP_MARGIN + 1.0)
     finally:
         if rank == 0:
             os.kill(pids[victim], signal.SIGKILL)
@@ -326,183 +459,207 @@ def _stopped_before_barrier(rank, n, port, victim, pids, ready, finish):
     return out
 
 
-def test_sigstop_before_barrier_names_operation_sequence_and_silent_rank():
-    n, victim = 3, 1
-    pids = CTX.RawArray("q", n)
-    results = run_ranks(n, _stopped_before_barrier, victim, pids, CTX.Barrier(n), CTX.Barrier(n - 1), init=False,
-                        may_die={victim}, timeout=RUN_TIMEOUT)
+def test_sigstop_before_barrier_names_operation_sequence_and_silent_rank(transport, aftermath):
+    n, victim = 3, 1  # over hier: hosts 0,1 + 2, so one survivor shares the victim's host and one does not
+    pids, stamps = CTX.RawArray("q", n), CTX.RawArray("d", n + 1)
+    results = run_ranks(n, _tracked, pids, _stopped_before_barrier, victim, pids, stamps, CTX.Barrier(n),
+                        CTX.Barrier(n - 1), CTX.Barrier(n - 1), init=False, may_die={victim}, timeout=RUN_TIMEOUT)
     assert results[victim] == Died(-signal.SIGKILL)
+    assert stamps[n] == 1.0, "the victim stopped before the previous rank was inside the barrier"
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report("SIGSTOP before barrier n=3", outs)
+    _report("SIGSTOP before barrier n=3 victim=1", outs)
     for out in outs.values():
         _assert_timed_out(out, "barrier", 1, silent=victim)
         _assert_broken(out, "CollectiveTimeout")
-        assert out["finished_together"], out
+        assert out["all_raised"] and out["finished_together"], out
         _assert_closed_cleanly(out)
-    _assert_no_children()
+    aftermath.check(list(pids))
 
 
 # ---------------------------------------------------------------------------------------------
-# 5: a rank that closes its group and exits while the others call a collective
+# a rank that closes its group and exits while the others call a collective
 # ---------------------------------------------------------------------------------------------
 
-def _departs(rank, n, port, victim, count, ready, finish, senders):
+def _departs(rank, n, port, victim, count, stamps, ready, finish, senders):
     pg = _init(rank, n, port)
     _check_group_works(pg, ready)
     if rank == victim:
         # close once the ranks that send to us first are inside the all_reduce
         out = {"kind": "departed", "inside": _inside(pg, senders, seq=1, nbytes=4 * count)}
+        stamps[rank] = time.monotonic()
         out.update(_close(pg))
+        out["after_close"] = attempt(pg.barrier)
         return out
     out = attempt(lambda: pg.all_reduce(np.ones(count, dtype=np.float32)))
+    out["fault_s"] = out["end"] - stamps[victim]
     out["broken"] = _broken(pg)
-    out["finished_together"] = finish_together(finish, bound=1.5)
+    out["finished_together"] = finish_together(finish, bound=PROMPT + 0.5)
     out.update(_close(pg))
     return out
 
 
-def test_rank_closing_early_is_reported_as_lost_peer(transport):
+def _departure(n: int, victim: int, count: int, senders: list[int], name: str, aftermath) -> None:
+    stamps = CTX.RawArray("d", n)
+    results, pids = _run(n, _departs, victim, count, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), senders,
+                         env=CHUNKS, timeout=RUN_TIMEOUT)
+    departed = results[victim]
+    assert departed["inside"], departed
+    _assert_closed_cleanly(departed)
+    after = departed["after_close"]  # its own group, closed, refuses calls too
+    assert after["kind"] == "InvalidArgument" and "closed" in after["msg"], after
+    outs = {r: out for r, out in enumerate(results) if r != victim}
+    _report(name, outs)
+    _assert_survivors(outs, victim)
+    aftermath.check(pids)
+
+
+def test_rank_closing_early_is_reported_as_lost_peer(transport, aftermath):
     """One-shot all_reduce: every rank waits on the departed one directly (over hosts 0,1 + 2,
     only the leader does, and rank 1 hears of it from rank 0's abort)."""
-    n, victim = 3, 2
     senders = [0] if transport == "hier" else [0, 1]
-    results = run_ranks(n, _departs, victim, 100, CTX.Barrier(n), CTX.Barrier(n - 1), senders, init=False,
-                        timeout=RUN_TIMEOUT)
-    assert results[victim]["inside"]
-    _assert_closed_cleanly(results[victim])
-    outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report("clean early exit n=3", outs)
-    for out in outs.values():
-        _assert_lost(out, victim)
-        _assert_broken(out, "PeerLost", victim)
-        assert out["finished_together"], out
-        _assert_closed_cleanly(out)
-    _assert_no_children()
+    _departure(3, 2, 100, senders, "clean early exit, small all_reduce n=3 victim=2", aftermath)
 
 
-def test_rank_closing_early_during_ring_all_reduce_reaches_every_rank():
-    n, victim = 4, 3
-    results = run_ranks(n, _departs, victim, BIG, CTX.Barrier(n), CTX.Barrier(n - 1), [2], init=False, env=CHUNKS,
-                        timeout=RUN_TIMEOUT)
-    for rank in range(n - 1):
-        _assert_lost(results[rank], victim)
+def test_rank_closing_early_during_ring_all_reduce_reaches_every_rank(transport, aftermath):
+    _departure(4, 3, BIG, [2], "clean early exit, large all_reduce n=4 victim=3", aftermath)
 
 
 # ---------------------------------------------------------------------------------------------
-# 4: mismatched calls at the same sequence number
+# mismatched calls at the same sequence number
 # ---------------------------------------------------------------------------------------------
+
+class _Call:
+    """One side of a mismatch: what a rank calls, and the fields a message must give to describe it."""
+
+    def __init__(self, name: str, run, **fields):
+        self.name, self.run = name, run
+        self.fields = {k: str(v) for k, v in fields.items()}
+
+    def __call__(self, pg):
+        return self.run(pg)
+
+    def described_in(self, msg: str) -> bool:
+        """The message describes this call: `name(... key=value ...)` with every field of it."""
+        for found in re.finditer(rf"\b{self.name}\(([^)]*)\)", msg):
+            given = dict(kv.split("=", 1) for kv in found.group(1).split(", ") if "=" in kv)
+            if all(given.get(k) == v for k, v in self.fields.items()):
+                return True
+        return False
+
+    def __repr__(self) -> str:
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.fields.items())})"
+
+
+def _wire(dtype) -> str:
+    """The name messages give a dtype (shmcoll's wire type names: f32, f64, i32, ...)."""
+    return next(w.name for w in WIRE_TYPES.values() if w.user == np.dtype(dtype))
+
 
 def _ar(count=1000, dtype=np.float32, op=ReduceKind.SUM):
-    return lambda pg: pg.all_reduce(np.ones(count, dtype=dtype), op)
+    return _Call("all_reduce", lambda pg: pg.all_reduce(np.ones(count, dtype=dtype), op),
+                 dtype=_wire(dtype), count=count, op=op.name)
 
 
 def _bc(root=0, count=1000, dtype=np.float32):
-    return lambda pg: pg.broadcast(root, np.ones(count, dtype=dtype))
+    return _Call("broadcast", lambda pg: pg.broadcast(root, np.ones(count, dtype=dtype)),
+                 dtype=_wire(dtype), count=count, root=root)
 
 
 def _ag(count=1000, dtype=np.float32):
-    return lambda pg: pg.all_gather(np.ones(count, dtype=dtype))
+    return _Call("all_gather", lambda pg: pg.all_gather(np.ones(count, dtype=dtype)), dtype=_wire(dtype), count=count)
 
 
 def _barrier():
-    return lambda pg: pg.barrier()
+    return _Call("barrier", lambda pg: pg.barrier())
 
 
 def _spawn(count=1000):
-    return lambda pg: pg.spawn_all_reduce(np.ones(count, dtype=np.float32)).join(timeout=RUN_TIMEOUT)
+    def run(pg):
+        return pg.spawn_all_reduce(np.ones(count, dtype=np.float32)).join(timeout=RUN_TIMEOUT)
+    return _Call("all_reduce", run, dtype="f32", count=count, op="SUM")
 
 
-def _mismatched(pg, normal, odd_call, odd, ready, finish, bound):
+def _mismatched(pg, pids, normal, odd_call, odd, ready, finish):
+    pids[pg.rank] = os.getpid()
     _check_group_works(pg, ready)  # sequence number 0; the mismatch is at sequence number 1
     out = attempt(lambda: (odd_call if pg.rank == odd else normal)(pg))
     out["broken"] = _broken(pg)
-    out["finished_together"] = finish_together(finish, bound)
+    # long enough for a rank that learns within PROMPT to be measured, short enough that a rank
+    # waiting in vain fails the test quickly (the others leave, it then sees a lost peer)
+    out["finished_together"] = finish_together(finish, bound=PROMPT + 0.5)
     return out
 
 
-def _run_mismatch(n, normal, odd_call, odd, bound=5.0, group_timeout=LONG):
-    return run_ranks(n, _mismatched, normal, odd_call, odd, CTX.Barrier(n), CTX.Barrier(n), bound, env=CHUNKS,
-                     group_timeout=group_timeout, timeout=RUN_TIMEOUT)
+_SUM, _MAX, _MIN, _PROD = ReduceKind.SUM, ReduceKind.MAX, ReduceKind.MIN, ReduceKind.PROD
 
-
-# (name, world size, odd rank, what the others call, what the odd rank calls)
+# (kind:name, world size, odd rank, what the others call, what the odd rank calls). Every rank's
+# message must describe both calls (neither can be the warm-up: all_reduce of 8 float64).
 MISMATCHES = [
-    ("all_reduce-dtype", 2, 1, _ar(), _ar(dtype=np.float64)),
-    ("all_reduce-dtype", 3, 2, _ar(), _ar(dtype=np.float64)),
-    ("all_reduce-dtype", 4, 0, _ar(), _ar(dtype=np.float64)),
-    ("all_reduce-int-vs-float", 3, 1, _ar(dtype=np.int32), _ar(dtype=np.float32)),
-    ("all_reduce-length", 2, 0, _ar(), _ar(count=1001)),
-    ("all_reduce-length", 4, 3, _ar(), _ar(count=1001)),
-    ("all_reduce-op", 3, 0, _ar(), _ar(op=ReduceKind.MAX)),
-    ("all_reduce-op", 4, 2, _ar(), _ar(op=ReduceKind.MIN)),
-    ("spawn_all_reduce-length", 3, 2, _spawn(), _spawn(1001)),
-    ("all_reduce-vs-barrier", 2, 1, _ar(), _barrier()),
-    ("all_reduce-vs-all_gather", 2, 0, _ar(), _ag()),
-    ("all_gather-vs-barrier", 2, 1, _ag(), _barrier()),
-    ("spawn_all_reduce-vs-barrier", 2, 0, _spawn(), _barrier()),
-    ("all_gather-length", 2, 1, _ag(), _ag(count=999)),
-    ("all_gather-dtype", 2, 0, _ag(), _ag(dtype=np.float64)),
-    ("broadcast-both-ranks-claim-root", 2, 1, _bc(root=0), _bc(root=1)),
+    ("collective:all_reduce-vs-barrier", 2, 1, _ar(), _barrier()),
+    ("collective:all_reduce-vs-all_gather", 3, 0, _ar(), _ag()),
+    ("collective:all_gather-vs-barrier", 2, 1, _ag(), _barrier()),
+    ("collective:spawn_all_reduce-vs-barrier", 2, 0, _spawn(), _barrier()),
+    ("collective:all_reduce-vs-broadcast", 2, 1, _ar(), _bc(root=0)),  # rank 0 waits for a frame never sent
+    ("collective:broadcast-vs-all_gather-big", 4, 2, _bc(count=BIG), _ag(count=BIG // 4)),
+    ("dtype:all_reduce", 2, 1, _ar(), _ar(dtype=np.float64)),
+    ("dtype:all_reduce", 3, 2, _ar(), _ar(dtype=np.float64)),
+    ("dtype:all_reduce", 4, 0, _ar(), _ar(dtype=np.float64)),
+    ("dtype:all_reduce-int-vs-float", 3, 1, _ar(dtype=np.int32), _ar(dtype=np.float32)),
+    ("dtype:all_reduce-big", 4, 1, _ar(BIG), _ar(BIG, dtype=np.float64)),
+    ("dtype:all_gather", 2, 0, _ag(), _ag(dtype=np.float64)),
+    ("dtype:broadcast-downstream", 3, 2, _bc(), _bc(dtype=np.int32)),
+    ("length:all_reduce", 2, 0, _ar(), _ar(count=1001)),
+    ("length:all_reduce", 4, 3, _ar(), _ar(count=1001)),
+    ("length:all_reduce-big", 4, 2, _ar(BIG), _ar(BIG + 1)),
+    ("length:all_reduce-small-vs-big", 3, 1, _ar(), _ar(BIG)),  # the two sides pick different algorithms
+    ("length:spawn_all_reduce", 3, 2, _spawn(), _spawn(1001)),
+    ("length:all_gather", 2, 1, _ag(), _ag(count=999)),
+    ("length:all_gather-ring", 4, 3, _ag(), _ag(count=999)),  # ranks 1, 2 only hear from ranks that match
+    ("length:broadcast-root", 2, 0, _bc(), _bc(count=1001)),  # the root waits for the last rank's ack
+    ("length:broadcast-downstream", 3, 2, _bc(), _bc(count=1001)),
+    ("op:all_reduce", 3, 0, _ar(), _ar(op=_MAX)),
+    ("op:all_reduce", 4, 2, _ar(), _ar(op=_MIN)),
+    ("op:all_reduce-big", 4, 1, _ar(BIG), _ar(BIG, op=_PROD)),
+    ("root:broadcast-both-claim-root", 2, 1, _bc(root=0), _bc(root=1)),
+    ("root:broadcast-roots-swapped", 2, 1, _bc(root=1), _bc(root=0)),  # both wait to receive: nobody sends
+    ("root:broadcast-downstream", 3, 2, _bc(root=0), _bc(root=1)),
+    ("root:broadcast-big", 4, 3, _bc(root=0, count=BIG), _bc(root=2, count=BIG)),
 ]
+
+
+def _run_mismatch(n, normal, odd_call, odd):
+    pids = CTX.RawArray("q", n)
+    results = run_ranks(n, _mismatched, pids, normal, odd_call, odd, CTX.Barrier(n), CTX.Barrier(n), env=CHUNKS,
+                        group_timeout=LONG, timeout=RUN_TIMEOUT)
+    last_call = max(out["start"] for out in results)  # the mismatch exists once every rank has called
+    for out in results:
+        out["fault_s"] = out["end"] - last_call
+    return results, list(pids)
 
 
 @pytest.mark.parametrize("name, n, odd, normal, odd_call", MISMATCHES,
-                         ids=[f"{m[0]}-n{m[1]}-odd{m[2]}" for m in MISMATCHES])
-def test_mismatch_raises_on_every_rank(name, n, odd, normal, odd_call):
-    results = _run_mismatch(n, normal, odd_call, odd)
-    _report(f"mismatch {name} n={n}", dict(enumerate(results)))
+                         ids=[f"{m[0].replace(':', '-')}-n{m[1]}-odd{m[2]}" for m in MISMATCHES])
+def test_mismatch_raises_on_every_rank(name, n, odd, normal, odd_call, transport, aftermath):
+    results, pids = _run_mismatch(n, normal, odd_call, odd)
+    _report(f"mismatch {name} n={n} odd={odd}", dict(enumerate(results)))
     for out in results:
         assert out["kind"] == "CollectiveMismatch", out
-        assert out["call_s"] < PROMPT, out
+        assert out["call_s"] < PROMPT and out["fault_s"] < PROMPT, out
         assert "sequence number 1" in out["msg"], out["msg"]
+        for call in (normal, odd_call):
+            assert call.described_in(out["msg"]), f"{call} is not described in: {out['msg']}"
         _assert_broken(out, "CollectiveMismatch")
         assert out["finished_together"], out
-
-
-# Only some ranks receive a frame of the mismatched call; the others can only learn of the mismatch
-# from the group's abort. The bound keeps the ranks that raised alive for 1.5 s: long enough for any
-# abort to arrive, short enough that the ranks waiting in vain fail the test quickly.
-NEED_ABORT = [
-    ("all_reduce-vs-broadcast", 2, 1, _ar(), _bc(root=0)),  # rank 0 waits for a frame rank 1 never sends
-    ("broadcast-root-length", 2, 0, _bc(), _bc(count=1001)),  # the root waits for the last rank's ack
-    ("all_gather-length-ring", 4, 3, _ag(), _ag(count=999)),  # ranks 1, 2 only hear from ranks that match
-]
-
-
-@pytest.mark.parametrize("name, n, odd, normal, odd_call", NEED_ABORT,
-                         ids=[f"{m[0]}-n{m[1]}-odd{m[2]}" for m in NEED_ABORT])
-def test_mismatch_reaches_ranks_that_saw_no_mismatched_frame(name, n, odd, normal, odd_call):
-    results = _run_mismatch(n, normal, odd_call, odd, bound=1.5)
-    for out in results:
-        assert out["kind"] == "CollectiveMismatch", out
-        assert out["call_s"] < 1.0, out
-
-
-BROADCAST_DOWNSTREAM = [
-    ("length", _bc(count=1000), _bc(count=1001)),
-    ("dtype", _bc(dtype=np.float32), _bc(dtype=np.int32)),
-    ("root", _bc(root=0), _bc(root=1)),
-]
-
-
-@pytest.mark.parametrize("name, normal, odd_call", BROADCAST_DOWNSTREAM, ids=[m[0] for m in BROADCAST_DOWNSTREAM])
-def test_broadcast_mismatch_after_forwarding_rank_raises_there_too(name, normal, odd_call):
-    n, odd = 3, 2
-    results = _run_mismatch(n, normal, odd_call, odd, bound=1.5)
-    for out in results:  # the forwarding rank 1 too: it waits for the tail's "done" before returning
-        assert out["kind"] == "CollectiveMismatch", out
-
-
-def test_broadcast_ranks_naming_each_other_root_mismatch_promptly():
-    results = _run_mismatch(2, _bc(root=1), _bc(root=0), odd=1, bound=1.5, group_timeout=2.0)
-    for out in results:
-        assert out["kind"] == "CollectiveMismatch", out
-        assert out["call_s"] < 1.5, out
+    aftermath.check(pids)
 
 
 # ---------------------------------------------------------------------------------------------
-# 6: rendezvous
+# start-up: ranks that never arrive, die while the transport is built, or hold the wrong secret
 # ---------------------------------------------------------------------------------------------
+# The rendezvous (rank 0's store, the host ids every rank publishes) comes before any transport is
+# chosen: a rank missing there, a missing rank 0 and a wrong secret play out the same whatever the
+# transport, so those tests run once ("any" in the timing table). A rank that dies after the
+# rendezvous, while its transport is being built, is transport-specific and runs over every one.
 
 def _rendezvous(rank, n, port, timeouts, secrets):
     """Rank r calls init with timeouts[r] (None: never arrives) and SHMCOLL_SECRET secrets[r]."""
@@ -519,38 +676,92 @@ def _rendezvous(rank, n, port, timeouts, secrets):
         out["sum"] = int(x[0])
         out.update(_close(pg))
     else:
-        out["threads"] = _shmcoll_threads()
+        out.update(_leftovers())
     return out
 
 
-def test_rendezvous_names_the_rank_that_never_arrives():
+def test_rendezvous_names_the_rank_that_never_arrives(aftermath):
     # Rank 0 waits longest: with equal timeouts rank 0 may stop serving the store first, and then the
     # others see a raw EOFError (test_rendezvous_error_is_collective_error_when_rank0_gives_up_first).
     timeouts = [3.0, 2.0, None]
-    results = run_ranks(3, _rendezvous, timeouts, None, init=False, timeout=RUN_TIMEOUT)
-    _report("rendezvous, rank 2 missing", {r: results[r] for r in (0, 1)})
+    results, pids = _run(3, _rendezvous, timeouts, None, timeout=RUN_TIMEOUT)
+    _report("rendezvous, rank 2 never arrives", {r: results[r] for r in (0, 1)}, label="any")
     for rank in (0, 1):
         out = results[rank]
         assert out["kind"] == "CollectiveTimeout" and out["timeout_error"], out
         assert "ranks [2] never arrived" in out["msg"], out["msg"]
         # the first rank to give up tells the others why, so nobody waits longer than its own timeout
-        assert min(t for t in timeouts if t) - 0.1 <= out["call_s"] < timeouts[rank] + PROMPT, out
-        assert out["threads"] == [], out
+        assert min(t for t in timeouts if t) - 0.1 <= out["call_s"] < timeouts[rank] + 1.0, out
+        _assert_nothing_running(out)
+    aftermath.check(pids)
 
 
-def test_rendezvous_without_rank_0_says_so():
-    results = run_ranks(3, _rendezvous, [None, 2.0, 2.0], None, init=False, timeout=RUN_TIMEOUT)
-    _report("rendezvous, rank 0 missing", {r: results[r] for r in (1, 2)})
+def test_rendezvous_without_rank_0_says_so(aftermath):
+    results, pids = _run(3, _rendezvous, [None, 2.0, 2.0], None, timeout=RUN_TIMEOUT)
+    _report("rendezvous, rank 0 never arrives", {r: results[r] for r in (1, 2)}, label="any")
     for out in results[1:]:
         assert out["kind"] == "CollectiveTimeout" and out["timeout_error"], out
         assert "rank 0" in out["msg"], out["msg"]
-        assert 1.9 <= out["call_s"] < 2.0 + PROMPT, out
+        assert 1.9 <= out["call_s"] < 2.0 + 1.0, out
+        _assert_nothing_running(out)
+    aftermath.check(pids)
 
 
-def test_rendezvous_error_is_collective_error_when_rank0_gives_up_first():
-    results = run_ranks(3, _rendezvous, [1.0, 4.0, None], None, init=False, timeout=RUN_TIMEOUT)
+def test_rendezvous_error_is_collective_error_when_rank0_gives_up_first(aftermath):
+    results, pids = _run(3, _rendezvous, [1.0, 4.0, None], None, timeout=RUN_TIMEOUT)
     assert results[0]["kind"] == "CollectiveTimeout", results[0]
     assert results[1]["collective_error"], results[1]
+    for out in results[:2]:
+        _assert_nothing_running(out)
+    aftermath.check(pids)
+
+
+def _dies_building_transport(rank, n, port, victim, stamps):
+    """The victim kills itself at the first rendezvous step after the host ids: the transport is
+    being built (its shared memory created or attached, its TCP listener published or not)."""
+    if rank == victim:
+        real_gather = shmcoll.bootstrap._gather
+
+        def gather(cfg, client, kind, value, deadline):
+            if kind != "host":
+                stamps[rank] = time.monotonic()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_gather(cfg, client, kind, value, deadline)
+
+        shmcoll.bootstrap._gather = gather
+    out = attempt(lambda: _init(rank, n, port, timeout=SETUP_TIMEOUT).close())
+    out["fault_s"] = out["end"] - stamps[victim]
+    out.update(_leftovers())
+    return out
+
+
+_SEGMENT_LEAK = pytest.mark.xfail(strict=True, reason=(
+    "library: a host's shared-memory leader killed after creating its segment but before every local "
+    "rank attached leaves the segment's names in /dev/shm (bootstrap._shm_transport unlinks them only "
+    "in the leader; survivors do not sweep them, only a later job's create_segment does)"))
+
+
+@pytest.mark.parametrize("transport, victim", [
+    ("tcp", 0), ("tcp", 2),
+    pytest.param("shm", 0, marks=_SEGMENT_LEAK),  # rank 0 serves the store and leads the host
+    ("shm", 2),
+    pytest.param("hier", 0, marks=_SEGMENT_LEAK),  # host a's leader (with rank 1) and the store
+    pytest.param("hier", 2, marks=_SEGMENT_LEAK),  # host b's only rank, so its leader
+], indirect=["transport"])
+def test_rank_killed_while_transport_is_built(transport, victim, aftermath):
+    n = 3
+    stamps = CTX.RawArray("d", n)
+    results, pids = _run(n, _dies_building_transport, victim, stamps, may_die={victim}, timeout=RUN_TIMEOUT)
+    assert results[victim] == Died(-signal.SIGKILL)
+    outs = {r: out for r, out in enumerate(results) if r != victim}
+    _report(f"killed while the transport is built n={n} victim={victim}", outs)
+    for out in outs.values():
+        assert out["kind"] in ("CollectiveTimeout", "PeerLost") and out["collective_error"], out
+        # rank 0 serves the store: its death is seen at once; any other is missed at the deadline
+        assert re.search(rf"\branks? \[?{victim}\b", out["msg"]), out["msg"]
+        assert out["call_s"] <= SETUP_TIMEOUT + 1.0, out
+        _assert_nothing_running(out)
+    aftermath.check(pids)
 
 
 def _ordered_start(rank, n, port, started):
@@ -574,23 +785,24 @@ def _ordered_start(rank, n, port, started):
         return {"kind": "formed", "refused": refused, "sum": float(x[0])}
 
 
-def test_ranks_starting_before_rank_0_still_meet():
+def test_ranks_starting_before_rank_0_still_meet(aftermath):
     n = 4
-    results = run_ranks(n, _ordered_start, [CTX.Event() for _ in range(n)], init=False, timeout=RUN_TIMEOUT)
+    results, pids = _run(n, _ordered_start, [CTX.Event() for _ in range(n)], timeout=RUN_TIMEOUT)
     for out in results:
         assert out["kind"] == "formed", out
         assert out["refused"], "rank 0 was already serving: the late start was not tested"
         assert out["sum"] == n * (n + 1) / 2
+    aftermath.check(pids)
 
 
 # ---------------------------------------------------------------------------------------------
-# 7: the job secret
+# the job secret (checked at the rendezvous, before any transport: run once)
 # ---------------------------------------------------------------------------------------------
 
-def test_wrong_secret_keeps_that_rank_out():
-    results = run_ranks(3, _rendezvous, [3.0, 2.0, 2.0], ["s3cret", "s3cret", "wrong"], init=False,
-                        timeout=RUN_TIMEOUT)  # rank 0 waits longest, as above
-    _report("wrong secret on rank 2", dict(enumerate(results)))
+def test_wrong_secret_keeps_that_rank_out(aftermath):
+    results, pids = _run(3, _rendezvous, [3.0, 2.0, 2.0], ["s3cret", "s3cret", "wrong"],
+                         timeout=RUN_TIMEOUT)  # rank 0 waits longest, as above
+    _report("wrong secret on rank 2", dict(enumerate(results)), label="any")
     for out in results[:2]:
         assert out["kind"] == "CollectiveTimeout", out
         assert "ranks [2] never arrived" in out["msg"], out["msg"]
@@ -598,23 +810,27 @@ def test_wrong_secret_keeps_that_rank_out():
     assert intruder["kind"] not in ("returned", "absent"), intruder
     assert "SHMCOLL_SECRET" in intruder["msg"], intruder
     assert intruder["call_s"] < 1.0, intruder
+    for out in results:
+        _assert_nothing_running(out)
+    aftermath.check(pids)
 
 
 def test_wrong_secret_error_is_a_collective_error():
-    results = run_ranks(2, _rendezvous, [1.0, 1.0], ["s3cret", "wrong"], init=False, timeout=RUN_TIMEOUT)
+    results, _ = _run(2, _rendezvous, [1.0, 1.0], ["s3cret", "wrong"], timeout=RUN_TIMEOUT)
     assert results[1]["collective_error"], results[1]
 
 
-def test_same_secret_forms_the_job():
-    results = run_ranks(3, _rendezvous, [10.0, 10.0, 10.0], ["s3cret"] * 3, init=False, timeout=RUN_TIMEOUT)
+def test_same_secret_forms_the_job(transport, aftermath):
+    results, pids = _run(3, _rendezvous, [10.0, 10.0, 10.0], ["s3cret"] * 3, timeout=RUN_TIMEOUT)
     for out in results:
         assert out["kind"] == "returned", out
         assert out["sum"] == 6
         _assert_closed_cleanly(out)
+    aftermath.check(pids)
 
 
 # ---------------------------------------------------------------------------------------------
-# 8: nothing of shmcoll keeps running after close()
+# nothing of shmcoll keeps running after close()
 # ---------------------------------------------------------------------------------------------
 
 def _store_after_close(rank, n, port):
@@ -635,7 +851,9 @@ def _store_after_close(rank, n, port):
     return {"threads": left, "still_listening": listening}
 
 
-def test_store_thread_and_port_released_after_close():
-    out = run_ranks(2, _store_after_close, init=False, timeout=RUN_TIMEOUT)[0]
+def test_store_thread_and_port_released_after_close(transport, aftermath):
+    results, pids = _run(2, _store_after_close, timeout=RUN_TIMEOUT)
+    out = results[0]
     assert out["threads"] == [], out
     assert not out["still_listening"], out
+    aftermath.check(pids)
