@@ -13,13 +13,16 @@ import struct
 import threading
 import time
 
-from ..handshake import HandshakeError, client_handshake, server_handshake
+from ..gate import Gate
+from ..handshake import HandshakeDropped, client_handshake
 from ..netio import Deadline, connect_with_retry, recv_exact, send_all
 
 _LEN = struct.Struct("<I")
 MAX_REQUEST = 1 << 20
+#: Clients that proved the secret, served at once (each has a thread); more are refused.
 MAX_CONNECTIONS = 1024
-_HANDSHAKE_SECONDS = 10.0
+_BACKLOG = 1024
+_CONNECT_TRIES = 3  # a client the gate shed under a flood (HandshakeDropped) reconnects
 _WAIT_SLICE = 1.0  # the server answers a wait at least this often, so clients see their own deadline
 #: A rank that fails during start-up sets this key: every other rank's wait ends with its reason.
 ABORT_KEY = "__abort__"
@@ -45,48 +48,42 @@ class StoreAbort(Exception):
 
 
 class StoreServer:
-    """Serves the store on (addr, port) from daemon threads until close()."""
+    """Serves the store on (addr, port) until close().
+
+    A Gate vets every connection on one thread (a flood of silent or hostile connections costs no
+    threads and is dropped within the handshake budget); each client that proved the secret gets a
+    daemon thread, at most MAX_CONNECTIONS of them.
+    """
 
     def __init__(self, addr: str, port: int, secret: bytes | None, purpose: str):
-        self._secret, self._purpose = secret, purpose
         self._data: dict[str, str] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._handlers: list[threading.Thread] = []  # joined by close(), even those already done serving
-        self._listener = socket.create_server((addr, port), reuse_port=False)
-        self.port = self._listener.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept_loop, name="shmcoll-store", daemon=True)
-        self._acceptor.start()
+        listener = socket.create_server((addr, port), reuse_port=False, backlog=_BACKLOG)
+        self.port = listener.getsockname()[1]
+        self._gate = Gate(listener, secret, purpose, self._admit, self._start_serving, name="shmcoll-store")
 
-    def _accept_loop(self) -> None:
-        self._listener.settimeout(_WAIT_SLICE)  # so close() is seen even if shutdown cannot wake accept
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            conn.settimeout(None)
-            with self._cond:
-                if len(self._conns) >= MAX_CONNECTIONS or self._closed:
-                    conn.close()
-                    continue
-                handler = self._conns[conn] = threading.Thread(target=self._serve, args=(conn,),
-                                                               name="shmcoll-store-conn", daemon=True)
-                self._handlers = [h for h in self._handlers if h.is_alive()] + [handler]
-            handler.start()
+    def _admit(self, client_id: int) -> bool:
+        with self._cond:
+            return not self._closed and len(self._conns) < MAX_CONNECTIONS
+
+    def _start_serving(self, client_id: int, conn: socket.socket) -> None:
+        """Called by the gate with a proven client's socket: serve it on a thread of its own."""
+        with self._cond:
+            handler = self._conns[conn] = threading.Thread(target=self._serve, args=(conn,),
+                                                           name="shmcoll-store-conn", daemon=True)
+            self._handlers = [h for h in self._handlers if h.is_alive()] + [handler]
+        handler.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            server_handshake(conn, self._secret, self._purpose, time.monotonic() + _HANDSHAKE_SECONDS)
             while not self._closed:
                 request = _recv_msg(conn, time.monotonic() + 3600.0)
                 _send_msg(conn, self._answer(request), time.monotonic() + 60.0)
-        except (OSError, EOFError, ValueError, HandshakeError, Deadline, struct.error, KeyError, TypeError,
-                RecursionError):
-            pass  # a broken, hostile or finished client: drop it, the store goes on
+        except (OSError, EOFError, ValueError, Deadline, struct.error, KeyError, TypeError, RecursionError):
+            pass  # a broken or finished client: drop it, the store goes on
         finally:
             conn.close()
             with self._cond:
@@ -128,19 +125,15 @@ class StoreServer:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            conns, handlers = dict(self._conns), list(self._handlers)
             self._cond.notify_all()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept() on Linux
-        except OSError:
-            pass
-        self._listener.close()
+        self._gate.close()  # closes the listener and every connection not yet proven; no more arrive
+        with self._cond:
+            conns, handlers = dict(self._conns), list(self._handlers)
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._acceptor.join(timeout=2 * _WAIT_SLICE)
         for handler in handlers:  # woken by the shutdown above; a waiter within one wait slice
             handler.join(timeout=2 * _WAIT_SLICE)
 
@@ -149,12 +142,15 @@ class StoreClient:
     """One rank's connection to the store; every call takes an absolute monotonic deadline."""
 
     def __init__(self, addr: str, port: int, secret: bytes | None, purpose: str, client_id: int, deadline: float):
-        self._sock = connect_with_retry(addr, port, deadline)
-        try:
-            client_handshake(self._sock, secret, purpose, client_id, deadline)
-        except BaseException:
-            self._sock.close()
-            raise
+        for attempt in range(1, _CONNECT_TRIES + 1):
+            self._sock = connect_with_retry(addr, port, deadline)
+            try:
+                client_handshake(self._sock, secret, purpose, client_id, deadline)
+                break
+            except BaseException as exc:
+                self._sock.close()
+                if not isinstance(exc, HandshakeDropped) or attempt == _CONNECT_TRIES:
+                    raise
         self.local_address = self._sock.getsockname()[0]
 
     def _call(self, request: dict, deadline: float) -> dict:
