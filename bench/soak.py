@@ -28,6 +28,8 @@ from shmcoll.types import BFLOAT16
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64] + ([BFLOAT16] if BFLOAT16 is not None else [])
 INT_OPS = [ReduceKind.SUM, ReduceKind.PROD, ReduceKind.MIN, ReduceKind.MAX]
+#: Calls after which each rank samples its resident memory: doubling steps tell growth from a plateau.
+SAMPLE_AT = [500 * 2 ** k for k in range(8)]
 KINDS = ["all_reduce", "spawn_all_reduce", "broadcast", "all_gather", "barrier"]
 
 
@@ -121,6 +123,7 @@ def main(argv=None) -> int:
     with shmcoll.init(transport=args.transport) as pg:
         rng = np.random.default_rng(args.seed)
         rss_warm = 0
+        trend = np.zeros(len(SAMPLE_AT), np.int64)
         counts, wrong, call = {k: 0 for k in KINDS}, 0, 0
         end = time.monotonic() + 60 * args.minutes
         go = np.ones(1, np.int32)
@@ -136,20 +139,23 @@ def main(argv=None) -> int:
             call += 1
             if call == 500:
                 rss_warm = resident_bytes()
+            if call in SAMPLE_AT:
+                trend[SAMPLE_AT.index(call)] = resident_bytes()
             if call % 50 == 0:  # everyone stops at the same call: rank 0's clock decides
                 go[0] = int(time.monotonic() < end) if pg.rank == 0 else 0
                 pg.broadcast(0, go)
         wrong += spawned.join()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
         final = resident_bytes()
-        report = np.array([wrong, rss_warm or final, final, peak], np.int64)  # (a run under 500 calls: no baseline)
-        every = pg.all_gather(report).reshape(pg.world_size, 4)
+        report = np.array([wrong, rss_warm or final, final, peak, *trend], np.int64)  # (under 500 calls: no baseline)
+        every = pg.all_gather(report).reshape(pg.world_size, -1)
         if pg.rank == 0:
             print(f"soak: {type(pg.transport).__name__}, {pg.world_size} ranks, {args.minutes:g} min, seed {args.seed}: "
                   f"{call} collectives {counts}")
-            for rank, (bad, warm, final, top) in enumerate(every):
+            for rank, (bad, warm, final, top, *samples) in enumerate(every):
                 print(f"  rank {rank}: wrong elements {bad}; resident {warm / 2**20:.0f} MiB after 500 calls, "
-                      f"{final / 2**20:.0f} MiB at the end; peak {top / 2**20:.0f} MiB")
+                      f"{final / 2**20:.0f} MiB at the end; peak {top / 2**20:.0f} MiB; resident MiB after N calls: "
+                      + ", ".join(f"{at}: {mib / 2**20:.0f}" for at, mib in zip(SAMPLE_AT, samples) if mib))
         return 1 if every[:, 0].sum() else 0
 
 
