@@ -14,7 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmcoll.handshake import HandshakeError, client_handshake, server_handshake
+from shmcoll import gate
+from shmcoll.handshake import (ACCEPT, HandshakeDropped, HandshakeError, ServerHandshake, client_handshake,
+                               server_handshake)
 from shmcoll.rendezvous.store import StoreClient, StoreServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -315,6 +317,114 @@ def test_many_silent_connections_do_not_block_good_clients(store):
             s.close()
 
 
+def _store_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("shmcoll-store")]
+
+
+def test_flood_of_silent_connections_costs_no_threads_and_is_dropped(store):
+    """200 silent connections (more than the gate holds): good clients are served at once, the store
+    runs no thread per connection, and every silent one is closed within the handshake budget."""
+    silent = [raw_conn(store) for _ in range(200)]
+    try:
+        start = time.monotonic()
+        assert_store_serves(store)
+        assert time.monotonic() - start < 2
+        assert len(_store_threads()) <= 2  # the gate, and at most the good client's handler
+        for sock in silent:
+            assert_dropped(sock, seconds=gate.HANDSHAKE_SECONDS + 3 - (time.monotonic() - start))
+        assert time.monotonic() - start < gate.HANDSHAKE_SECONDS + 3
+        assert_store_serves(store)
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_slowloris_is_dropped_within_the_handshake_budget(store):
+    """A client that sends its hello one byte every 100 ms keeps nothing alive past the budget."""
+    sock = raw_conn(store)
+    hello = HELLO.pack(b"SHMH", 1, hashlib.sha256(PURPOSE.encode()).digest(), 1, os.urandom(16))
+    start, closed = time.monotonic(), None
+    try:
+        for i in range(len(hello)):
+            try:
+                sock.sendall(hello[i:i + 1])
+                sock.settimeout(0.1)
+                if sock.recv(64) == b"":
+                    closed = time.monotonic() - start
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = time.monotonic() - start
+                break
+        assert closed is not None and closed < gate.HANDSHAKE_SECONDS + 1.5, closed
+        assert_store_serves(store)
+    finally:
+        sock.close()
+
+
+def test_client_reconnects_when_the_server_hangs_up_mid_handshake():
+    """A client shed by a flooded gate (the server hangs up after its hello) tries again; a server
+    that fails its proof is not retried."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    port = listener.getsockname()[1]
+
+    seen = []
+
+    def serve(first_hangs_up: bool):
+        conn, _ = listener.accept()
+        with conn:
+            if first_hangs_up:
+                conn.recv(HELLO.size)
+                conn.close()
+                conn, _ = listener.accept()
+            with conn:
+                try:
+                    seen.append(server_handshake(conn, SECRET, PURPOSE, dl()))
+                except (HandshakeError, EOFError) as exc:
+                    seen.append(type(exc).__name__)
+
+    t = threading.Thread(target=serve, args=(True,), daemon=True)
+    t.start()
+    StoreClient("127.0.0.1", port, SECRET, PURPOSE, 1, dl()).close()
+    t.join(10)
+    assert not t.is_alive() and seen == [1]
+    t = threading.Thread(target=serve, args=(False,), daemon=True)
+    t.start()
+    with pytest.raises(HandshakeError) as err:
+        StoreClient("127.0.0.1", port, b"other-secret", PURPOSE, 1, dl())
+    assert not isinstance(err.value, HandshakeDropped)
+    t.join(10)
+    assert not t.is_alive() and seen == [1, "EOFError"]  # one connection only: no retry
+    listener.close()
+
+
+def _hang_up_after_hello(sock):
+    sock.recv(HELLO.size, socket.MSG_WAITALL)
+
+
+def _hang_up_after_proofs(sock):
+    """Both proofs go through, but the acceptance byte never comes (the id is not wanted)."""
+    state = ServerHandshake(SECRET, "p")
+    sock.sendall(state.feed(sock.recv(HELLO.size, socket.MSG_WAITALL)))
+    state.feed(sock.recv(32, socket.MSG_WAITALL))
+    assert state.proved
+
+
+@pytest.mark.parametrize("server", [_hang_up_after_hello, _hang_up_after_proofs], ids=["after-hello", "after-proofs"])
+def test_client_handshake_reports_a_hang_up_as_dropped(server):
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(5)
+        t = threading.Thread(target=lambda: (server(b), b.shutdown(socket.SHUT_RDWR)), daemon=True)
+        t.start()
+        with pytest.raises(HandshakeDropped):
+            client_handshake(a, SECRET, "p", 1, dl())
+        t.join(5)
+        assert not t.is_alive()
+
+
 def _send_deeply_nested(store):
     """Send a deeply nested JSON request; return once the store dropped it and its thread ended."""
     before = set(threading.enumerate())
@@ -475,3 +585,43 @@ def test_client_handshake_on_random_bytes(raw, secret):
         with pytest.raises(HandshakeError):  # the client turns every early end into a HandshakeError
             client_handshake(a, secret, "p", 1, start + 2.0)
         assert time.monotonic() - start < 1.5
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile_hellos(), st.lists(st.integers(1, 80), min_size=1, max_size=20), st.sampled_from([SECRET, None]))
+def test_server_handshake_state_machine_on_random_chunks(raw, cuts, secret):
+    """The state machine the gate drives, fed arbitrary bytes in arbitrary pieces: it only ever
+    asks for what the current step lacks, answers the hello with 48 bytes, fails only with
+    HandshakeError, and never counts anyone as proven without a MAC over its fresh nonce."""
+    state, pos, i = ServerHandshake(secret, "p"), 0, 0
+    try:
+        while pos < len(raw):
+            n = min(cuts[i % len(cuts)], state.wanted(), len(raw) - pos)
+            assert n > 0
+            reply, pos, i = state.feed(raw[pos:pos + n]), pos + n, i + 1
+            assert reply == b"" or len(reply) == 48
+    except HandshakeError:
+        pass
+    else:
+        assert len(raw) < HELLO.size + 32, "a whole hello and MAC went through without failing"
+    assert not state.proved
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=10))
+def test_server_handshake_state_machine_with_a_genuine_client_in_pieces(cuts):
+    """However the genuine client's bytes are split on the way, the state machine proves it."""
+    a, b = socket.socketpair()
+    with a, b:
+        t = threading.Thread(target=client_handshake, args=(a, SECRET, "p", 42, dl()), daemon=True)
+        t.start()
+        state, i = ServerHandshake(SECRET, "p"), 0
+        b.settimeout(5)
+        while not state.proved:
+            reply = state.feed(b.recv(min(cuts[i % len(cuts)], state.wanted())))
+            i += 1
+            if reply:
+                b.sendall(reply)
+        b.sendall(ACCEPT)
+        t.join(5)
+        assert not t.is_alive() and state.client_id == 42
