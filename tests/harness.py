@@ -7,12 +7,14 @@ shows it with the failure), so a hang fails one test quickly instead of the CI r
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 import traceback
@@ -199,3 +201,51 @@ def child_processes(pid: int | None = None) -> list[tuple[int, str]]:
         if int(fields[1]) == parent:
             found.append((int(entry), fields[0].decode()))
     return sorted(found)
+
+
+class ShmCreations:
+    """Every name created in /dev/shm from now on (inotify), so a test can tell whether another job on
+    this machine ran meanwhile: each shmcoll job sweeps the names of dead creators when it creates its
+    segment (shm_segment.sweep_stale), so a leak left by a killed rank may vanish through no merit of
+    the job that leaked it."""
+
+    _IN_CREATE, _IN_Q_OVERFLOW = 0x100, 0x4000
+    _EVENT = struct.Struct("iIII")
+
+    def __init__(self, directory: str = "/dev/shm"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        if libc.inotify_add_watch(self._fd, directory.encode(), self._IN_CREATE) < 0:
+            errno = ctypes.get_errno()
+            os.close(self._fd)
+            raise OSError(errno, f"inotify_add_watch {directory}")
+        self.names: list[str] = []
+        self.overflowed = False
+
+    def read(self) -> list[str]:
+        """The names created so far (events not read yet are read now)."""
+        while True:
+            try:
+                data = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                return self.names
+            at = 0
+            while at < len(data):
+                _, mask, _, length = self._EVENT.unpack_from(data, at)
+                at += self._EVENT.size
+                self.overflowed |= bool(mask & self._IN_Q_OVERFLOW)
+                self.names.append(data[at:at + length].rstrip(b"\0").decode(errors="replace"))
+                at += length
+
+    def shmcoll_by_others(self, pids) -> list[str]:
+        """shmcoll names created by processes other than `pids` (["?"] if events were lost)."""
+        ours = {str(pid) for pid in pids if pid}
+        names = self.read()
+        others = [n for n in names if (p := n.removeprefix("sem.").split("-", 2))[0] == "shmcoll"
+                  and len(p) == 3 and p[1] not in ours]
+        return others + (["?"] if self.overflowed else [])
+
+    def close(self) -> None:
+        os.close(self._fd)
