@@ -645,6 +645,46 @@ def test_gate_survives_a_failing_receiver():
         gate.close()
 
 
+def _gate_with_few_descriptors(tx, stop) -> None:
+    """Child process: a Gate allowed only 64 open files; reports its port and each client it delivers."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    gate = Gate(listener, SECRET.encode(), "jgate", lambda cid: True, lambda cid, sock: tx.send(cid),
+                name="shmcoll-test-gate", budget=30.0)
+    tx.send(listener.getsockname()[1])
+    stop.wait(30)
+    gate.close()
+
+
+def test_gate_out_of_descriptors_sheds_and_still_serves():
+    """When accept() fails for want of descriptors (EMFILE), the gate drops its oldest unproven
+    connection to make room instead of spinning or dying: a genuine client still gets in."""
+    rx, tx = CTX.Pipe(duplex=False)
+    stop = CTX.Event()
+    child = CTX.Process(target=_gate_with_few_descriptors, args=(tx, stop), daemon=True)
+    child.start()
+    flood = []
+    try:
+        assert rx.poll(10)
+        port = rx.recv()
+        flood = [_connect(port) for _ in range(150)]  # far more than the 64 descriptors
+        assert None not in [_wait_closed(s, 5.0) for s in flood[:80]], "the oldest must make room"
+        start = time.monotonic()
+        with _connect(port) as good:
+            client_handshake(good, SECRET.encode(), "jgate", 5, time.monotonic() + 5)
+        assert rx.poll(5) and rx.recv() == 5
+        assert time.monotonic() - start < 3.0
+        assert child.is_alive()
+    finally:
+        stop.set()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+        for s in flood:
+            s.close()
+
+
 # ---------------------------------------------------------------- fuzz: a NetTransport reader on hostile streams
 
 LIMIT = 64 << 10  # the max_payload of the transport under test
