@@ -829,3 +829,30 @@ def test_net_transport_refuses_a_header_announcing_too_much(announced):
     assert "protocol error" in mailbox.lost_peers()[1]
     assert "exceeds the limit" in mailbox.lost_peers()[1]
     assert peak < 8 << 20
+
+
+def test_a_frame_too_large_to_allocate_drops_the_peer_as_a_protocol_error():
+    """A peer that knows the secret but announces a payload this process cannot hold (under the
+    frame limit) is dropped with a protocol error, not a crash of the reader thread."""
+    import socket
+    import time
+
+    from shmcoll.transport import frame
+    from shmcoll.transport.frame import Meta
+    from shmcoll.transport.tcp import NetTransport
+
+    server = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(server.getsockname())
+    mine, _ = server.accept()
+    server.close()
+    t = NetTransport(0, 2, {1: mine})
+    try:
+        peer.sendall(frame.pack(frame.DATA, 1, 5, Meta(), 3, (1 << 38,), frame.MAX_PAYLOAD))
+        deadline = time.monotonic() + 5
+        while 1 not in t._mailbox.lost_peers() and time.monotonic() < deadline:
+            time.sleep(0.01)  # bounded poll for the reader thread's verdict
+        reason = t._mailbox.lost_peers().get(1, "")
+        assert "protocol error" in reason and "more than this process can allocate" in reason, reason
+    finally:
+        t.close()
+        peer.close()

@@ -15,7 +15,7 @@ from ..types import WIRE_TYPES, ReduceKind
 MAGIC = b"SHMC"
 VERSION = 1
 MAX_NDIM = 8
-#: Largest payload a peer may announce (SHMCOLL_MAX_MESSAGE can lower it); bigger frames are hostile.
+#: Largest payload a peer may announce (NetTransport's max_payload can lower it); bigger frames are hostile.
 MAX_PAYLOAD = 1 << 40
 MAX_CONTROL_PAYLOAD = 1 << 16
 

@@ -104,7 +104,7 @@ class NetTransport(Transport):
         try:
             while True:
                 header = frame.unpack(self._read(sock, HEADER_SIZE), peer, self._max_payload)
-                payload = np.empty(header.nbytes, dtype=np.uint8)
+                payload = _allocate(header.nbytes)
                 if header.nbytes:
                     self._read_into(sock, memoryview(payload))
                 if header.kind == DATA:
@@ -120,9 +120,10 @@ class NetTransport(Transport):
             reason = f"protocol error, connection dropped: {exc}"
         except (EOFError, OSError) as exc:
             reason = "its connection closed" if isinstance(exc, EOFError) else f"connection error: {exc}"
+            reason += " (process died?)"
         finally:
             if not self._closing:
-                self._mailbox.peer_gone(peer, reason + " (process died?)" if not graceful else "goodbye", graceful)
+                self._mailbox.peer_gone(peer, "goodbye" if graceful else reason, graceful)
 
     def _read(self, sock: socket.socket, n: int) -> bytearray:
         buf = bytearray(n)
@@ -203,6 +204,14 @@ class NetTransport(Transport):
             reader.join(timeout=2 * _POLL + 1.0)
         for sock in self._socks.values():
             sock.close()
+
+
+def _allocate(nbytes: int) -> np.ndarray:
+    """A payload buffer; a size this process cannot hold is the peer's fault (a protocol error)."""
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError as exc:
+        raise frame.FrameError(f"a frame announced {nbytes} bytes, more than this process can allocate") from exc
 
 
 def _advance(parts: list[memoryview], sent: int) -> list[memoryview]:
