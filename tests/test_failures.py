@@ -841,9 +841,10 @@ def test_wrong_secret_keeps_that_rank_out(aftermath):
     aftermath.check(pids)
 
 
-def test_wrong_secret_error_is_a_collective_error():
-    results, _ = _run(2, _rendezvous, [1.0, 1.0], ["s3cret", "wrong"], timeout=RUN_TIMEOUT)
+def test_wrong_secret_error_is_a_collective_error(aftermath):
+    results, pids = _run(2, _rendezvous, [1.0, 1.0], ["s3cret", "wrong"], timeout=RUN_TIMEOUT)
     assert results[1]["collective_error"], results[1]
+    aftermath.check(pids)
 
 
 def test_same_secret_forms_the_job(transport, aftermath):
