@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import json
+import os
 import time
 import weakref
 
@@ -27,7 +28,7 @@ from .transport.mailbox import Mailbox
 from .transport.mesh import connect_mesh, open_listener
 from .transport.ring import Layout, fit_layout
 from .transport.shm import ShmTransport
-from .transport.shm_segment import Segment, attach_segment, create_segment, free_bytes
+from .transport.shm_segment import Segment, attach_segment, create_segment, free_bytes, name_prefix, unlink_names
 from .transport.tcp import NetTransport
 from .transport.topology import Topology
 
@@ -127,11 +128,11 @@ def _connect_store(cfg: Config, deadline: float) -> StoreClient:
 
 def _build_transport(cfg: Config, client: StoreClient, choice: str, deadline: float) -> Transport:
     try:
-        hosts = _gather(cfg, client, "host", cfg.host_id, deadline)
+        hosts, pids = _hosts_and_pids(_gather(cfg, client, "host", json.dumps([cfg.host_id, os.getpid()]), deadline))
         if _use_shm(choice, hosts):
-            return _shm_transport(cfg, client, hosts, deadline)
+            return _shm_transport(cfg, client, hosts, pids, deadline)
         if choice in ("auto", "hier"):
-            return _hier_transport(cfg, client, hosts, deadline)
+            return _hier_transport(cfg, client, hosts, pids, deadline)
         return _tcp_transport(cfg, client, deadline)
     except Deadline as exc:
         raise CollectiveTimeout(f"rendezvous at {_where(cfg)} did not finish within {cfg.timeout:g} s") from exc
@@ -144,14 +145,23 @@ def _build_transport(cfg: Config, client: StoreClient, choice: str, deadline: fl
                        f"(rank 0 gave up or died): {exc}", 0) from exc
 
 
-def _gather(cfg: Config, client: StoreClient, kind: str, value: str, deadline: float) -> dict[int, str]:
-    """Publish value under kind/<rank> and wait for every rank's; CollectiveTimeout names the missing."""
+def _gather(cfg: Config, client: StoreClient, kind: str, value: str, deadline: float,
+            ranks: list[int] | None = None) -> dict[int, str]:
+    """Publish value under kind/<rank> and wait for every rank's (or those of `ranks`);
+    CollectiveTimeout names the missing."""
+    ranks = list(range(cfg.world_size)) if ranks is None else ranks
     client.set(f"{kind}/{cfg.rank}", value, deadline)
-    values, missing = client.wait([f"{kind}/{r}" for r in range(cfg.world_size)], deadline)
+    values, missing = client.wait([f"{kind}/{r}" for r in ranks], deadline)
     if missing:
         ranks = sorted(int(k.split("/")[1]) for k in missing)
         raise CollectiveTimeout(f"rendezvous at {_where(cfg)}: ranks {ranks} never arrived within {cfg.timeout:g} s")
-    return {r: values[f"{kind}/{r}"] for r in range(cfg.world_size)}
+    return {r: values[f"{kind}/{r}"] for r in ranks}
+
+
+def _hosts_and_pids(published: dict[int, str]) -> tuple[dict[int, str], dict[int, int]]:
+    """Each rank's host id and process id, as published: [host id, pid]."""
+    pairs = {r: json.loads(v) for r, v in published.items()}
+    return {r: str(p[0]) for r, p in pairs.items()}, {r: int(p[1]) for r, p in pairs.items()}
 
 
 def _use_shm(choice: str, hosts: dict[int, str]) -> bool:
@@ -162,11 +172,12 @@ def _use_shm(choice: str, hosts: dict[int, str]) -> bool:
     return choice == "shm" or (choice in ("auto", "hier") and one_host)
 
 
-def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], deadline: float) -> HierarchicalTransport:
+def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pids: dict[int, int],
+                    deadline: float) -> HierarchicalTransport:
     """Shared memory among this host's ranks, TCP to the others, one mailbox between them."""
     topology = Topology.from_host_ids(hosts)
     mailbox = Mailbox(cfg.rank, cfg.world_size)
-    shm = _shm_transport(cfg, client, hosts, deadline, mailbox)
+    shm = _shm_transport(cfg, client, hosts, pids, deadline, mailbox)
     try:
         remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
         net = _tcp_transport(cfg, client, deadline, remote, mailbox, across_hosts=True)
@@ -205,22 +216,29 @@ def _check_routable(cfg: Config, addrs: dict[int, tuple[str, int]]) -> None:
             f"on each host shows what the name resolves to)")
 
 
-def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], deadline: float,
-                   mailbox: Mailbox | None = None) -> ShmTransport:
-    """The leader (lowest rank of the host) creates the segment; all attach; the leader unlinks the
-    names as soon as everyone is attached, so nothing outlives the job even after kill -9."""
+def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pids: dict[int, int],
+                   deadline: float, mailbox: Mailbox | None = None) -> ShmTransport:
+    """The leader (lowest rank of the host) creates the segment; the host's ranks attach; the leader
+    unlinks the names as soon as they all did (at once when it is alone), so nothing outlives the
+    job even after kill -9. If start-up fails meanwhile, every local rank unlinks them: the leader
+    may be the rank that died, and its pid tells the names without asking the store."""
     local = sorted(r for r, h in hosts.items() if h == cfg.host_id)
     is_leader, key = cfg.rank == local[0], f"shm/{cfg.host_id}"
-    segment = _create(cfg, client, key, len(local), deadline) if is_leader else _attach(cfg, client, key, len(local), deadline)
+    segment = None
     try:
+        segment = _create(cfg, client, key, len(local), deadline) if is_leader else _attach(cfg, client, key, len(local), deadline)
+        if len(local) == 1:
+            segment.unlink()  # nobody else will attach
         transport = ShmTransport(segment, {r: i for i, r in enumerate(local)}, cfg.rank, cfg.world_size,
                                  timeout=cfg.timeout, spin_s=cfg.tuning.spin_us * 1e-6, mailbox=mailbox)
-        _gather(cfg, client, "shm-attached", "1", deadline)
+        _gather(cfg, client, f"shm-attached/{cfg.host_id}", "1", deadline, local)
     except BaseException:
-        segment.close()
+        unlink_names(name_prefix(cfg.job_id, pids[local[0]]), len(local))
+        if segment is not None:
+            segment.close()
         raise
     finally:
-        if is_leader:
+        if is_leader and segment is not None:
             segment.unlink()
     return transport
 

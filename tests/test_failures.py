@@ -28,6 +28,7 @@ Conventions of this file:
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing
 import os
 import re
@@ -732,16 +733,17 @@ def _dies_building_transport(rank, n, port, victim, stamps, segments_ready):
     if rank == victim:
         real_gather = shmcoll.bootstrap._gather
 
-        def gather(cfg, client, kind, value, deadline):
+        def gather(cfg, client, kind, value, deadline, *rest):
             if kind != "host":
                 if cfg.transport != "tcp":
                     bound = time.monotonic() + 1.0
-                    hosts, _ = client.wait([f"host/{r}" for r in range(n)], bound)
-                    _, missing = client.wait([f"shm/{h}" for h in set(hosts.values())], bound)
+                    hosts, _ = client.wait([f"host/{r}" for r in range(n)], bound)  # [host id, pid] each
+                    host_ids = {json.loads(v)[0] for v in hosts.values()}
+                    _, missing = client.wait([f"shm/{h}" for h in host_ids], bound)
                     segments_ready.value = not missing and len(hosts) == n
                 stamps[rank] = time.monotonic()
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_gather(cfg, client, kind, value, deadline)
+            return real_gather(cfg, client, kind, value, deadline, *rest)
 
         shmcoll.bootstrap._gather = gather
     out = attempt(lambda: _init(rank, n, port, timeout=SETUP_TIMEOUT).close())
@@ -750,18 +752,12 @@ def _dies_building_transport(rank, n, port, victim, stamps, segments_ready):
     return out
 
 
-_SEGMENT_LEAK = pytest.mark.xfail(strict=True, reason=(
-    "library: a host's shared-memory leader killed after creating its segment but before every local "
-    "rank attached leaves the segment's names in /dev/shm (bootstrap._shm_transport unlinks them only "
-    "in the leader; survivors do not sweep them, only a later job's create_segment does)"))
-
-
 @pytest.mark.parametrize("transport, victim, leader", [
     ("tcp", 0, False), ("tcp", 2, False),
-    pytest.param("shm", 0, True, marks=_SEGMENT_LEAK),  # rank 0 serves the store and leads the host
+    ("shm", 0, True),  # rank 0 serves the store and leads the host
     ("shm", 2, False),
-    pytest.param("hier", 0, True, marks=_SEGMENT_LEAK),  # host a's leader (with rank 1) and the store
-    pytest.param("hier", 2, True, marks=_SEGMENT_LEAK),  # host b's only rank, so its leader
+    ("hier", 0, True),  # host a's leader (with rank 1) and the store
+    ("hier", 2, True),  # host b's only rank, so its leader
 ], indirect=["transport"])
 def test_rank_killed_while_transport_is_built(transport, victim, leader, aftermath):
     """leader: the victim created its host's segment (and dies before the others attached)."""

@@ -81,6 +81,39 @@ def assert_dropped(sock: socket.socket, seconds: float = 5.0) -> None:
 
 
 # ---------------------------------------------------------------- normal use
+def test_a_rank_that_vanishes_mid_rendezvous_aborts_the_waiters_at_once(store):
+    """A client that joined (set a key) and whose connection drops without a goodbye is a dead
+    rank: the others' wait ends with its name, not with their timeout."""
+    import json
+
+    from shmcoll.rendezvous.store import StoreAbort
+
+    a, b = client(store, cid=0), client(store, cid=2)
+    try:
+        b.set("host/2", "h", dl())
+        b._sock.close()  # what kill -9 does to its socket: no goodbye
+        start = time.monotonic()
+        with pytest.raises(StoreAbort) as err:
+            a.wait(["host/0", "host/1"], dl(30))
+        assert time.monotonic() - start < 2.0
+        reason = json.loads(err.value.args[0])
+        assert reason["kind"] == "PeerLost" and reason["rank"] == 2 and "closed" in reason["message"], reason
+    finally:
+        a.close()
+
+
+def test_a_rank_that_says_goodbye_or_never_joined_aborts_nothing(store):
+    a, b, c = client(store, cid=0), client(store, cid=1), client(store, cid=7)
+    try:
+        b.set("host/1", "h", dl())
+        b.close()  # a finished rank says goodbye
+        c.close()  # a connection that never set anything (a probe) is no rank
+        values, missing = a.wait(["host/1", "host/3"], dl(0.5))
+        assert values == {"host/1": "h"} and missing == ["host/3"]  # no abort: the deadline ended it
+    finally:
+        a.close()
+
+
 
 def test_set_get_wait(store):
     a, b = client(store, cid=0), client(store, cid=1)

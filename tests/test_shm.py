@@ -333,11 +333,11 @@ def _with_host_id(rank, n, port, host_ids, transport, leader_failed=None):
     if leader_failed is not None and rank != 0:
         real_gather = shmcoll.bootstrap._gather
 
-        def late_gather(cfg, client, kind, value, deadline):
+        def late_gather(cfg, client, kind, value, deadline, *rest):
             if kind == "host":
                 client.set(f"host/{cfg.rank}", value, deadline)
                 assert leader_failed.wait(RUN / 2), "rank 0 never published its failure"
-            return real_gather(cfg, client, kind, value, deadline)
+            return real_gather(cfg, client, kind, value, deadline, *rest)
 
         shmcoll.bootstrap._gather = late_gather
     holder = {}

@@ -72,15 +72,21 @@ class StoreServer:
     def _start_serving(self, client_id: int, conn: socket.socket) -> None:
         """Called by the gate with a proven client's socket: serve it on a thread of its own."""
         with self._cond:
-            handler = self._conns[conn] = threading.Thread(target=self._serve, args=(conn,),
+            handler = self._conns[conn] = threading.Thread(target=self._serve, args=(conn, client_id),
                                                            name="shmcoll-store-conn", daemon=True)
             self._handlers = [h for h in self._handlers if h.is_alive()] + [handler]
         handler.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, client_id: int) -> None:
+        joined = said_bye = False
         try:
             while not self._closed:
                 request = _recv_msg(conn, time.monotonic() + 3600.0)
+                op = request.get("op") if isinstance(request, dict) else None
+                if op == "bye":
+                    said_bye = True
+                    return
+                joined = joined or op == "set"
                 _send_msg(conn, self._answer(request), time.monotonic() + 60.0)
         except (OSError, EOFError, ValueError, Deadline, struct.error, KeyError, TypeError, RecursionError):
             pass  # a broken or finished client: drop it, the store goes on
@@ -88,6 +94,8 @@ class StoreServer:
             conn.close()
             with self._cond:
                 self._conns.pop(conn, None)
+                if joined and not said_bye and not self._closed:
+                    self._data.setdefault(ABORT_KEY, _vanished(client_id))
                 self._cond.notify_all()
 
     def _answer(self, req: dict) -> dict:
@@ -138,6 +146,12 @@ class StoreServer:
             handler.join(timeout=2 * _WAIT_SLICE)
 
 
+def _vanished(client_id: int) -> str:
+    """The abort a rank's dropped connection publishes: the others stop waiting for it at once."""
+    return json.dumps({"kind": "PeerLost", "rank": client_id,
+                       "message": "its connection to the rendezvous closed before start-up finished (process died?)"})
+
+
 class StoreClient:
     """One rank's connection to the store; every call takes an absolute monotonic deadline."""
 
@@ -175,4 +189,9 @@ class StoreClient:
                 raise StoreAbort(str(reply["abort"]))
 
     def close(self) -> None:
+        """Say goodbye first, so the store can tell a rank that is done from one that died."""
+        try:
+            _send_msg(self._sock, {"op": "bye"}, time.monotonic() + 1.0)
+        except (OSError, Deadline):
+            pass
         self._sock.close()

@@ -40,8 +40,22 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def name_prefix(job_id: str) -> str:
-    return f"/{NAME_TAG}-{os.getpid()}-{job_id}"
+def name_prefix(job_id: str, pid: int | None = None) -> str:
+    """Names of the segment a process (this one by default) creates for a job: the pid lets a later
+    job tell a dead creator's leftovers, and lets the creator's peers name them without asking."""
+    return f"/{NAME_TAG}-{os.getpid() if pid is None else pid}-{job_id}"
+
+
+def unlink_names(prefix: str, n_local: int) -> None:
+    """Remove every name a segment of n_local ranks under `prefix` may have, whether or not it (still)
+    exists: what a host's surviving ranks do when start-up fails, since the creator may be dead."""
+    names = [(f"{prefix}-mem", False)] + [(f"{prefix}-{kind}{src}.{dst}", True) for kind in "ds"
+                                           for src in range(n_local) for dst in range(n_local) if src != dst]
+    for name, is_sem in names:
+        try:
+            (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
+        except posix_ipc.ExistentialError:
+            pass
 
 
 def free_bytes() -> int:
