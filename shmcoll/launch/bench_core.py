@@ -11,6 +11,12 @@ what really moved. Bandwidths: algbw = bytes / time; busbw = algbw * factor, wit
 
 Check inputs are small integers that every float type holds exactly, chosen so that every partial
 result is exact too; the reference is therefore exact whatever order the library reduces in.
+
+`pg` is anything with rank, world_size, all_reduce(buf, op), all_gather(buf) -> array,
+broadcast(root, buf) and barrier(): a shmcoll ProcessGroup, or a peer library's adapter
+(bench_peers.py), so OpenMPI and gloo are timed and checked by this very code. An adapter may also
+offer bench_calls(collective, bufs, op, root) -> one zero-argument call per buffer, to prepare
+what its library needs (tensors, output buffers) outside the timed loop.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from shmcoll.types import ReduceKind
+
+from .bench_buffers import cycle_calls, llc, plan, rotating
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier")
 IN_PLACE = {"all_reduce": "yes", "all_gather": "no", "broadcast": "yes", "barrier": "n/a"}
@@ -108,6 +116,7 @@ class Spec:
     warmup: int
     check: bool
     max_time: float  # seconds per size that the timed loop aims to stay under; 0: no cap
+    cold: bool = False  # rotate through buffers that together exceed the last-level cache
 
     @property
     def reduces(self) -> bool:
@@ -127,6 +136,7 @@ class Row:
     busbw: float | None
     wrong: int | None
     iters: int
+    buffers: int = 1  # distinct buffers the timed loop rotated through (1: warm)
 
     def to_json(self, **context) -> dict:
         return {**asdict(self), **context}
@@ -185,13 +195,13 @@ def _count_wrong(buf: np.ndarray, expected: Callable[[np.ndarray], np.ndarray]) 
                for start, stop, i in _slices(len(buf)))
 
 
-def check_once(pg, spec: Spec, dtype: np.dtype, elems: int) -> int:
-    """One more call on known inputs; the number of wrong elements on this rank."""
+def check_once(pg, spec: Spec, dtype: np.dtype, elems: int, buf: np.ndarray | None = None) -> int:
+    """One more call on known inputs (in `buf` when given, e.g. one of the cold views); wrong elements here."""
     n, rank, op = pg.world_size, pg.rank, OPS[spec.op_name]
     if spec.collective == "barrier":
         pg.barrier()  # nothing to compare: "correct" means it returned on every rank
         return 0
-    buf = np.empty(elems, dtype)
+    buf = np.empty(elems, dtype) if buf is None else buf
     if spec.collective == "all_reduce":
         _fill(buf, lambda i: reduce_input(op, rank, n, i))
         pg.all_reduce(buf, op)
@@ -211,17 +221,24 @@ def check_once(pg, spec: Spec, dtype: np.dtype, elems: int) -> int:
 
 # ---- the timed loop ----
 
-def timed_call(pg, spec: Spec, dtype: np.dtype, elems: int) -> Callable[[], object]:
-    """A zero-argument call of the collective on a buffer of ones (stable under PROD/MIN/MAX/AVG)."""
+def group_calls(pg, collective: str, bufs: list[np.ndarray], op: ReduceKind, root: int) -> list[Callable]:
+    """One zero-argument call per buffer, for a group without bench_calls (shmcoll's ProcessGroup)."""
+    if collective == "all_reduce":
+        return [lambda b=b: pg.all_reduce(b, op) for b in bufs]
+    if collective == "all_gather":
+        return [lambda b=b: pg.all_gather(b) for b in bufs]
+    return [lambda b=b: pg.broadcast(root, b) for b in bufs]
+
+
+def timed_call(pg, spec: Spec, bufs: list[np.ndarray]) -> Callable[[], object]:
+    """A zero-argument call of the collective, on the next of `bufs` each time (buffers of ones:
+    stable under PROD/MIN/MAX/AVG)."""
     if spec.collective == "barrier":
         return pg.barrier
-    buf = np.ones(elems, dtype)
-    if spec.collective == "all_reduce":
-        op = OPS[spec.op_name]
-        return lambda: pg.all_reduce(buf, op)
-    if spec.collective == "all_gather":
-        return lambda: pg.all_gather(buf)
-    return lambda: pg.broadcast(ROOT, buf)
+    make = getattr(pg, "bench_calls", None)
+    if make is None:
+        make = lambda *a: group_calls(pg, *a)  # noqa: E731
+    return cycle_calls(make(spec.collective, bufs, OPS[spec.op_name], ROOT))
 
 
 def _max_over_ranks(pg, value: float) -> float:
@@ -235,7 +252,9 @@ def measure(pg, spec: Spec, dtype: np.dtype, size: int) -> Row:
     """
     n = pg.world_size
     elems, count, nbytes = layout(spec.collective, size, n, dtype.itemsize)
-    call = timed_call(pg, spec, dtype, elems)
+    bufs = [] if spec.collective == "barrier" else \
+        rotating(dtype, elems, plan(elems * dtype.itemsize, spec.cold, llc()[0]))
+    call = timed_call(pg, spec, bufs)
     fastest = None  # the fastest warmup call: later calls no longer pay compile or first-touch costs
     for _ in range(spec.warmup):
         t0 = time.perf_counter()
@@ -250,9 +269,15 @@ def measure(pg, spec: Spec, dtype: np.dtype, size: int) -> Row:
     for _ in range(iters):
         call()
     mean = (time.perf_counter() - t0) / iters
-    wrong = check_once(pg, spec, dtype, elems) if spec.check else 0
+    wrong = check_once(pg, spec, dtype, elems, bufs[-1] if spec.cold and bufs else None) if spec.check else 0
     stats = pg.all_gather(np.array([mean, wrong], np.float64)).reshape(n, 2)
-    seconds = float(stats[:, 0].max())
+    return make_row(spec, n, count, nbytes, float(stats[:, 0].max()),
+                    int(stats[:, 1].sum()) if spec.check else None, iters, max(1, len(bufs)))
+
+
+def make_row(spec: Spec, n: int, count: int, nbytes: int, seconds: float, wrong: int | None, iters: int,
+             buffers: int = 1) -> Row:
+    """The table row of one size from the slowest rank's time per call: nccl-tests' algbw and busbw."""
     factor = bus_factor(spec.collective, n)
     algbw = None if factor is None else (nbytes / seconds / 1e9 if seconds > 0 else 0.0)
     return Row(
@@ -260,7 +285,7 @@ def measure(pg, spec: Spec, dtype: np.dtype, size: int) -> Row:
         type="-" if spec.collective == "barrier" else DTYPE_NAMES[spec.dtype_name],
         redop=spec.op_name if spec.reduces else "none",
         time_us=seconds * 1e6, algbw=algbw, busbw=None if algbw is None else algbw * factor,
-        wrong=int(stats[:, 1].sum()) if spec.check else None, iters=iters,
+        wrong=wrong, iters=iters, buffers=buffers,
     )
 
 
