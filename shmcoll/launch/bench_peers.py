@@ -1,0 +1,228 @@
+"""The peer libraries of `shmcoll-bench --compare`, one rank each: OpenMPI (mpi4py) and torch gloo.
+
+Each peer is wrapped in an adapter with the few methods bench_core needs (rank, world_size,
+all_reduce, all_gather, broadcast, barrier, bench_calls), so bench_core.measure times and checks
+the peers with exactly the loop, warmup, iteration cap and check that it uses for shmcoll: a ratio
+then compares libraries, not benchmark loops. Run one rank per process:
+
+    mpirun --allow-run-as-root --oversubscribe -n 2 python -m shmcoll.launch.bench_peers openmpi ARGS
+    shmcoll-run -n 2 python -m shmcoll.launch.bench_peers gloo ARGS
+
+ARGS are shmcoll-bench's sweep options (--collective, --dtype, --op, --iters, --warmup, --max-time,
+--check, --cold, -b/-e/-f) plus --size-list (exact sizes) and --rows-to PATH, where rank 0 writes
+{"library": ..., "rows": [...]}. A missing library prints one MISSING line on stderr and exits 3.
+Which (collective, dtype, op) a peer cannot run is decided before launching (unsupported()).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+from shmcoll.types import ReduceKind
+
+from .bench_core import IN_PLACE, Spec, measure
+
+OPENMPI, GLOO = "openmpi", "gloo"
+PEERS = (OPENMPI, GLOO)
+MISSING = "shmcoll-bench peer missing:"  # the line a rank prints when its library is not importable
+EXIT_MISSING = 3
+SIXTEEN_BIT = ("f16", "bf16")
+
+
+def unsupported(peer: str, collective: str, dtype: str, op: str) -> str | None:
+    """Why `peer` cannot run this sweep (a reason for the 'skipped' line), or None when it can."""
+    if peer == OPENMPI and collective == "all_reduce":
+        if dtype in SIXTEEN_BIT:
+            return f"OpenMPI has no {dtype} datatype to reduce (MPI_ERR_TYPE); it moves 16-bit data only as bytes"
+        if op == "avg":
+            return "MPI has no average reduction (no MPI_Op for avg)"
+    return None
+
+
+def _raw(arr: np.ndarray) -> np.ndarray:
+    """A buffer MPI can describe: 16-bit floats travel as bytes (data movement only)."""
+    return arr.view(np.uint8) if arr.dtype.itemsize == 2 else arr
+
+
+class MpiGroup:
+    """COMM_WORLD of mpi4py, buffer-based calls on numpy arrays (no pickling)."""
+
+    def __init__(self):
+        import mpi4py
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        self.ops = {ReduceKind.SUM: MPI.SUM, ReduceKind.PROD: MPI.PROD, ReduceKind.MIN: MPI.MIN,
+                    ReduceKind.MAX: MPI.MAX}
+        self.library = f"{MPI.Get_library_version().splitlines()[0].split(',')[0].strip()} via mpi4py " \
+                       f"{mpi4py.__version__}"
+
+    def all_reduce(self, buf, op=ReduceKind.SUM):
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.ops[op])
+        return buf
+
+    def all_gather(self, buf):
+        out = np.empty(self.world_size * len(buf), buf.dtype)
+        self.comm.Allgather(_raw(buf), _raw(out))
+        return out
+
+    def broadcast(self, root, buf):
+        self.comm.Bcast(_raw(buf), root=root)
+        return buf
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def bench_calls(self, collective, bufs, op, root):
+        """Allreduce(IN_PLACE) / Allgather into preallocated outputs (rotated like the inputs) / Bcast."""
+        comm, MPI = self.comm, self.MPI
+        if collective == "all_reduce":
+            mop = self.ops[op]
+            return [lambda b=b: comm.Allreduce(MPI.IN_PLACE, b, op=mop) for b in bufs]
+        if collective == "all_gather":
+            pairs = [(_raw(b), _raw(o)) for b, o in zip(bufs, _outputs(bufs, self.world_size))]
+            return [lambda b=b, o=o: comm.Allgather(b, o) for b, o in pairs]
+        return [lambda b=_raw(b): comm.Bcast(b, root=root) for b in bufs]
+
+    def close(self):
+        pass
+
+
+class GlooGroup:
+    """torch.distributed with the gloo backend, on CPU tensors sharing the numpy buffers' memory."""
+
+    def __init__(self, rank: int, world: int, addr: str, port: int, timeout_s: float):
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_gloo_available()):
+            raise ImportError(f"torch {torch.__version__} was built without the gloo backend")
+        self.torch, self.dist = torch, dist
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        self.rank, self.world_size = rank, world
+        R = dist.ReduceOp
+        self.ops = {ReduceKind.SUM: R.SUM, ReduceKind.PROD: R.PRODUCT, ReduceKind.MIN: R.MIN,
+                    ReduceKind.MAX: R.MAX, ReduceKind.AVG: R.AVG}
+        # all_gather_single replaces the deprecated all_gather_into_tensor in newer torch
+        self.gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.library = f"torch {torch.__version__} gloo"
+
+    def tensor(self, arr: np.ndarray):
+        """The same memory as a tensor (bfloat16 through an int16 view: torch cannot read ml_dtypes)."""
+        if arr.dtype.name == "bfloat16":
+            return self.torch.from_numpy(arr.view(np.int16)).view(self.torch.bfloat16)
+        return self.torch.from_numpy(arr)
+
+    def all_reduce(self, buf, op=ReduceKind.SUM):
+        self.dist.all_reduce(self.tensor(buf), op=self.ops[op])
+        return buf
+
+    def all_gather(self, buf):
+        out = np.empty(self.world_size * len(buf), buf.dtype)
+        self.gather(self.tensor(out), self.tensor(buf))
+        return out
+
+    def broadcast(self, root, buf):
+        self.dist.broadcast(self.tensor(buf), src=root)
+        return buf
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def bench_calls(self, collective, bufs, op, root):
+        """all_reduce / all_gather into preallocated outputs (rotated like the inputs) / broadcast."""
+        dist, ts = self.dist, [self.tensor(b) for b in bufs]
+        if collective == "all_reduce":
+            rop = self.ops[op]
+            return [lambda t=t: dist.all_reduce(t, op=rop) for t in ts]
+        if collective == "all_gather":
+            outs = [self.tensor(o) for o in _outputs(bufs, self.world_size)]
+            return [lambda t=t, o=o, g=self.gather: g(o, t) for t, o in zip(ts, outs)]
+        return [lambda t=t: dist.broadcast(t, src=root) for t in ts]
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+def _outputs(bufs: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """One all_gather output per input buffer, rotated the same way (one arena when cold)."""
+    from .bench_buffers import Plan, rotating
+
+    elems, dtype = n * len(bufs[0]), bufs[0].dtype
+    stride = -(-elems * dtype.itemsize // 64) * 64
+    return rotating(dtype, elems, Plan(len(bufs), stride), fill=0.0)
+
+
+def open_group(peer: str, timeout_s: float):
+    """The adapter for `peer`; raises ImportError when its library is missing."""
+    if peer == OPENMPI:
+        return MpiGroup()
+    env = os.environ  # started by shmcoll-run: reuse its rank variables and its (unused) free port
+    return GlooGroup(int(env["SHMCOLL_RANK"]), int(env["SHMCOLL_WORLD_SIZE"]),
+                     env.get("SHMCOLL_MASTER_ADDR", "127.0.0.1"), int(env["SHMCOLL_MASTER_PORT"]), timeout_s)
+
+
+def _size_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """shmcoll-bench's own options and checks, plus the peer's name, --size-list and --rows-to."""
+    from . import bench_cli
+
+    p = bench_cli.build_parser()
+    p.prog = "python -m shmcoll.launch.bench_peers"
+    p.add_argument("peer", choices=PEERS)
+    p.add_argument("--size-list", dest="size_list", type=_size_list, default=None, metavar="B1,B2,...",
+                   help="exactly these sizes in bytes instead of the -b/-e/-f sweep")
+    p.add_argument("--timeout", type=float, default=300.0, help="gloo's own collective timeout (seconds)")
+    args = bench_cli.parse_args(argv, p)
+    if args.size_list is not None:
+        args.sizes = args.size_list
+    return args
+
+
+def run(args) -> int:
+    """Join the peer's job, measure every size with bench_core.measure, rank 0 writes the rows."""
+    try:
+        group = open_group(args.peer, args.timeout)
+    except ImportError as e:
+        module = getattr(e, "name", None) or ("mpi4py" if args.peer == OPENMPI else "torch")
+        print(f"{MISSING} {module} is not importable ({e})", file=sys.stderr, flush=True)
+        return EXIT_MISSING
+    spec = Spec(args.collective, args.dtype, args.op, args.iters, args.warmup, args.check, args.max_time,
+                args.cold)
+    try:
+        rows = [measure(group, spec, args.np_dtype, size) for size in args.sizes]
+        if group.rank == 0 and args.rows_to:
+            context = dict(world_size=group.world_size, collective=args.collective, transport=args.peer,
+                           dtype=None if args.collective == "barrier" else args.dtype, warmup=args.warmup,
+                           in_place=IN_PLACE[args.collective], cold=args.cold, peer=args.peer)
+            doc = {"library": group.library, "rows": [r.to_json(**context) for r in rows]}
+            tmp = Path(args.rows_to + ".tmp")
+            tmp.write_text(json.dumps(doc, indent=1) + "\n")
+            tmp.replace(args.rows_to)
+    finally:
+        group.close()
+    return 1 if any(r.wrong for r in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
