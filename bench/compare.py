@@ -1,17 +1,18 @@
 """shmcoll against OpenMPI (mpi4py) and torch.distributed (gloo) on this host, in one run.
 
 Every peer does the same thing: a float32 SUM all-reduce, in place, over a buffer of ones
-(count = size / 4), at world size N, with shmcoll-bench's timing policy (bench_core.measure; the
-peers' copy is bench/peer_timing.py): --warmup untimed calls, then up to --iters timed calls, cut
-to about --max-time seconds (never below 3) when the fastest warmup call of the slowest rank says
-so; time per call = each rank's mean over the timed calls, the slowest rank's. The peers run one
-after the other, never at once:
+(count = size / 4), at world size N, timed by one piece of code, bench_core.measure (the peers run
+it through the adapters of shmcoll/launch/bench_peers.py, as `shmcoll-bench --compare` does):
+--warmup untimed calls, then up to --iters timed calls, cut to about --max-time seconds (never
+below 3) when the fastest warmup call of the slowest rank says so; time per call = each rank's mean
+over the timed calls, the slowest rank's. The peers run one after the other, never at once:
 
   shmcoll   python -m shmcoll.launch.bench_cli (shmcoll-bench) -n N --transport T --json ...,
             once per transport asked for (--transports, default shm,tcp)
-  openmpi   mpirun --allow-run-as-root --oversubscribe -n N python bench/mpi_allreduce.py ...
+  openmpi   mpirun --allow-run-as-root --oversubscribe -n N python -m shmcoll.launch.bench_peers openmpi ...
             (comm.Allreduce(MPI.IN_PLACE, buf) on a numpy float32 array)
-  gloo      python bench/gloo_allreduce.py -n N ... (dist.all_reduce(t) on a float32 CPU tensor)
+  gloo      shmcoll-run -n N python -m shmcoll.launch.bench_peers gloo ...
+            (dist.all_reduce(t) on a float32 CPU tensor)
 
 With --hosts H the shmcoll ranks pretend to be on H hosts (SHMCOLL_HOST_ID); `--transports hier,tcp`
 then times the two-level algorithms against the flat TCP ring and prints their ratio:
@@ -29,13 +30,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import os
 import shlex
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,14 +43,11 @@ sys.path.insert(0, str(HERE.parent))  # a checkout works uninstalled too
 
 from compare_report import (GLOO, MPI, PeerResult, compare, human, plot, ratio_table,  # noqa: E402
                             times_table, write_json)
-from peer_timing import size_list  # noqa: E402
-from shmcoll.config import LOCAL_RANK_VARS, RANK_VARS, WORLD_SIZE_VARS  # noqa: E402
-from shmcoll.launch.bench_core import layout, sweep  # noqa: E402
+from shmcoll.launch.bench_compare import run_command, run_peer, tail  # noqa: E402
+from shmcoll.launch.bench_core import UsageError, layout, parse_size, sweep  # noqa: E402
 
 DEFAULT_SIZES = "8,1K,64K,1M,16M,64M"
 PEER_NAMES = ("shmcoll", MPI, GLOO)
-EXIT_MISSING = 3  # what mpi_allreduce.py / gloo_allreduce.py return when their library is missing
-GRACE_S = 5.0
 BUSY_WARN = 0.2  # warn when more than this fraction of the CPUs was busy before the run
 
 
@@ -61,38 +55,12 @@ def say(msg: str) -> None:
     print(f"# {msg}", flush=True)
 
 
-def child_env() -> dict:
-    """This environment without any launcher's rank variables, so every tool starts its own job."""
-    drop = set(RANK_VARS) | set(WORLD_SIZE_VARS) | set(LOCAL_RANK_VARS)
-    return {k: v for k, v in os.environ.items() if k not in drop}
-
-
-def run(cmd: list[str], timeout: float) -> tuple[int, str, str]:
-    """(status, stdout, stderr); past the timeout the whole process group is stopped and status is 124."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
+def size_list(text: str) -> list[int]:
+    """'8,1K,64K' -> [8, 1024, 65536] (argparse type)."""
     try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                out, err = proc.communicate(timeout=GRACE_S)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        else:
-            out, err = proc.communicate()
-        return 124, out or "", (err or "") + f"\n(killed after the {timeout:g} s timeout)"
-
-
-def tail(text: str, lines: int = 3) -> str:
-    kept = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return " | ".join(kept[-lines:]) or "(no output)"
+        return [parse_size(part) for part in text.split(",") if part.strip()]
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def policy_args(args) -> list[str]:
@@ -172,50 +140,32 @@ def launch(res: PeerResult, cmd: list[str], timeout: float) -> tuple[int, str, s
     res.commands.append(text)
     print(f"# $ {text}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    rc, out, err = run(cmd, timeout)
+    rc, out, err = run_command(cmd, timeout)
     print(f"#   -> exit {rc} after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     return rc, out, err
 
 
-def run_peer_script(res: PeerResult, cmd: list[str], out: Path, timeout: float) -> PeerResult:
-    """An mpi/gloo script run: rows on success; exit 3 means its library is missing (skip)."""
-    rc, _, err = launch(res, cmd, timeout)
-    if rc == 0 and out.exists():
-        res.library, rows = load_rows(out)
-        res.merge(rows)
-    elif rc == EXIT_MISSING:
-        res.status, res.reason = "skipped", tail(err, 1)
-    else:
-        res.status, res.reason = "failed", ("it timed out: " if rc == 124 else f"exit {rc}: ") + tail(err)
+def run_library(name: str, args, tmp: Path) -> PeerResult:
+    """OpenMPI or gloo through shmcoll-bench's own peer runner: float32 SUM all-reduce at these sizes."""
+    sweep_args = ["--collective", "all_reduce", "--dtype", "f32", "--op", "sum", *policy_args(args),
+                  "--size-list", ",".join(map(str, args.sizes))]
+    print(f"# running {name} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    run = run_peer(name, args.n, sweep_args, "all_reduce", "f32", "sum", tmp, args.timeout, args.mpirun,
+                   args.mpirun_args)
+    print(f"#   -> {run.status} after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    res = PeerResult(name, status=run.status, reason=run.reason, library=run.library,
+                     commands=[run.command] if run.command else [])
+    res.merge(run.rows)
     return res
 
 
 def run_mpi(args, tmp: Path) -> PeerResult:
-    res = PeerResult(MPI)
-    mpirun = shutil.which(args.mpirun)
-    if mpirun is None:
-        res.status, res.reason = "skipped", (f"{args.mpirun!r} not found on PATH "
-                                             "(apt-get install -y openmpi-bin libopenmpi-dev)")
-        return res
-    if importlib.util.find_spec("mpi4py") is None:
-        res.status, res.reason = "skipped", f"mpi4py is not installed for {sys.executable} (pip install mpi4py)"
-        return res
-    out = tmp / "openmpi.json"
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", *shlex.split(args.mpirun_args), "-n", str(args.n),
-           sys.executable, str(HERE / "mpi_allreduce.py"), "--sizes", ",".join(map(str, args.sizes)),
-           *policy_args(args), "--json", str(out)]
-    return run_peer_script(res, cmd, out, args.timeout)
+    return run_library(MPI, args, tmp)
 
 
 def run_gloo(args, tmp: Path) -> PeerResult:
-    res = PeerResult(GLOO)
-    if importlib.util.find_spec("torch") is None:
-        res.status, res.reason = "skipped", f"torch is not installed for {sys.executable} (pip install torch)"
-        return res
-    out = tmp / "gloo.json"
-    cmd = [sys.executable, str(HERE / "gloo_allreduce.py"), "-n", str(args.n), "--timeout", f"{args.timeout:g}",
-           "--sizes", ",".join(map(str, args.sizes)), *policy_args(args), "--json", str(out)]
-    return run_peer_script(res, cmd, out, args.timeout)
+    return run_library(GLOO, args, tmp)
 
 
 def run_round(args, tmp: Path, prev: dict[str, PeerResult]) -> dict[str, PeerResult]:

@@ -1,4 +1,5 @@
-"""The output half of bench/compare.py: issue 3's targets, the tables, the JSON document, the plot.
+"""The output half of bench/compare.py: issue 3's targets, the tables, the JSON document, the plot
+(drawn by shmcoll-bench's own --plot code, shmcoll/launch/bench_plot.py).
 
 No process is started here; everything works on PeerResult objects, so it is testable alone.
 A ratio is always of time per call measured in the same run: shmcoll/OpenMPI (lower is better,
@@ -10,6 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shmcoll.launch import bench_plot
+from shmcoll.launch.bench_plot import human
 
 KIB, MIB = 1 << 10, 1 << 20
 # Issue 3, "Targets" (2 ranks on this 2-core machine): size -> (max shmcoll/OpenMPI, min gloo/shmcoll)
@@ -49,14 +53,6 @@ def targets(n: int, size: int) -> tuple[float | None, float | None]:
     if n == 4:
         return OVERSUBSCRIBED_MPI_LIMIT, None
     return None, None
-
-
-def human(size: int) -> str:
-    if size >= MIB and size % MIB == 0:
-        return f"{size // MIB} MiB"
-    if size >= KIB and size % KIB == 0:
-        return f"{size // KIB} KiB"
-    return f"{size} B"
 
 
 def compare(n: int, shm: PeerResult, mpi: PeerResult | None, gloo: PeerResult | None, sizes) -> list[dict]:
@@ -144,26 +140,7 @@ def write_json(path: str, config: dict, peers: list[PeerResult], comparison: lis
 
 def plot(path: str, peers: list[PeerResult], n: int) -> str:
     """busbw against size, log-log, one line per peer; returns a message for the user."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--plot {path} skipped: matplotlib is not installed (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(8, 5))
-    all_sizes = sorted({s for p in peers for s in p.rows})
-    for p in peers:
-        pts = sorted((s, r["busbw"]) for s, r in p.rows.items() if r["busbw"] > 0)
-        if pts:
-            ax.loglog([s for s, _ in pts], [b for _, b in pts], marker="o", label=p.name)
-    ax.set_xticks(all_sizes, [human(s) for s in all_sizes])
-    ax.minorticks_off()
-    ax.set_xlabel("message size (float32 SUM all-reduce, in place)")
-    ax.set_ylabel("busbw (GB/s) = size/time * 2(n-1)/n")
-    ax.set_title(f"all-reduce bus bandwidth, {n} ranks on one host")
-    ax.grid(True, which="major", alpha=0.4)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"plot written to {path}"
+    lines = {p.name: list(p.rows.values()) for p in peers}
+    _, message = bench_plot.plot(path, lines, f"all-reduce bus bandwidth, {n} ranks on one host",
+                                 "message size (float32 SUM all-reduce, in place)")
+    return message
