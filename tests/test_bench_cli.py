@@ -1,9 +1,12 @@
-"""shmcoll-bench: sweeps in real processes (table, JSON, --check, exit status) and its pure parts in one."""
+"""shmcoll-bench: sweeps in real processes (table, JSON, --check, --cold, --compare, --plot, exit status)
+and its pure parts in one (the peers' launching and ratio math: tests/test_bench_compare.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +15,15 @@ import numpy as np
 import pytest
 
 from shmcoll.config import RANK_VARS, WORLD_SIZE_VARS
-from shmcoll.launch import bench_cli, bench_core
-from shmcoll.launch.bench_core import (Spec, UsageError, check_once, choose_iters, layout, parse_size,
-                                       reduce_expected, reduce_input, sweep)
+from shmcoll.launch import bench_buffers, bench_cli, bench_core
+from shmcoll.launch.bench_buffers import MAX_COLD_BUFFERS, Plan, plan, read_llc, rotating
+from shmcoll.launch.bench_core import (Spec, UsageError, bus_factor, check_once, choose_iters, layout, make_row,
+                                       measure, parse_size, reduce_expected, reduce_input, sweep)
 from shmcoll.types import ReduceKind
 
 REPO = Path(__file__).resolve().parents[1]
-RUN_S = 45  # one sweep of a few small sizes takes ~1-2 s; this is the hang guard
+RUN_S = 45  # one sweep of a few small sizes takes ~1-2 s (with both peers ~8 s); this is the hang guard
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLUMNS = ["size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
 SMALL = ["-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1"]
 SMALL_SIZES = [8, 64, 512, 4096, 32768]
@@ -30,23 +35,40 @@ def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in RANK_VARS and k not in WORLD_SIZE_VARS}
 
 
-def bench(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def bench(*args: str, launcher: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [*launcher, sys.executable, "-m", "shmcoll.launch.bench_cli", *args]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=RUN_S)
+    return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=RUN_S)
+
+
+def split_sections(stdout: str) -> dict[str, list[str]]:
+    """'shmcoll' -> shmcoll's lines, then one entry per '# peer: NAME' section and 'ratios' for the last table."""
+    sections, name = {"shmcoll": []}, "shmcoll"
+    for ln in stdout.splitlines():
+        if ln.startswith("# peer: "):
+            name = ln[len("# peer: "):].split()[0].rstrip(":")
+        elif ln.startswith("# shmcoll time / peer time") or ln.startswith("# no peer ran"):
+            name = "ratios"
+        sections.setdefault(name, []).append(ln)
+    return sections
 
 
 def parse_table(stdout: str) -> tuple[str, list[list[str]]]:
-    """(first header line, data rows split into cells); asserts the column header is exact."""
-    lines = stdout.splitlines()
+    """(first header line, data rows split into cells) of shmcoll's table; asserts the column header is exact."""
+    lines = split_sections(stdout)["shmcoll"]
     assert lines and lines[0].startswith("# shmcoll-bench:"), stdout
+    return lines[0], table_rows(lines)
+
+
+def table_rows(lines: list[str]) -> list[list[str]]:
+    """The data rows of one section, each checked to sit right under the one column header."""
     headers = [ln for ln in lines if ln.startswith("#") and ln[1:].split() == COLUMNS]
-    assert len(headers) == 1, stdout
+    assert len(headers) == 1, "\n".join(lines)
     rows = [ln.split() for ln in lines if ln.strip() and not ln.startswith("#")]
     for ln in lines:
         if ln.strip() and not ln.startswith("#"):
             assert len(ln) == len(headers[0]), f"columns not aligned:\n{headers[0]}\n{ln}"
-    assert all(len(r) == len(COLUMNS) for r in rows), stdout
-    return lines[0], rows
+    assert all(len(r) == len(COLUMNS) for r in rows), "\n".join(lines)
+    return rows
 
 
 def expected_sizes(collective: str, n: int, itemsize: int, sizes=SMALL_SIZES) -> list[int]:
@@ -92,11 +114,12 @@ def test_sweep_with_check_and_json(tmp_path, n, collective):
     proc = bench("-n", str(n), "--collective", collective, *SMALL, "--check", "--json", str(out))
     rows = assert_sweep(proc, collective, n)
     assert "# Out of bounds values : 0 OK" in proc.stdout
+    assert ("buffers n/a" if collective == "barrier" else "buffers warm") in proc.stdout.splitlines()[1]
     data = json.loads(out.read_text())
     assert len(data) == len(rows)
     for row, cells in zip(data, rows):
         assert row["world_size"] == n and row["collective"] == collective and row["transport"] == "shm"
-        assert row["iters"] == 3 and row["wrong"] == 0
+        assert row["iters"] == 3 and row["wrong"] == 0 and row["cold"] is False and row["buffers"] == 1
         assert (row["size"], row["count"]) == (int(cells[0]), int(cells[1]))
         assert f"{row['time_us']:.2f}" == cells[4]
         if collective == "barrier":
@@ -158,6 +181,9 @@ def test_bad_arguments_exit_2_from_the_command_line():
     (["-n", "2", "--max-time", "nan"], "finite"),
     (["-n", "2", "--transport", "udp"], "invalid choice"),
     (["-n", "2", "--json", "/nonexistent-dir/x.json"], "does not exist"),
+    (["-n", "2", "--plot", "/nonexistent-dir/x.png"], "does not exist"),
+    (["-n", "2", "-c", "barrier", "--plot", "x.png"], "a barrier has neither"),
+    (["-n", "2", "--peer-timeout", "0"], "> 0"),
     (["-n", "2", "--bogus"], "unrecognized"),
 ])
 def test_usage_errors(capsys, args, message):
@@ -308,3 +334,223 @@ def test_row_format_is_right_aligned_under_the_header():
     for (label, width), cell in zip(bench_cli.COLUMNS, cells):
         edge += width
         assert line[edge - len(cell):edge] == cell and header[-1][edge - len(label):edge] == label
+
+
+# ---- --cold, --plot and --compare in real processes ----
+
+def not_installed(*what: str) -> list[str]:
+    """Which of mpirun / Python modules are missing here (the CI installs them all)."""
+    return [w for w in what if (shutil.which(w) if w == "mpirun" else importlib.util.find_spec(w)) is None]
+
+
+def hiding_env(tmp_path: Path, *modules: str) -> dict:
+    """clean_env() whose PYTHONPATH starts with packages that raise ImportError, in every child process."""
+    shadow = tmp_path / "shadow"
+    for mod in modules:
+        (shadow / mod).mkdir(parents=True)
+        (shadow / mod / "__init__.py").write_text(f"raise ImportError('{mod} hidden by the test')\n")
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def assert_png(path: Path) -> None:
+    """A real PNG that matplotlib drew (axes, lines and labels make it tens of KB; an empty one is < 5 KB)."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 8000, len(data)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast"])
+def test_cold_buffers_with_check(tmp_path, collective):
+    """--cold rotates past the last-level cache and --check still finds every result right."""
+    out = tmp_path / "rows.json"
+    proc = bench("-n", "2", "-c", collective, *SMALL, "--check", "--cold", "--json", str(out))
+    assert_sweep(proc, collective, 2)
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+    assert "buffers cold" in proc.stdout.splitlines()[1]
+    llc_bytes = read_llc()[0]
+    for row in json.loads(out.read_text()):
+        per_rank = row["size"] // 2 if collective == "all_gather" else row["size"]
+        assert row["cold"] is True and row["wrong"] == 0
+        assert row["buffers"] == plan(per_rank, True, llc_bytes).count >= 2
+
+
+@pytest.mark.timeout(60)
+def test_compare_and_plot_with_the_peers_installed(tmp_path):
+    """OpenMPI and gloo rows with numbers, same sizes; ratios in the table and JSON; a drawn PNG."""
+    missing = not_installed("mpirun", "mpi4py", "torch", "matplotlib")
+    if missing:
+        pytest.skip(f"not installed here: {', '.join(missing)}")
+    out, png = tmp_path / "rows.json", tmp_path / "busbw.png"
+    proc = bench("-n", "2", *SMALL, "--check", "--compare", "--plot", str(png), "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sections = split_sections(proc.stdout)
+    mine = table_rows(sections["shmcoll"])
+    doc = json.loads(out.read_text())
+    by_peer = {}
+    for row in doc["rows"]:
+        by_peer.setdefault(row["peer"], {})[row["size"]] = row
+    for peer, library in (("openmpi", "Open MPI"), ("gloo", "gloo")):
+        assert sections[peer][0].startswith(f"# peer: {peer} (") and library in sections[peer][0]
+        assert doc["peers"][peer]["status"] == "ok" and library in doc["peers"][peer]["library"]
+        rows = table_rows(sections[peer])
+        assert [r[:4] for r in rows] == [r[:4] for r in mine]  # size, count, type, redop
+        for size, count, typ, redop, time_us, algbw, busbw, wrong in rows:
+            row = by_peer[peer][int(size)]
+            assert float(time_us) > 0 and wrong == "0" and f"{row['time_us']:.2f}" == time_us
+            assert row["busbw"] == pytest.approx(row["algbw"] * 1.0)  # 2(n-1)/n = 1 at n=2
+            assert row["shmcoll_over_peer"] == pytest.approx(by_peer["shmcoll"][int(size)]["time_us"] / row["time_us"])
+    ratio_lines = [ln.split() for ln in sections["ratios"] if ln.strip() and not ln.startswith("#")]
+    assert sections["ratios"][1].split()[1:] == ["size(B)", "openmpi", "gloo"]
+    assert [int(r[0]) for r in ratio_lines] == [int(r[0]) for r in mine]
+    for size, mpi, gloo in ratio_lines:
+        assert mpi == f"{by_peer['openmpi'][int(size)]['shmcoll_over_peer']:.3g}x"
+        assert gloo == f"{by_peer['gloo'][int(size)]['shmcoll_over_peer']:.3g}x"
+    assert f"# plot written to {png}" in proc.stdout
+    assert_png(png)
+
+
+@pytest.mark.timeout(60)
+def test_compare_and_plot_with_the_peers_hidden(tmp_path):
+    """Missing peers and matplotlib: skipped with the reason, a one-line plot message, exit 0."""
+    out, png = tmp_path / "rows.json", tmp_path / "busbw.png"
+    proc = bench("-n", "2", "-b", "8", "-e", "64", "-f", "8", "--iters", "2", "--warmup", "0", "--compare",
+                 "--plot", str(png), "--json", str(out), env=hiding_env(tmp_path, "mpi4py", "torch", "matplotlib"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    mpi_reason = ("mpi4py is not importable (mpi4py hidden by the test)" if shutil.which("mpirun")
+                  else "'mpirun' not found on PATH")
+    assert f"# peer: openmpi: skipped: {mpi_reason}" in proc.stdout
+    assert "# peer: gloo: skipped: torch is not importable (torch hidden by the test)" in proc.stdout
+    assert "# no peer ran: nothing to compare" in proc.stdout
+    plot_lines = [ln for ln in proc.stderr.splitlines() if "--plot" in ln]
+    assert len(plot_lines) == 1 and "matplotlib is not installed" in plot_lines[0] and not png.exists()
+    doc = json.loads(out.read_text())
+    assert {k: v["status"] for k, v in doc["peers"].items()} == {"openmpi": "skipped", "gloo": "skipped"}
+    assert {r["peer"] for r in doc["rows"]} == {"shmcoll"} and len(doc["rows"]) == 2
+
+
+def test_compare_inside_a_job_is_a_usage_error(capsys, monkeypatch):
+    """Peers need jobs of their own (run after shmcoll's), which a rank of someone else's job cannot start."""
+    monkeypatch.setenv("SHMCOLL_RANK", "0")
+    monkeypatch.setenv("SHMCOLL_WORLD_SIZE", "1")
+    assert bench_cli.main(["-e", "8", "--compare"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare runs OpenMPI and gloo as jobs of their own" in err and "needs -n N" in err
+
+
+@pytest.mark.timeout(60)
+def test_plot_inside_a_job_is_drawn_by_rank_0(capsys, monkeypatch, tmp_path):
+    if not_installed("matplotlib"):
+        pytest.skip("matplotlib is not installed here")
+    for name in RANK_VARS + WORLD_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SHMCOLL_RANK", "0")
+    monkeypatch.setenv("SHMCOLL_WORLD_SIZE", "1")
+    png = tmp_path / "one.png"
+    assert bench_cli.main(["-c", "broadcast", "-b", "8", "-e", "64K", "-f", "8", "--iters", "1", "--warmup", "0",
+                          "--plot", str(png)]) == 0  # broadcast: busbw = algbw > 0 even at n=1
+    assert f"# plot written to {png}" in capsys.readouterr().out
+    assert_png(png)
+
+
+# ---- --cold and the bandwidth math, in one process ----
+
+def test_bus_factors_and_sizes_follow_nccl_tests():
+    """nccl-tests' PERFORMANCE.md: busbw = algbw * 2(n-1)/n, (n-1)/n, 1; all_gather's size is the whole output."""
+    assert [bus_factor("all_reduce", n) for n in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
+    assert [bus_factor("all_gather", n) for n in (1, 2, 4, 8)] == [0.0, 0.5, 0.75, 0.875]
+    assert [bus_factor("broadcast", n) for n in (1, 2, 4)] == [1.0, 1.0, 1.0]
+    assert bus_factor("barrier", 4) is None
+    assert layout("all_gather", 1 << 20, 4, 4) == (65536, 262144, 1 << 20)  # per rank, total count, total bytes
+
+
+@pytest.mark.parametrize("collective,n,algbw,busbw", [
+    ("all_reduce", 4, 4.096, 6.144), ("all_gather", 4, 4.096, 3.072), ("broadcast", 4, 4.096, 4.096),
+    ("all_reduce", 2, 4.096, 4.096), ("barrier", 4, None, None),
+])
+def test_make_row_bandwidths_on_synthetic_times(collective, n, algbw, busbw):
+    size = 0 if collective == "barrier" else 4096
+    row = make_row(Spec(collective, "f32", "sum", 5, 0, False, 0), n, size // 4, size, 1e-6, None, 5, 3)
+    assert row.time_us == pytest.approx(1.0) and row.buffers == 3 and row.iters == 5
+    assert (row.algbw, row.busbw) == ((None, None) if algbw is None else (pytest.approx(algbw), pytest.approx(busbw)))
+    assert make_row(Spec("all_reduce", "f32", "sum", 1, 0, False, 0), 2, 1, 4, 0.0, None, 1).algbw == 0.0
+
+
+@pytest.mark.parametrize("text,value", [("32768K", 32 << 20), ("1M", 1 << 20), ("48K", 48 << 10), ("512", 512),
+                                        ("lots", None), ("", None)])
+def test_parse_cache_size(text, value):
+    assert bench_buffers.parse_cache_size(text) == value
+
+
+def _fake_cache(root: Path, entries) -> Path:
+    for k, (level, kind, size) in enumerate(entries):
+        d = root / "cpu0" / "cache" / f"index{k}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    return root / "cpu0" / "cache"
+
+
+def test_read_llc_takes_the_highest_level_and_defaults_to_32_mib(tmp_path):
+    full = _fake_cache(tmp_path / "a", [(1, "Data", "48K"), (1, "Instruction", "64K"), (2, "Unified", "1024K"),
+                                        (3, "Unified", "32768K")])
+    assert read_llc(full) == (32 << 20, "L3 of cpu0")
+    no_l3 = _fake_cache(tmp_path / "b", [(1, "Data", "32K"), (2, "Unified", "2M"), (3, "Unified", "garbage")])
+    assert read_llc(no_l3)[0] == 2 << 20
+    assert read_llc(tmp_path / "missing")[0] == bench_buffers.DEFAULT_LLC == 32 << 20
+
+
+@pytest.mark.parametrize("nbytes", [1, 8, 100, 512, 513, 4096, 1 << 20, 31 << 20, 64 << 20])
+def test_cold_plan_exceeds_the_llc_unless_capped(nbytes):
+    llc_bytes = 32 << 20
+    assert plan(nbytes, False, llc_bytes) == Plan(1, plan(nbytes, False, llc_bytes).stride)
+    p = plan(nbytes, True, llc_bytes)
+    assert p.stride % 64 == 0 and nbytes <= p.stride < nbytes + 64 and 2 <= p.count <= MAX_COLD_BUFFERS
+    if p.stride > bench_buffers.capped_up_to(llc_bytes):
+        assert p.span > llc_bytes  # enough ...
+        assert p.count == 2 or (p.count - 1) * p.stride <= llc_bytes  # ... and no more than needed
+    else:
+        assert p.count == MAX_COLD_BUFFERS
+
+
+def test_rotating_views_are_disjoint_line_aligned_and_shuffled():
+    views = rotating(np.dtype(np.float32), 20, Plan(64, 128))
+    assert len(views) == 64 and all(len(v) == 20 and (v == 1).all() for v in views)
+    starts = [v.ctypes.data for v in views]
+    base = min(starts)
+    assert sorted(s - base for s in starts) == [128 * k for k in range(64)]
+    assert starts != sorted(starts)  # the prefetcher cannot follow a shuffled order
+    assert not any(np.shares_memory(a, b) for a, b in zip(views, views[1:]))
+    assert len(rotating(np.dtype(np.float16), 5, Plan(1, 64))) == 1
+
+
+class _RecordingGroup:
+    """A world of one that records the address of every buffer it is asked to reduce."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self):
+        self.seen = []
+
+    def all_reduce(self, buf, op):
+        self.seen.append(buf.ctypes.data)
+
+    def all_gather(self, local):
+        return np.array(local, copy=True)
+
+    def barrier(self):
+        pass
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_cold_loop_moves_to_fresh_memory_on_every_call(monkeypatch, cold):
+    monkeypatch.setattr(bench_core, "llc", lambda: (64 << 10, "test"))
+    g = _RecordingGroup()
+    row = measure(g, Spec("all_reduce", "f32", "sum", 50, 2, False, 0, cold), np.dtype(np.float32), 4096)
+    expected = plan(4096, cold, 64 << 10).count  # 17 buffers of 4 KiB > the 64 KiB "LLC"
+    assert row.buffers == expected and len(g.seen) == 52 and len(set(g.seen)) == expected
+    if cold:
+        assert expected == 17 and all(a != b for a, b in zip(g.seen, g.seen[1:]))
+        assert len(set(g.seen)) * 4096 > 64 << 10

@@ -1,4 +1,6 @@
-"""bench/compare.py: one tiny real run (table, JSON, ratios, plot), and the skip messages for missing peers.
+"""bench/compare.py: one tiny real run (table, JSON, ratios, plot), and the skip messages for missing peers;
+and the peer machinery it shares with `shmcoll-bench --compare` (shmcoll/launch/bench_compare.py,
+bench_peers.py): launching with a timeout, skip and failure reasons, the ratio math.
 
 OpenMPI/mpi4py and torch are optional here: where one is missing, its skip message is asserted
 instead of its rows. A second run hides them on purpose, so the skip paths always run.
@@ -14,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,10 @@ COMPARE = REPO / "bench" / "compare.py"
 sys.path.insert(0, str(REPO / "bench"))
 
 from compare_report import PeerResult, compare, targets  # noqa: E402
+from shmcoll.launch import bench_cli  # noqa: E402
+from shmcoll.launch.bench_compare import (PeerRun, compare_doc, missing_reason, ratios, run_command,  # noqa: E402
+                                          run_peer, with_ratios)
+from shmcoll.launch.bench_peers import GLOO, OPENMPI, unsupported  # noqa: E402
 
 TINY = ["-n", "2", "--sizes", "8,64K", "--transports", "tcp", "--iters", "20", "--warmup", "2",
         "--max-time", "0.3", "--timeout", "40"]
@@ -170,3 +177,79 @@ def test_compare_ratios_and_targets_alone():
     assert recs[1 << 20]["openmpi_target_met"] is True and recs[1 << 20]["gloo_target_met"] is False
     assert recs[96]["openmpi_target_met"] is None and recs[96]["gloo_target_min"] is None
     assert targets(4, 8) == (2.0, None) and targets(3, 8) == (None, None)
+
+
+# ---- the peer machinery shared with shmcoll-bench --compare ----
+
+MINE = [{"size": 8, "time_us": 10.0}, {"size": 64, "time_us": 30.0}, {"size": 512, "time_us": 5.0}]
+THEIRS = [{"size": 8, "time_us": 2.0, "wrong": 0}, {"size": 64, "time_us": 60.0, "wrong": 3}]
+
+
+def test_ratios_on_synthetic_rows():
+    assert ratios(MINE, THEIRS) == {8: 5.0, 64: 0.5, 512: None}
+    peer = PeerRun(OPENMPI, library="x", rows=THEIRS)
+    assert peer.wrong == 3
+    assert [(r["peer"], r["shmcoll_over_peer"]) for r in with_ratios(MINE, peer)] == [(OPENMPI, 5.0), (OPENMPI, 0.5)]
+    doc = compare_doc(MINE, [peer, PeerRun(GLOO, status="skipped", reason="torch is not installed")])
+    assert [(r["peer"], r["size"]) for r in doc["rows"]] == [("shmcoll", 8), ("shmcoll", 64), ("shmcoll", 512),
+                                                             (OPENMPI, 8), (OPENMPI, 64)]
+    assert doc["peers"][GLOO] == {"status": "skipped", "reason": "torch is not installed", "library": "",
+                                  "command": ""}
+
+
+def test_ratio_table_and_peer_sections_as_printed():
+    lines = bench_cli.format_ratios(MINE, [PeerRun(OPENMPI, rows=THEIRS), PeerRun(GLOO, status="skipped")])
+    assert lines[1] == "# shmcoll time / peer time, per size (below 1: shmcoll is faster)"
+    assert lines[2].split() == ["#", "size(B)", OPENMPI]  # a skipped peer gets no column
+    assert [ln.split() for ln in lines[3:]] == [["8", "5x"], ["64", "0.5x"], ["512", "-"]]
+    assert all(len(ln) == len(lines[2]) for ln in lines[3:])
+    assert bench_cli.format_ratios(MINE, [PeerRun(GLOO, status="skipped")])[-1] == "# no peer ran: nothing to compare"
+    assert bench_cli.format_peer(PeerRun(GLOO, status="failed", reason="exit 1: boom"), 2, False) == [
+        "#", "# peer: gloo: failed: exit 1: boom"]
+
+
+def test_what_each_peer_cannot_run():
+    for dtype in ("f16", "bf16"):
+        assert "no %s datatype" % dtype in unsupported(OPENMPI, "all_reduce", dtype, "sum")
+        assert unsupported(OPENMPI, "all_gather", dtype, "sum") is None  # moved as bytes
+        assert unsupported(GLOO, "all_reduce", dtype, "avg") is None
+    assert "no average" in unsupported(OPENMPI, "all_reduce", "f32", "avg")
+    assert unsupported(OPENMPI, "broadcast", "f32", "avg") is None  # op ignored outside all_reduce
+    assert unsupported(OPENMPI, "barrier", "f16", "avg") is None
+
+
+def test_a_missing_mpirun_or_an_unsupported_sweep_is_skipped_without_launching(tmp_path):
+    assert "'/nonexistent/mpirun' not found on PATH" in missing_reason(OPENMPI, "/nonexistent/mpirun")
+    run = run_peer(OPENMPI, 2, [], "all_reduce", "f32", "sum", tmp_path, 30, mpirun="/nonexistent/mpirun")
+    assert (run.status, run.command, run.rows) == ("skipped", "", [])
+    run = run_peer(OPENMPI, 2, [], "all_reduce", "f16", "sum", tmp_path, 30)
+    assert run.status == "skipped" and "no f16 datatype" in run.reason and run.command == ""
+
+
+@pytest.mark.skipif(not mpi_installed(), reason="mpi4py not installed")
+def test_a_peer_job_that_fails_is_reported_with_its_status(tmp_path):
+    run = run_peer(OPENMPI, 2, ["--size-list", "8"], "all_reduce", "f32", "sum", tmp_path, 30, mpirun="false")
+    assert run.status == "failed" and run.reason.startswith("exit 1: ") and run.rows == []
+    assert run.command.split()[:3] == [shutil.which("false"), "--allow-run-as-root", "--oversubscribe"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_peer_job_past_its_timeout_is_killed_with_its_children():
+    """A hung peer (here: a child that never ends) costs the timeout, then its whole process group dies."""
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(120)']); print(p.pid, flush=True); time.sleep(120)")
+    t0 = time.monotonic()
+    rc, out, err = run_command([sys.executable, "-c", code], timeout=2.0)
+    assert rc == 124 and "killed after the 2 s timeout" in err and time.monotonic() - t0 < 10
+    grandchild = int(out.split()[0])
+    deadline = time.monotonic() + 5
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for the kernel's reaping, bounded: not hiding a race
+    assert _gone(grandchild)
