@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import asdict
@@ -61,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                "than --max-time seconds, fewer are timed (about --max-time worth, but at least 3); the JSON rows\n"
                "record the iterations really timed. With --warmup 0 there is no cap.\n"
                "Without -n, run it under a launcher: shmcoll-run -n N shmcoll-bench ... (or mpirun).\n"
-               "--compare (needs -n) then runs the same sweep, timing and check through OpenMPI (mpi4py, under\n"
-               "mpirun) and torch gloo, each as its own N-rank job, one after the other; a peer that is not\n"
-               "installed or cannot run this collective/dtype/op is reported as skipped with the reason.\n"
+               "--compare (only with -n): after shmcoll's job, the same sweep, timing and check run through\n"
+               "OpenMPI (mpi4py, under mpirun) and torch gloo, each as its own N-rank job, one after the other;\n"
+               "a peer that is not installed or cannot run this collective/dtype/op is reported as skipped.\n"
                "--plot without matplotlib: the sweep runs and prints as usual, one line says why no plot.\n"
                "Exit status: 0; 1 when --check finds wrong elements (shmcoll's or a peer's), a collective\n"
                "fails or a peer fails (not when it is skipped); 2 usage errors.")
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after timing, one call on known inputs compared with an exact float64 reference; "
                         "#wrong is the sum over ranks (else N/A)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
-                   help="rank 0 also writes the rows as a JSON list here")
+                   help="also write the rows here as a JSON list (with --compare: {\"rows\": [...], \"peers\": {...}}, "
+                        "every row with its \"peer\")")
     p.add_argument("--transport", choices=TRANSPORTS, default=None,
                    help="transport passed to shmcoll.init (default: SHMCOLL_TRANSPORT, else auto: "
                         "shared memory on one host)")
@@ -343,14 +345,26 @@ def peer_sweep(args) -> list[str]:
 
 
 def run_peers(args, workdir: Path) -> list[PeerRun]:
-    """Each peer as its own N-rank job, one after the other, with a transient progress line."""
+    """Each peer as its own N-rank job, one after the other, with a transient progress line.
+
+    SIGTERM becomes KeyboardInterrupt meanwhile, so a peer's job (in a session of its own) is
+    stopped with this process instead of outliving it.
+    """
     progress, runs = Progress(sys.stderr.isatty()), []
-    for peer in PEERS:
-        progress.say(f"peer {peer}: {args.n} ranks, {len(args.sizes)} size(s) ...")
-        runs.append(run_peer(peer, args.n, peer_sweep(args), args.collective, args.dtype, args.op, workdir,
-                             args.peer_timeout, args.mpirun, args.mpirun_args))
-        progress.clear()
+    old = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for peer in PEERS:
+            progress.say(f"peer {peer}: {args.n} ranks, {len(args.sizes)} size(s) ...")
+            runs.append(run_peer(peer, args.n, peer_sweep(args), args.collective, args.dtype, args.op, workdir,
+                                 args.peer_timeout, args.mpirun, args.mpirun_args))
+            progress.clear()
+    finally:
+        signal.signal(signal.SIGTERM, old)
     return runs
+
+
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt(signum)
 
 
 def spawn(args, argv: list[str]) -> int:
@@ -363,7 +377,10 @@ def spawn(args, argv: list[str]) -> int:
         if rc not in (0, EXIT_WRONG) or not rows_to.exists():
             return rc
         mine = json.loads(rows_to.read_text())
-        peers = run_peers(args, Path(tmp)) if args.compare else []
+        try:
+            peers = run_peers(args, Path(tmp)) if args.compare else []
+        except KeyboardInterrupt as e:  # the peer's job was stopped on the way out (run_command)
+            return 128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
     if args.compare:
         lines = [line for p in peers for line in format_peer(p, args.n, args.check)]
         print("\n".join(lines + format_ratios(mine, peers)), flush=True)

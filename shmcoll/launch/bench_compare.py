@@ -64,18 +64,26 @@ def run_command(cmd: list[str], timeout: float, env: dict | None = None) -> tupl
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
     except subprocess.TimeoutExpired:
-        out, err = "", ""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                out, err = proc.communicate(timeout=GRACE_S)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        return EXIT_TIMEOUT, out or "", (err or "") + f"\n(killed after the {timeout:g} s timeout)"
+        out, err = _stop_group(proc)
+        return EXIT_TIMEOUT, out, err + f"\n(killed after the {timeout:g} s timeout)"
+    except BaseException:  # Ctrl-C: the job is in a session of its own, so the terminal did not stop it
+        _stop_group(proc)
+        raise
+
+
+def _stop_group(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM the command's process group, SIGKILL it after GRACE_S; what it wrote meanwhile."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            out, err = proc.communicate(timeout=GRACE_S)
+            return out or "", err or ""
+        except subprocess.TimeoutExpired:
+            continue
+    return "", ""
 
 
 def tail(text: str, lines: int = 3) -> str:
