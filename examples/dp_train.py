@@ -7,7 +7,7 @@ What it shows:
     background thread, while backward goes on computing the earlier layers; all handles are joined
     before the optimizer step;
   * the loss curve is the one of single-process training on the same global batch (in float64 the
-    curves agree to ~1e-13: only the summation order of the batch differs);
+    curves agree to ~1e-15: only the summation order of the batch differs);
   * the time per step, and with --compare the speedup of 2 ranks over 1.
 
 Run it:
