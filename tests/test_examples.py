@@ -158,11 +158,6 @@ CLOSE_RACE = textwrap.dedent('''
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="shmcoll bug: ProcessGroup.close() does not stop or wait for the "
-                   "federated_average thread that delivers a round's average to late ranks; that thread then "
-                   "uses the semaphores close() released: the process dies of SIGSEGV (posix_ipc dereferences "
-                   "the closed semaphore) or the thread dies of posix_ipc.ExistentialError, whichever the race "
-                   "gives. examples/federated.py works around it.")
 def test_close_while_a_late_federated_delivery_is_pending(tmp_path):
     prog = tmp_path / "close_race.py"
     prog.write_text(CLOSE_RACE)

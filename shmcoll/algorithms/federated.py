@@ -9,7 +9,6 @@ full cannot stall rank 0.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -74,8 +73,7 @@ def _share(c: Call, data: np.ndarray, arrived: set[int]) -> None:
     late = [peer for peer in range(1, c.size) if peer not in arrived]
     if late:
         result = data.copy()
-        threading.Thread(target=lambda: [_send_quietly(c, p, result) for p in late],
-                         name="shmcoll-federated-late", daemon=True).start()
+        c.t.start_background(lambda: [_send_quietly(c, p, result) for p in late], "shmcoll-federated-late")
 
 
 def _send_quietly(c: Call, peer: int, data: np.ndarray) -> None:

@@ -7,7 +7,10 @@ copy. Every wait takes an absolute deadline (time.monotonic() seconds).
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import numpy as np
 
@@ -51,6 +54,20 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Say goodbye to peers and release every resource; idempotent."""
+
+    def start_background(self, target: Callable[[], None], name: str) -> None:
+        """Run target on a thread that may still use this transport after the collective that
+        started it returned (a federated round's deliveries to late ranks): close() ends its waits
+        and joins it before releasing anything it could touch."""
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self.__dict__.setdefault("_background", []).append(thread)
+        thread.start()
+
+    def join_background(self, timeout: float) -> None:
+        """Wait (bounded) for the threads of start_background; their waits must be failing by now."""
+        end = time.monotonic() + timeout
+        for thread in self.__dict__.get("_background", []):
+            thread.join(max(0.0, end - time.monotonic()))
 
     def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
                   want: Meta | None = None, op: ReduceKind | None = None, strict: bool = True) -> None:

@@ -102,5 +102,8 @@ class HierarchicalTransport(Transport):
         return heard
 
     def close(self) -> None:
+        """Stop this rank's waits on both sides, let background threads finish, then release."""
+        self.shm.begin_close()
         self.net.close()
+        self.join_background(2 * WAIT_SLICE + 1.0)
         self.shm.close()

@@ -20,7 +20,7 @@ import numpy as np
 import posix_ipc
 
 from .. import kernels
-from ..errors import CollectiveMismatch, CollectiveTimeout, PeerLost
+from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
 from . import frame
 from .base import Transport, place
 from .frame import DATA, HEADER_SIZE, Meta
@@ -60,7 +60,7 @@ class ShmTransport(Transport):
         self._in = {p: self._channel(local_of[p], self._me) for p in peers}
         self._assembling: dict[int, _Assembly] = {}
         self._alive_at = {p: time.monotonic() for p in peers}
-        self._closed = False
+        self._closed = self._closing = False
         self.board = Board(self._mem, self._layout, rank, self._local_of, spin_s)
         segment.register(self._me)
 
@@ -297,6 +297,8 @@ class ShmTransport(Transport):
         local = self._mailbox.aborted
         if local is not None:
             raise local.error()
+        if self._closing:
+            raise CollectiveError(f"rank {self.rank} closed this group while a call was still waiting")
         who = int(self._seg.words[W_ABORT])
         if who:
             length = int(self._seg.words[W_ABORT_LEN])
@@ -324,11 +326,19 @@ class ShmTransport(Transport):
             heard[peer] = self._alive_at[peer]
         return heard
 
+    def begin_close(self) -> None:
+        """From now on every wait here fails at its next look (within a wait slice), so threads still
+        using this transport let go of its semaphores before close() releases them."""
+        if not self._closing:
+            self._closing = True
+            self._seg.words[W_STATES + self._me] = STATE_DEPARTED
+
     def close(self) -> None:
         if self._closed:
             return
+        self.begin_close()
+        self.join_background(2 * WAIT_SLICE + 1.0)
         self._closed = True
-        self._seg.words[W_STATES + self._me] = STATE_DEPARTED
         self._seg.close()
 
 

@@ -202,6 +202,7 @@ class NetTransport(Transport):
                 pass
         for reader in self._readers:
             reader.join(timeout=2 * _POLL + 1.0)
+        self.join_background(2 * _POLL + 1.0)  # their sends fail on the shut sockets
         for sock in self._socks.values():
             sock.close()
 
