@@ -97,6 +97,13 @@ def local_training(w: np.ndarray, shard, rnd: int, rank: int, args) -> None:
 
 # -------------------------------------------------------------------------------------- rounds
 
+def say(line: str) -> None:
+    """One write per line: all ranks share the terminal, and print() writes the text and the newline
+    separately when Python runs unbuffered (PYTHONUNBUFFERED), so lines of two ranks could mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def wait_for_late_deliveries(timeout: float = 10.0) -> None:
     """WORKAROUND for a shmcoll bug (reported in issue 6; remove once close() handles it).
 
@@ -127,17 +134,16 @@ def main(argv=None) -> int:
         shards, (xt, yt) = make_data(n)
         w = np.zeros(FEATURES * CLASSES + CLASSES)
         if rank == 0:
-            print(f"federated: {n} ranks (rank 0 is the server), deadline {args.deadline:g} s, client {slow} "
-                  f"slow in rounds {sorted(args.slow_rounds)}, client {dies} dies in round {args.die_round}",
-                  flush=True)
+            say(f"federated: {n} ranks (rank 0 is the server), deadline {args.deadline:g} s, client {slow} "
+                f"slow in rounds {sorted(args.slow_rounds)}, client {dies} dies in round {args.die_round}")
         counts = []
         for rnd in range(1, args.rounds + 1):
             if rank == dies and rnd == args.die_round:
-                print(f"client {rank}: vanishing in round {rnd} without a goodbye (os._exit(0))", flush=True)
+                say(f"client {rank}: vanishing in round {rnd} without a goodbye (os._exit(0))")
                 os._exit(0)
             local_training(w, shards[rank], rnd, rank, args)
             if rank == slow and rnd in args.slow_rounds:
-                print(f"client {rank}: slow in round {rnd}, late by {args.deadline * 0.5:g} s", flush=True)
+                say(f"client {rank}: slow in round {rnd}, late by {args.deadline * 0.5:g} s")
                 time.sleep(args.deadline * 1.5)  # the scenario: this client misses the deadline
             t = time.perf_counter()
             count = pg.federated_average(w, args.deadline)  # w is now the round's global model, on every rank
@@ -145,12 +151,12 @@ def main(argv=None) -> int:
                 counts.append(count)
                 loss, _, z = loss_and_grad(w, xt, yt)
                 acc = np.mean(np.argmax(z, axis=1) == yt)
-                print(f"round {rnd:3d}  participants {count}/{n}  global loss {loss:.4f}  accuracy {acc:.3f}  "
-                      f"(round took {time.perf_counter() - t:.2f} s)", flush=True)
+                say(f"round {rnd:3d}  participants {count}/{n}  global loss {loss:.4f}  accuracy {acc:.3f}  "
+                    f"(round took {time.perf_counter() - t:.2f} s)")
         # Every survivor, the slow client included, ends with the last round's average.
-        print(f"rank {rank}: finished {args.rounds} rounds, model checksum {np.sum(np.abs(w)):.12f}", flush=True)
+        say(f"rank {rank}: finished {args.rounds} rounds, model checksum {np.sum(np.abs(w)):.12f}")
         if rank == 0:
-            print(f"participants per round: {counts}", flush=True)
+            say(f"participants per round: {counts}")
             wait_for_late_deliveries()
     return 0
 
