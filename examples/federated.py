@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -104,20 +103,6 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def wait_for_late_deliveries(timeout: float = 10.0) -> None:
-    """WORKAROUND for a shmcoll bug (reported in issue 6; remove once close() handles it).
-
-    Rank 0 hands a round's average to the ranks that missed the deadline from a background thread
-    named "shmcoll-federated-late", and ProcessGroup.close() does not wait for it: a close() that
-    races that thread can crash rank 0 with SIGSEGV (the thread uses a semaphore close() released).
-    After a round that missed a rank (here: every round after the death), wait for those threads.
-    They end promptly: a live rank takes the message, a dead one is noticed within 20 ms.
-    """
-    for t in threading.enumerate():
-        if t.name == "shmcoll-federated-late":
-            t.join(timeout)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     with shmcoll.init() as pg:
@@ -157,7 +142,6 @@ def main(argv=None) -> int:
         say(f"rank {rank}: finished {args.rounds} rounds, model checksum {np.sum(np.abs(w)):.12f}")
         if rank == 0:
             say(f"participants per round: {counts}")
-            wait_for_late_deliveries()
     return 0
 
 
