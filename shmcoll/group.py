@@ -23,12 +23,14 @@ from .algorithms.call import Call
 from .algorithms.federated import federated_average
 from .algorithms.hier import hier_all_gather, hier_barrier, hier_broadcast, small_all_reduce, two_level_all_reduce
 from .algorithms.ring import one_shot_all_reduce, ring_all_gather, ring_all_reduce
+from .algorithms import scatter_gather as sg
 from .config import Tuning
 from .recorder import FlightRecorder, diagnosis
 from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
 from .transport.base import Transport
-from .transport.frame import (ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, COLLECTIVE_NAMES,
-                              FEDERATED_AVERAGE, Meta)
+from .transport.frame import (ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST,
+                              COLLECTIVE_NAMES, FEDERATED_AVERAGE, GATHER, REDUCE, REDUCE_SCATTER, ROOTS_DTYPE,
+                              SCATTER, Meta)
 from .transport.mailbox import AbortReason
 from .transport.topology import Topology
 from .types import TAG_RESERVED_BASE, WIRE_TYPES, ReduceKind
@@ -183,6 +185,91 @@ class ProcessGroup:
         flat = v.storage_view(arr, wire)
         return self._collective(FEDERATED_AVERAGE, wire.code, flat.size,
                                 lambda c: federated_average(c, flat, window))
+
+    # ---- more collectives (algorithms in algorithms/scatter_gather.py; flat over any routing) ----
+    def reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> np.ndarray:
+        """Rank i gets slice i (along axis 0) of op over every rank's data, as a new array; data is
+        only read (the ring works on a copy)."""
+        arr = v.as_array(data, "data", writable=False)
+        wire, kind = v.reducible_wire(arr, op, "data")
+        rows = v.equal_blocks(arr, self.world_size, "data", "reduce_scatter")
+        work = v.storage_view(arr, wire).copy()
+        self._collective(REDUCE_SCATTER, wire.code, work.size, lambda c: sg.reduce_scatter(c, work, kind), op=kind)
+        out = np.empty((rows, *arr.shape[1:]), dtype=arr.dtype)
+        block = out.size
+        v.storage_view(out, wire)[:] = work[self.rank * block:(self.rank + 1) * block]
+        return out
+
+    def reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM):
+        """In place on root; every rank's data is scratch space (hence writable everywhere)."""
+        root = v.rank_arg(root, self.world_size, "root")
+        arr = v.as_array(data, "data", writable=True)
+        wire, kind = v.reducible_wire(arr, op, "data")
+        flat = v.storage_view(arr, wire)
+        self._collective(REDUCE, wire.code, flat.size, lambda c: sg.reduce_to_root(c, root, flat, kind),
+                         op=kind, root=root)
+        return data
+
+    def gather(self, root: int, local) -> np.ndarray | None:
+        """Concatenation of every rank's local along axis 0 on root (as all_gather); None elsewhere."""
+        root = v.rank_arg(root, self.world_size, "root")
+        arr = v.as_array(local, "local", writable=False)
+        wire = v.wire_of(arr, "local")
+        shape = arr.shape if arr.ndim else (1,)
+        flat_in = v.storage_view(arr, wire)
+        out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype) if self.rank == root else None
+        flat_out = v.storage_view(out, wire) if out is not None else None
+        self._collective(GATHER, wire.code, flat_in.size,
+                         lambda c: sg.gather_to_root(c, root, flat_in, flat_out), root=root)
+        return out
+
+    def scatter(self, root: int, data=None) -> np.ndarray:
+        """Root's data split along axis 0 into world_size equal blocks; rank i gets block i (a new
+        array). Only the root's data is looked at (others pass None): the others learn dtype and
+        shape from the frame they receive, so the call description carries neither."""
+        root = v.rank_arg(root, self.world_size, "root")
+        blocks, code = None, ROOTS_DTYPE
+        if self.rank == root:
+            if data is None:
+                raise InvalidArgument("scatter: the root must pass the array to split (only other ranks pass None)")
+            arr = v.as_array(data, "data", writable=False)
+            wire = v.wire_of(arr, "data")
+            rows = v.equal_blocks(arr, self.world_size, "data", "scatter")
+            store = arr.view(wire.storage)
+            blocks = [store[j * rows:(j + 1) * rows] for j in range(self.world_size)]
+            code = wire.code
+        got = self._collective(SCATTER, ROOTS_DTYPE, 0, lambda c: sg.scatter_from_root(c, root, blocks, code),
+                               root=root)
+        return got.view(arr.dtype) if self.rank == root else got
+
+    def all_to_all(self, data) -> np.ndarray:
+        """Block j (of world_size equal blocks along axis 0) goes to rank j; the result holds the
+        blocks received, in source-rank order, as a new array of data's shape."""
+        arr = v.as_array(data, "data", writable=False)
+        wire = v.wire_of(arr, "data")
+        v.equal_blocks(arr, self.world_size, "data", "all_to_all")
+        out = np.empty(arr.shape, dtype=arr.dtype)
+        flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
+        self._collective(ALL_TO_ALL, wire.code, flat_in.size, lambda c: sg.all_to_all(c, flat_in, flat_out))
+        return out
+
+    def all_gather_v(self, local) -> tuple[np.ndarray, list[int]]:
+        """all_gather where each rank's length along axis 0 may differ (trailing dimensions and dtype
+        may not): returns the concatenation in rank order and every rank's length. The call
+        description carries the elements per row, which every rank knows; lengths are exchanged first."""
+        arr = v.as_array(local, "local", writable=False)
+        wire = v.wire_of(arr, "local")
+        shape = arr.shape if arr.ndim else (1,)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        flat_in = v.storage_view(arr, wire)
+
+        def body(c):
+            lengths = sg.exchange_shapes(c, shape)
+            out = np.empty((sum(lengths), *shape[1:]), dtype=arr.dtype)
+            sg.all_gather_v(c, flat_in, v.storage_view(out, wire), lengths, row)
+            return out, lengths
+
+        return self._collective(ALL_GATHER_V, wire.code, row, body)
 
     # ---- life cycle ----
     def close(self) -> None:

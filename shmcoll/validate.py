@@ -139,3 +139,14 @@ def seconds_arg(value, what: str) -> float:
     if not ok:
         raise InvalidArgument(f"{what} must be a finite number of seconds >= 0 or a datetime.timedelta, not {value!r}")
     return float(value)
+
+
+def equal_blocks(arr: np.ndarray, parts: int, what: str, call: str) -> int:
+    """Rows per block when axis 0 of arr splits into `parts` equal blocks; InvalidArgument otherwise."""
+    if arr.ndim == 0:
+        raise InvalidArgument(f"{call} splits {what} along axis 0, but it is 0-d; pass at least a 1-D array")
+    if arr.shape[0] % parts:
+        raise InvalidArgument(
+            f"{call}: len({what}) = {arr.shape[0]} (axis 0) is not divisible by the world size {parts}; "
+            f"pad {what} to a multiple of {parts} rows")
+    return arr.shape[0] // parts

@@ -222,6 +222,48 @@ def _rows() -> list[Row]:
     for k, d in BAD_DEADLINES.items():
         add(F, f"deadline={k}", lambda pg, d=d: pg.federated_average(f32(), d), DEADLINE_MSG)
     add(F, "deadline=10**400", lambda pg: pg.federated_average(f32(), 10**400), DEADLINE_MSG)
+
+    # ---- reduce_scatter / reduce (the rules of all_reduce, plus axis 0 divisible / a root)
+    RS, R = "reduce_scatter", "reduce"
+    for call, run in ((RS, lambda pg, d, *op: pg.reduce_scatter(d, *op)), (R, lambda pg, d, *op: pg.reduce(0, d, *op))):
+        for k, make in WRONG_TYPES.items():
+            add(call, f"data={k}", lambda pg, make=make, run=run: run(pg, make()), TYPE_MSG + "|read-only")
+        for k, make in BAD_DTYPES.items():
+            add(call, f"dtype={k}", lambda pg, make=make, run=run: run(pg, make()), DTYPE_MSG)
+        for k, dt in NOT_REDUCIBLE.items():
+            add(call, f"dtype={k}", lambda pg, dt=dt, run=run: run(pg, np.ones(4, dtype=dt)), DTYPE_MSG)
+        for k, dt in (("int32", np.int32), ("int64", np.int64)):
+            add(call, f"{k}-AVG", lambda pg, dt=dt, run=run: run(pg, np.ones(4, dtype=dt), ReduceKind.AVG), INTOP_MSG)
+        for k, op in BAD_OPS.items():
+            add(call, f"op={k}", lambda pg, op=op, run=run: run(pg, f32(), op), OP_MSG)
+        add(call, "a[::2]", lambda pg, run=run: run(pg, strided()), CONTIG_MSG)
+        add(call, "fortran-2d", lambda pg, run=run: run(pg, fortran()), CONTIG_MSG)
+    add(RS, "0-d", lambda pg: pg.reduce_scatter(np.array(1.0)), r"0-d.*1-D")
+    add(RS, "len-not-divisible", lambda pg: pg.reduce_scatter(f32(pg.world_size + 1)), r"divisible", min_world=2)
+    add(R, "read-only", lambda pg: pg.reduce(0, readonly(f32())), RO_MSG)
+    for k, v in BAD_RANKS.items():
+        add(R, f"root={k}", lambda pg, v=v: pg.reduce(rank_value(v, pg), f32()), RANK_MSG)
+
+    # ---- gather / all_gather_v / all_to_all (read-only inputs are fine) / scatter (the root's data)
+    G, S, A2A, AGV = "gather", "scatter", "all_to_all", "all_gather_v"
+    movers = ((G, lambda pg, d: pg.gather(0, d)), (S, lambda pg, d: pg.scatter(pg.rank, d)),
+              (A2A, lambda pg, d: pg.all_to_all(d)), (AGV, lambda pg, d: pg.all_gather_v(d)))
+    for call, run in movers:
+        for k, make in WRONG_TYPES.items():
+            add(call, f"data={k}", lambda pg, make=make, run=run: run(pg, make()), TYPE_MSG)
+        for k, make in BAD_DTYPES.items():
+            add(call, f"dtype={k}", lambda pg, make=make, run=run: run(pg, make()), DTYPE_MSG)
+        add(call, "a[::2]", lambda pg, run=run: run(pg, strided()), CONTIG_MSG)
+        add(call, "fortran-2d", lambda pg, run=run: run(pg, fortran()), CONTIG_MSG)
+    for call, run in ((S, lambda pg, d: pg.scatter(pg.rank, d)), (A2A, lambda pg, d: pg.all_to_all(d))):
+        add(call, "0-d", lambda pg, run=run: run(pg, np.array(1.0)), r"0-d.*1-D")
+        add(call, "len-not-divisible", lambda pg, run=run: run(pg, f32(pg.world_size + 1)), r"divisible",
+            min_world=2)
+        add(call, "2-d-rows-not-divisible", lambda pg, run=run: run(pg, np.zeros((3, 2))), r"divisible",
+            min_world=2)
+    for call, run in ((G, lambda pg, r: pg.gather(r, f32())), (S, lambda pg, r: pg.scatter(r, f32()))):
+        for k, v in BAD_RANKS.items():
+            add(call, f"root={k}", lambda pg, v=v, run=run: run(pg, rank_value(v, pg)), RANK_MSG)
     return rows
 
 
@@ -438,11 +480,18 @@ def _every_call(pg):
         "all_gather": lambda: pg.all_gather(f32()),
         "broadcast": lambda: pg.broadcast(0, f32()),
         "federated_average": lambda: pg.federated_average(f32(), 1.0),
+        "reduce_scatter": lambda: pg.reduce_scatter(f32(2 * pg.world_size)),
+        "reduce": lambda: pg.reduce(0, f32()),
+        "gather": lambda: pg.gather(0, f32()),
+        "scatter": lambda: pg.scatter(0, f32(2 * pg.world_size) if pg.rank == 0 else None),
+        "all_to_all": lambda: pg.all_to_all(f32(2 * pg.world_size)),
+        "all_gather_v": lambda: pg.all_gather_v(f32()),
     }
 
 
 CALL_NAMES = ("barrier", "send", "recv", "send_f32", "recv_f32", "all_reduce", "all_reduce_typed",
-              "spawn_all_reduce", "all_gather", "broadcast", "federated_average")
+              "spawn_all_reduce", "all_gather", "broadcast", "federated_average", "reduce_scatter", "reduce",
+              "gather", "scatter", "all_to_all", "all_gather_v")
 
 
 def _after_close(pg):

@@ -31,11 +31,16 @@ SRC_FIELD = (12, 16)  # byte range of the source rank in a packed header
 
 
 #: Collective codes carried in every collective frame (Meta.coll), so ranks can name what each side called.
-P2P, BARRIER, ALL_REDUCE, ALL_GATHER, BROADCAST, FEDERATED_AVERAGE = range(6)
+(P2P, BARRIER, ALL_REDUCE, ALL_GATHER, BROADCAST, FEDERATED_AVERAGE,
+ REDUCE_SCATTER, REDUCE, ALL_TO_ALL, GATHER, SCATTER, ALL_GATHER_V) = range(12)
 COLLECTIVE_NAMES = {
     P2P: "send", BARRIER: "barrier", ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
     BROADCAST: "broadcast", FEDERATED_AVERAGE: "federated_average",
+    REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce", ALL_TO_ALL: "all_to_all", GATHER: "gather",
+    SCATTER: "scatter", ALL_GATHER_V: "all_gather_v",
 }
+#: Meta.dtype of calls whose dtype only one rank knows (scatter: the root's data decides).
+ROOTS_DTYPE = 0
 
 
 class FrameError(ValueError):
@@ -119,6 +124,9 @@ def describe_mismatch(got: Meta, want: Meta, src: int) -> str | None:
 
 def describe_call(m: Meta) -> str:
     """A collective call as a reader would write it: all_reduce(dtype=float32, count=4, op=SUM, root=0)."""
-    dtype = WIRE_TYPES[m.dtype].name if m.dtype in WIRE_TYPES else f"dtype#{m.dtype}"
+    if m.dtype in WIRE_TYPES:
+        dtype = WIRE_TYPES[m.dtype].name
+    else:
+        dtype = "root's" if m.dtype == ROOTS_DTYPE else f"dtype#{m.dtype}"
     op = ReduceKind(m.op).name if m.op in ReduceKind._value2member_map_ else f"op#{m.op}"
     return f"{COLLECTIVE_NAMES.get(m.coll, f'collective#{m.coll}')}(dtype={dtype}, count={m.count}, op={op}, root={m.root})"

@@ -1,0 +1,284 @@
+"""reduce_scatter, reduce, gather, scatter, all_to_all and all_gather_v in real processes, over tcp,
+shm and every simulated host layout: exact expected results (integer-valued inputs, so reduction
+order cannot matter), every dtype at one world size, every root and size at world sizes 1-4, and
+mismatched calls failing with CollectiveMismatch on every rank, promptly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shmcoll import ReduceKind
+from shmcoll.kernels import reference_reduce
+from shmcoll.types import BFLOAT16, WIRE_TYPES, wire_type_of
+
+from harness import CTX, run_ranks
+
+pytestmark = pytest.mark.usefixtures("layout")  # over tcp, shm and every simulated multi-host layout
+
+SIZES = [1, 2, 3, 4]
+BLOCKS = [0, 1, 7, 1001]  # rows per rank: empty, one, odd, several 4 KiB chunks
+SMALL_CHUNKS = {"SHMCOLL_CHUNK_BYTES": "4096"}
+REDUCE_DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64]
+MOVE_DTYPES = [w.user for w in WIRE_TYPES.values() if w.user is not None]  # every dtype that can travel
+INT_OPS = [ReduceKind.SUM, ReduceKind.PROD, ReduceKind.MIN, ReduceKind.MAX]
+
+
+def ops_for(dtype) -> list[ReduceKind]:
+    return list(ReduceKind) if wire_type_of(np.dtype(dtype)).is_float else INT_OPS
+
+
+def small_ints(rank: int, count: int, dtype, op: ReduceKind) -> np.ndarray:
+    """Integer values whose sums and products are exact in every dtype."""
+    rng = np.random.default_rng(1000 * rank + count + int(op))
+    high = 3 if op is ReduceKind.PROD else 9
+    return rng.integers(-high, high + 1, size=count).astype(np.float64).astype(dtype)
+
+
+def reduced(n: int, count: int, dtype, op: ReduceKind) -> np.ndarray:
+    """op over every rank's small_ints, as storage (the reference all_reduce is checked against)."""
+    wire = wire_type_of(np.dtype(dtype))
+    return reference_reduce([small_ints(r, count, dtype, op).view(wire.storage) for r in range(n)], wire.code, op)
+
+
+def storage(a: np.ndarray) -> bytes:
+    return a.tobytes()
+
+
+# ---------------------------------------------------------------- reductions, every dtype and op
+
+def _reductions(pg, dtype):
+    n, out = pg.world_size, []
+    for i, (b, op) in enumerate((b, op) for b in BLOCKS for op in ops_for(dtype)):
+        data = small_ints(pg.rank, n * b, dtype, op)
+        before = data.copy()
+        got = pg.reduce_scatter(data, op)
+        assert got.dtype == data.dtype and got.shape == (b,) and not np.shares_memory(got, data)
+        assert storage(data) == storage(before), "reduce_scatter must not write its input"
+        root = i % n
+        assert pg.reduce(root, data, op) is data
+        out.append((storage(got), storage(data) if pg.rank == root else None))
+    return out
+
+
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_reductions_every_dtype_and_op(dtype):
+    n = 3
+    results = run_ranks(n, _reductions, dtype, env=SMALL_CHUNKS)
+    cases = [(b, op) for b in BLOCKS for op in ops_for(dtype)]
+    for rank, per_case in enumerate(results):
+        assert len(per_case) == len(cases)
+        for i, ((scattered, whole), (b, op)) in enumerate(zip(per_case, cases)):
+            want = reduced(n, n * b, dtype, op)
+            assert scattered == storage(want[rank * b:(rank + 1) * b]), f"reduce_scatter b={b} {op.name} rank {rank}"
+            if rank == i % n:
+                assert whole == storage(want), f"reduce b={b} {op.name} root {rank}"
+
+
+# ---------------------------------------------------------------- float32: every size and root
+
+def _rows(rank: int, rows: int, tail=(), dtype=np.float32, salt: int = 0) -> np.ndarray:
+    values = (np.arange(rows * int(np.prod(tail)), dtype=np.int64) + 7 * rank + salt) % 61
+    return values.reshape(rows, *tail).astype(dtype)
+
+
+def _varying(rank: int, b: int) -> int:
+    """all_gather_v lengths: differ per rank, some zero."""
+    return (b + 3 * rank) % 5 if b < 1001 else b + rank
+
+
+def _every_root(pg, b):
+    n, r, got = pg.world_size, pg.rank, {}
+    tail = (3,)
+    rs = pg.reduce_scatter(_rows(r, n * b, tail), ReduceKind.SUM)
+    got["reduce_scatter"] = rs
+    for root in range(n):
+        data = _rows(r, b, tail, salt=root)
+        pg.reduce(root, data, ReduceKind.MAX)
+        if r == root:
+            got[("reduce", root)] = data
+        got[("gather", root)] = pg.gather(root, _rows(r, b, tail, salt=root))
+        got[("scatter", root)] = pg.scatter(root, _rows(r, n * b, tail, salt=root) if r == root else None)
+    got["all_to_all"] = pg.all_to_all(_rows(r, n * b, tail))
+    got["all_gather_v"] = pg.all_gather_v(_rows(r, _varying(r, b), tail))
+    return got
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("b", BLOCKS)
+def test_every_size_and_root_float32(n, b):
+    tail = (3,)
+    results = run_ranks(n, _every_root, b, env=SMALL_CHUNKS)
+    for r, got in enumerate(results):
+        total = sum(_rows(k, n * b, tail).astype(np.float64) for k in range(n))
+        np.testing.assert_array_equal(got["reduce_scatter"], total[r * b:(r + 1) * b])
+        assert got["reduce_scatter"].shape == (b, 3)
+        for root in range(n):
+            if r == root:
+                want = np.maximum.reduce([_rows(k, b, tail, salt=root) for k in range(n)])
+                np.testing.assert_array_equal(got[("reduce", root)], want)
+                gathered = np.concatenate([_rows(k, b, tail, salt=root) for k in range(n)])
+                assert got[("gather", root)].shape == (n * b, 3)
+                np.testing.assert_array_equal(got[("gather", root)], gathered)
+            else:
+                assert got[("gather", root)] is None
+            block = _rows(root, n * b, tail, salt=root)[r * b:(r + 1) * b]
+            assert got[("scatter", root)].dtype == np.float32
+            np.testing.assert_array_equal(got[("scatter", root)], block)
+        want = np.concatenate([_rows(k, n * b, tail)[r * b:(r + 1) * b] for k in range(n)])
+        np.testing.assert_array_equal(got["all_to_all"], want)
+        out, lengths = got["all_gather_v"]
+        assert lengths == [_varying(k, b) for k in range(n)]
+        np.testing.assert_array_equal(out, np.concatenate([_rows(k, _varying(k, b), tail) for k in range(n)]))
+
+
+# ---------------------------------------------------------------- data movement, every dtype
+
+def _movement(pg, dtypes):
+    n, r, out = pg.world_size, pg.rank, []
+    for i, dtype in enumerate(dtypes):
+        root = i % n
+        for b in (0, 5):
+            out.append(pg.gather(root, _rows(r, b, (2,), dtype)))
+            out.append(pg.scatter(root, _rows(r, n * b, (), dtype) if r == root else None))
+            out.append(pg.all_to_all(_rows(r, n * b, (), dtype)))
+            out.append(pg.all_gather_v(_rows(r, _varying(r, b), (2,), dtype))[0])
+    out.append(pg.gather(0, np.array(r + 1, dtype=np.int16)))  # 0-d, as all_gather: one row each
+    out.append(pg.all_gather_v(np.array(r + 1, dtype=np.int16)))
+    return out
+
+
+def test_data_movement_every_dtype():
+    n = 3
+    results = run_ranks(n, _movement, MOVE_DTYPES, env=SMALL_CHUNKS)
+    for r, got in enumerate(results):
+        it = iter(got)
+        for i, dtype in enumerate(MOVE_DTYPES):
+            root = i % n
+            for b in (0, 5):
+                gathered, scattered, exchanged, gathered_v = (next(it) for _ in range(4))
+                if r == root:
+                    want = np.concatenate([_rows(k, b, (2,), dtype) for k in range(n)])
+                    assert gathered.dtype == want.dtype and gathered.tobytes() == want.tobytes()
+                else:
+                    assert gathered is None
+                want = _rows(root, n * b, (), dtype)[r * b:(r + 1) * b]
+                assert scattered.dtype == want.dtype and scattered.shape == want.shape
+                assert scattered.tobytes() == want.tobytes()
+                want = np.concatenate([_rows(k, n * b, (), dtype)[r * b:(r + 1) * b] for k in range(n)])
+                assert exchanged.dtype == want.dtype and exchanged.tobytes() == want.tobytes()
+                want = np.concatenate([_rows(k, _varying(k, b), (2,), dtype) for k in range(n)])
+                assert gathered_v.dtype == want.dtype and gathered_v.shape == want.shape
+                assert gathered_v.tobytes() == want.tobytes()
+        zero_d, (zero_d_v, lengths) = next(it), next(it)
+        assert (zero_d.tolist() if r == 0 else zero_d) == ([1, 2, 3] if r == 0 else None)
+        assert zero_d_v.tolist() == [1, 2, 3] and lengths == [1, 1, 1]
+
+
+# ---------------------------------------------------------------- mismatches
+
+PROMPT = 5.0  # seconds; the group timeout is far longer, so only real detection is this quick
+
+
+def _call(pg, name, root=0, rows=12, dtype="float32", op=ReduceKind.SUM, tail=()):
+    data = np.ones((rows, *tail), dtype=dtype)
+    calls = {
+        "gather": lambda: pg.gather(root, data),
+        "scatter": lambda: pg.scatter(root, data if pg.rank == root else None),
+        "reduce": lambda: pg.reduce(root, data, op),
+        "reduce_scatter": lambda: pg.reduce_scatter(data, op),
+        "all_to_all": lambda: pg.all_to_all(data),
+        "all_gather_v": lambda: pg.all_gather_v(data),
+        "all_gather": lambda: pg.all_gather(data),
+        "all_reduce": lambda: pg.all_reduce(data, op),
+        "barrier": lambda: pg.barrier(),
+        "broadcast": lambda: pg.broadcast(root, data),
+    }
+    calls[name]()
+
+
+def _mismatched(pg, normal, odd_call, odd, finish):
+    pg.all_reduce(np.ones(8))  # sequence number 0: every rank connected and in step
+    name, kw = odd_call if pg.rank in odd else normal
+    start = time.monotonic()
+    try:
+        _call(pg, name, **kw)
+        out = {"kind": None}
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        out = {"kind": type(exc).__name__, "msg": str(exc)}
+    out["s"] = time.monotonic() - start
+    try:  # stay up until every rank has its outcome: a rank leaving early would read as a lost peer
+        finish.wait(PROMPT + 0.5)
+        out["together"] = True
+    except threading.BrokenBarrierError:
+        out["together"] = False
+    return out
+
+
+def C(name, **kw):
+    return (name, kw)
+
+
+# (id, world size, odd ranks, what the others call, what the odd ranks call)
+MISMATCHES = [
+    ("gather-vs-all_gather", 3, {1}, C("gather"), C("all_gather")),
+    ("gather-both-claim-root", 2, {1}, C("gather", root=0), C("gather", root=1)),
+    ("gather-roots-swapped", 2, {0}, C("gather", root=1), C("gather", root=0)),  # both only send
+    ("gather-root-of-three", 3, {2}, C("gather", root=0), C("gather", root=1)),
+    ("gather-length", 3, {1}, C("gather"), C("gather", rows=13)),
+    ("gather-dtype", 4, {3}, C("gather", root=2), C("gather", root=2, dtype="float64")),
+    ("scatter-root", 3, {2}, C("scatter", root=0), C("scatter", root=1)),
+    ("scatter-vs-gather", 2, {1}, C("scatter", root=1), C("gather", root=1)),
+    ("scatter-vs-barrier", 3, {1}, C("scatter"), C("barrier")),
+    ("scatter-vs-broadcast", 2, {1}, C("scatter"), C("broadcast")),
+    ("reduce-root", 3, {1}, C("reduce", root=0), C("reduce", root=2)),
+    ("reduce-op", 4, {2}, C("reduce", root=1), C("reduce", root=1, op=ReduceKind.MAX)),
+    ("reduce-dtype", 2, {0}, C("reduce"), C("reduce", dtype="float64")),
+    ("reduce_scatter-vs-all_reduce", 3, {0}, C("reduce_scatter"), C("all_reduce")),
+    ("reduce_scatter-length", 4, {3}, C("reduce_scatter"), C("reduce_scatter", rows=24)),
+    ("reduce_scatter-op", 3, {1}, C("reduce_scatter"), C("reduce_scatter", op=ReduceKind.PROD)),
+    ("all_to_all-length", 3, {2}, C("all_to_all"), C("all_to_all", rows=24)),
+    ("all_to_all-vs-reduce_scatter", 2, {1}, C("all_to_all"), C("reduce_scatter")),
+    ("all_gather_v-dtype", 3, {1}, C("all_gather_v"), C("all_gather_v", dtype="int32")),
+    ("all_gather_v-trailing", 3, {2}, C("all_gather_v", tail=(2, 3)), C("all_gather_v", tail=(3, 2))),
+    ("all_gather_v-ndim", 2, {1}, C("all_gather_v", tail=(1,)), C("all_gather_v")),
+    ("all_gather_v-vs-all_gather", 4, {0}, C("all_gather_v"), C("all_gather")),
+]
+
+
+@pytest.mark.parametrize("name, n, odd, normal, odd_call", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_mismatch_raises_on_every_rank(name, n, odd, normal, odd_call):
+    results = run_ranks(n, _mismatched, normal, odd_call, odd, CTX.Barrier(n), group_timeout=30.0, timeout=60.0)
+    for rank, out in enumerate(results):
+        assert out["kind"] == "CollectiveMismatch", f"rank {rank}: {out}"
+        assert out["s"] < PROMPT, f"rank {rank} took {out['s']:.1f} s: {out}"
+        assert "sequence number 1" in out["msg"] or "shape" in out["msg"], out["msg"]
+        assert out["together"], f"rank {rank} did not finish within {PROMPT} s of the others"
+
+
+# ---------------------------------------------------------------- unusual but valid inputs
+
+def _unusual(pg):
+    n, r, got = pg.world_size, pg.rank, {}
+    ro = np.arange(2 * n, dtype=np.int32) + r
+    ro.flags.writeable = False  # calls that only read their input accept read-only arrays
+    got["reduce_scatter"] = pg.reduce_scatter(ro, "max").tolist()  # op given by name, as all_reduce
+    got["all_to_all"] = pg.all_to_all(ro).tolist()
+    got["gather"] = pg.gather(n - 1, ro)
+    got["all_gather_v"] = pg.all_gather_v(ro[:r])[1]
+    got["scatter"] = pg.scatter(0, ro if r == 0 else np.full(99, -1.0)).tolist()  # non-root data is ignored
+    return got
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_read_only_inputs_and_ignored_non_root_data(n):
+    for r, got in enumerate(run_ranks(n, _unusual)):
+        base = np.arange(2 * n)
+        assert got["reduce_scatter"] == (base + n - 1)[2 * r:2 * r + 2].tolist()
+        assert got["all_to_all"] == [int(v) + k for k in range(n) for v in base[2 * r:2 * r + 2]]
+        assert (got["gather"] is None) == (r != n - 1)
+        assert got["all_gather_v"] == list(range(n))
+        assert got["scatter"] == base[2 * r:2 * r + 2].tolist()
