@@ -198,8 +198,16 @@ def _tcp_transport(cfg: Config, client: StoreClient, deadline: float, peers: set
     except BaseException:
         listener.close()
         raise
-    socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers)
+    socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers,
+                         check=lambda: _raise_if_aborted(client, deadline))
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox)
+
+
+def _raise_if_aborted(client: StoreClient, deadline: float) -> None:
+    """StoreAbort when a rank published a start-up failure (or its connection to the store dropped)."""
+    reason = client.get(ABORT_KEY, deadline)
+    if reason is not None:
+        raise StoreAbort(reason)
 
 
 def _check_routable(cfg: Config, addrs: dict[int, tuple[str, int]]) -> None:

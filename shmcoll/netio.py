@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Callable
 
 
 class Deadline(TimeoutError):
@@ -46,14 +47,18 @@ def send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
         raise Deadline("deadline passed while sending") from exc
 
 
-def connect_with_retry(addr: str, port: int, deadline: float) -> socket.socket:
-    """Connect, retrying with backoff while the listener is not up yet (ranks start in any order)."""
+def connect_with_retry(addr: str, port: int, deadline: float,
+                       check: Callable[[], None] | None = None) -> socket.socket:
+    """Connect, retrying with backoff while the listener is not up yet (ranks start in any order);
+    check() runs between tries and raises when waiting is pointless (the job already failed)."""
     delay = 0.01
     while True:
         timeout = min(5.0, remaining(deadline))
         try:
             sock = socket.create_connection((addr, port), timeout=timeout)
         except OSError:
+            if check is not None:
+                check()
             time.sleep(min(delay, remaining(deadline)))
             delay = min(delay * 2, 0.5)
             continue

@@ -786,6 +786,41 @@ def test_rank_killed_while_transport_is_built(transport, victim, leader, afterma
     aftermath.check(pids)
 
 
+def _dies_in_mesh(rank, n, port, victim, stamps):
+    """The victim published its TCP address and dies as it starts connecting its mesh, so the
+    others wait for a connection (or a listener) that never comes."""
+    if rank == victim:
+        import shmcoll.bootstrap
+
+        def connect_mesh(*args, **kwargs):
+            stamps[rank] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        shmcoll.bootstrap.connect_mesh = connect_mesh
+    out = attempt(lambda: _init(rank, n, port, timeout=LONG).close())
+    out["fault_s"] = out["end"] - stamps[victim]
+    out.update(_leftovers())
+    return out
+
+
+@pytest.mark.parametrize("victim", [1, 3])
+def test_rank_killed_while_the_mesh_connects_is_named_promptly(victim, aftermath, monkeypatch):
+    """With a long timeout: the store sees the victim's connection drop and every rank's mesh wait
+    looks at the store, so nobody waits out the timeout."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "tcp")
+    n = 4
+    stamps = CTX.RawArray("d", n)
+    results, pids = _run(n, _dies_in_mesh, victim, stamps, may_die={victim}, timeout=RUN_TIMEOUT)
+    assert results[victim] == Died(-signal.SIGKILL)
+    outs = {r: out for r, out in enumerate(results) if r != victim}
+    _report(f"killed while the mesh connects n={n} victim={victim}", outs)
+    for out in outs.values():
+        assert out["kind"] == "PeerLost" and out["peer"] == victim, out
+        assert out["fault_s"] < PROMPT and out["call_s"] < LONG / 2, out
+        _assert_nothing_running(out)
+    aftermath.check(pids)
+
+
 def _ordered_start(rank, n, port, started):
     """Ranks call init from the highest to the lowest, rank 0 last: each first waits for the rank above
     it to have started its own init, and checks the rendezvous port still refuses connections (rank 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Callable
 
 from ..errors import CollectiveTimeout
 from ..gate import Gate
@@ -23,6 +24,8 @@ _BACKLOG = 1024
 #: Tries per peer when the listener hangs up mid-handshake (it sheds its oldest unproven
 #: connections under a flood); a wrong secret is never retried.
 _CONNECT_TRIES = 3
+#: Seconds between looks at whether the job failed while waiting for a peer's connection.
+_CHECK_EVERY = 0.2
 
 
 def open_listener(addr: str) -> socket.socket:
@@ -36,9 +39,10 @@ def _purpose(job_id: str, acceptor: int) -> str:
 
 def connect_mesh(rank: int, world_size: int, listener: socket.socket, addrs: dict[int, tuple[str, int]],
                  secret: bytes | None, job_id: str, deadline: float,
-                 peers: set[int] | None = None) -> dict[int, socket.socket]:
+                 peers: set[int] | None = None, check: Callable[[], None] | None = None) -> dict[int, socket.socket]:
     """Connections to `peers` (default: every other rank; a hierarchy passes the remote ones).
-    The listener is closed on return, and with it every connection that was not a wanted rank."""
+    The listener is closed on return, and with it every connection that was not a wanted rank.
+    check() runs while waiting on a peer and raises when the job failed meanwhile (a rank died)."""
     peers = set(range(world_size)) - {rank} if peers is None else set(peers)
     arrivals = _Arrivals({p for p in peers if p > rank})
     gate = None
@@ -53,8 +57,8 @@ def connect_mesh(rank: int, world_size: int, listener: socket.socket, addrs: dic
     done = False
     try:
         for peer in sorted(p for p in peers if p < rank):
-            socks[peer] = _connect(peer, addrs[peer], rank, secret, job_id, deadline)
-        socks.update(arrivals.wait(rank, deadline))
+            socks[peer] = _connect(peer, addrs[peer], rank, secret, job_id, deadline, check)
+        socks.update(arrivals.wait(rank, deadline, check))
         done = True
     finally:
         if gate is not None:
@@ -83,26 +87,31 @@ class _Arrivals:
             self._got[peer] = sock
             self._cond.notify_all()
 
-    def wait(self, rank: int, deadline: float) -> dict[int, socket.socket]:
+    def wait(self, rank: int, deadline: float, check: Callable[[], None] | None = None) -> dict[int, socket.socket]:
         """Every expected connection, or CollectiveTimeout naming the ranks that never came."""
-        with self._cond:
-            while missing := self.expected - set(self._got):
+        while True:
+            with self._cond:
+                missing = self.expected - set(self._got)
+                if not missing:
+                    return dict(self._got)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CollectiveTimeout(f"ranks {sorted(missing)} never connected to rank {rank}")
-                self._cond.wait(min(left, 1.0))
-            return dict(self._got)
+                self._cond.wait(min(left, _CHECK_EVERY))
+            if check is not None:
+                check()
 
     def received(self) -> list[socket.socket]:
         with self._cond:
             return list(self._got.values())
 
 
-def _connect(peer: int, addr: tuple[str, int], rank: int, secret, job_id: str, deadline: float) -> socket.socket:
+def _connect(peer: int, addr: tuple[str, int], rank: int, secret, job_id: str, deadline: float,
+             check: Callable[[], None] | None = None) -> socket.socket:
     """A proven connection to a lower rank; reconnects if its listener shed us under a flood."""
     for attempt in range(1, _CONNECT_TRIES + 1):
         try:
-            sock = connect_with_retry(addr[0], addr[1], deadline)
+            sock = connect_with_retry(addr[0], addr[1], deadline, check)
         except Deadline as exc:
             raise CollectiveTimeout(f"could not connect to rank {peer} at {addr[0]}:{addr[1]} "
                                     f"before the deadline") from exc
