@@ -74,13 +74,16 @@ def table_rows(lines: list[str]) -> list[list[str]]:
 def expected_sizes(collective: str, n: int, itemsize: int, sizes=SMALL_SIZES) -> list[int]:
     if collective == "barrier":
         return [0]
-    if collective == "all_gather":
+    if collective in ("all_gather", "gather", "reduce_scatter", "all_to_all", "scatter"):
         return [max(1, s // (n * itemsize)) * n * itemsize for s in sizes]
     return [max(1, s // itemsize) * itemsize for s in sizes]
 
 
 def factor(collective: str, n: int) -> float | None:
-    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "broadcast": 1.0}.get(collective)
+    """nccl-tests' PERFORMANCE.md (gather and scatter are not there: shmcoll-bench uses (n-1)/n)."""
+    share = (n - 1) / n
+    return {"all_reduce": 2 * share, "all_gather": share, "broadcast": 1.0, "reduce_scatter": share,
+            "reduce": 1.0, "all_to_all": share, "gather": share, "scatter": share}.get(collective)
 
 
 def assert_sweep(proc, collective: str, n: int, dtype: str = "f32", op: str = "sum", check: bool = True):
@@ -99,7 +102,7 @@ def assert_sweep(proc, collective: str, n: int, dtype: str = "f32", op: str = "s
             assert (size, count, typ, redop, algbw, busbw) == ("0", "0", "-", "none", "-", "-")
             continue
         assert int(size) == int(count) * itemsize and typ == type_name
-        assert redop == (op if collective == "all_reduce" else "none")
+        assert redop == (op if collective in ("all_reduce", "reduce_scatter", "reduce") else "none")
         assert abs(float(busbw) - float(algbw) * f) <= 0.016  # both rounded to 0.01
     return rows
 
@@ -173,7 +176,7 @@ def test_bad_arguments_exit_2_from_the_command_line():
     (["-n", "2", "-f", "1"], "> 1"),
     (["-n", "2", "-f", "0.5"], "> 1"),
     (["-n", "2", "-b", "1M", "-e", "1K"], "MIN <= MAX"),
-    (["-n", "2", "--collective", "all_to_all"], "invalid choice"),
+    (["-n", "2", "--collective", "alltoallv"], "invalid choice"),
     (["-n", "2", "--dtype", "f8"], "invalid choice"),
     (["-n", "2", "--op", "mean"], "invalid choice"),
     (["-n", "2", "--iters", "0"], "must be >= 1"),
@@ -454,6 +457,127 @@ def test_plot_inside_a_job_is_drawn_by_rank_0(capsys, monkeypatch, tmp_path):
     assert_png(png)
 
 
+NEWER = ["reduce_scatter", "reduce", "all_to_all", "gather", "scatter"]
+NEWER_IN_PLACE = {"reduce_scatter": "no", "reduce": "yes", "all_to_all": "no", "gather": "no", "scatter": "no"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("collective", NEWER)
+def test_newer_collectives_sweep_with_check_and_json(tmp_path, collective):
+    """2 ranks, a small sweep: every row checked against the float64 reference (0 wrong), JSON fields."""
+    out = tmp_path / "rows.json"
+    proc = bench("-n", "2", "--collective", collective, *SMALL, "--check", "--json", str(out))
+    rows = assert_sweep(proc, collective, 2)
+    first = proc.stdout.splitlines()[0]
+    assert f"in-place {NEWER_IN_PLACE[collective]}" in first
+    assert f"op {'sum' if collective in ('reduce_scatter', 'reduce') else 'none'}" in first
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+    data = json.loads(out.read_text())
+    assert len(data) == len(rows) == len(SMALL_SIZES)
+    for row, cells in zip(data, rows):
+        assert row["collective"] == collective and row["world_size"] == 2 and row["dtype"] == "f32"
+        assert row["in_place"] == NEWER_IN_PLACE[collective] and row["wrong"] == 0 and row["iters"] == 3
+        assert (row["size"], row["count"]) == (int(cells[0]), int(cells[1]))
+        assert row["count"] % 2 == 0 or collective == "reduce"  # n equal blocks
+        assert row["algbw"] == pytest.approx(row["size"] / row["time_us"] / 1e3, rel=1e-9)
+        assert row["busbw"] == pytest.approx(row["algbw"] * factor(collective, 2), rel=1e-9)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("collective,op", [("reduce_scatter", "max"), ("reduce", "prod"), ("all_to_all", "sum")])
+def test_newer_collectives_at_3_ranks_cold_and_other_ops(collective, op):
+    proc = bench("-n", "3", "--collective", collective, "--op", op, "--dtype", "f16", *SMALL, "--check", "--cold")
+    assert_sweep(proc, collective, 3, dtype="f16", op=op)
+    assert "buffers cold" in proc.stdout.splitlines()[1]
+
+
+class _BrokenNewer:
+    """A group whose newer collectives damage `corrupt` elements of their result (on rank 0 only)."""
+
+    def __init__(self, rank, n, corrupt):
+        self.rank, self.world_size, self.corrupt = rank, n, corrupt
+
+    def _bad(self, arr):
+        if arr is not None and self.rank == 0:
+            arr[:self.corrupt] += 1000
+        return arr
+
+    def reduce_scatter(self, buf, op):
+        n, block = self.world_size, len(buf) // self.world_size
+        i = np.arange(len(buf))
+        full = reduce_expected(op, n, i).astype(buf.dtype)
+        return self._bad(full[self.rank * block:(self.rank + 1) * block].copy())
+
+    def reduce(self, root, buf, op):
+        buf[:] = reduce_expected(op, self.world_size, np.arange(len(buf)))
+        self._bad(buf)
+
+    def all_to_all(self, buf):
+        n, block = self.world_size, len(buf) // self.world_size
+        i = np.arange(block) + self.rank * block
+        return self._bad(np.concatenate([bench_core.block_values(s, i) for s in range(n)]).astype(buf.dtype))
+
+    def gather(self, root, buf):
+        if self.rank != root:
+            return None
+        i = np.arange(len(buf))
+        return self._bad(np.concatenate([bench_core.block_values(r, i) for r in range(self.world_size)]).astype(buf.dtype))
+
+    def scatter(self, root, buf):
+        block = 8
+        return self._bad(bench_core.block_values(root, np.arange(block) + self.rank * block).astype(np.float32))
+
+
+@pytest.mark.parametrize("collective", NEWER)
+@pytest.mark.parametrize("corrupt", [0, 3])
+def test_check_of_newer_collectives_counts_damaged_elements(collective, corrupt):
+    """The check's reference is what each rank must hold; reduce and gather look at the root only."""
+    n = 2
+    spec = Spec(collective, "f32", "sum", 1, 0, True, 0)
+    elems = layout(collective, 64, n, 4)[0]
+    for rank in range(n):
+        got = check_once(_BrokenNewer(rank, n, corrupt), spec, np.dtype(np.float32), elems)
+        assert got == (corrupt if rank == 0 else 0), (collective, rank)
+
+
+def test_newer_collectives_peer_support():
+    """OpenMPI cannot reduce 16-bit floats or average (skip reasons); everything else runs on both peers."""
+    from shmcoll.launch.bench_peers import unsupported
+    for coll in ("reduce_scatter", "reduce"):
+        assert "no f16 datatype to reduce" in unsupported("openmpi", coll, "f16", "sum")
+        assert "no average reduction" in unsupported("openmpi", coll, "f32", "avg")
+        assert unsupported("gloo", coll, "f16", "avg") is None
+    for coll in ("all_to_all", "gather", "scatter"):
+        assert unsupported("openmpi", coll, "f16", "sum") is None and unsupported("gloo", coll, "bf16", "sum") is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("collective", NEWER)
+def test_newer_collectives_compare_rows(tmp_path, collective):
+    """--compare for each newer collective: OpenMPI (Reduce_scatter_block, Reduce, Alltoall, Gather, Scatter)
+    and gloo rows with the same sizes, checked, 0 wrong; or, without the peers, a skip reason."""
+    out = tmp_path / "rows.json"
+    proc = bench("-n", "2", "--collective", collective, "-b", "64", "-e", "4K", "-f", "8", "--iters", "2",
+                 "--warmup", "1", "--check", "--compare", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sections = split_sections(proc.stdout)
+    mine = table_rows(sections["shmcoll"])
+    doc = json.loads(out.read_text())
+    for peer, needs in (("openmpi", ("mpirun", "mpi4py")), ("gloo", ("torch",))):
+        status = doc["peers"][peer]["status"]
+        if not_installed(*needs):
+            assert status == "skipped" and doc["peers"][peer]["reason"], doc["peers"][peer]
+            assert sections[peer][0].startswith(f"# peer: {peer}: skipped: ")
+            continue
+        assert status == "ok", doc["peers"][peer]
+        rows = table_rows(sections[peer])
+        assert [r[:4] for r in rows] == [r[:4] for r in mine]  # size, count, type, redop
+        assert all(r[7] == "0" for r in rows), rows
+        for row in (r for r in doc["rows"] if r["peer"] == peer):
+            assert row["collective"] == collective and row["wrong"] == 0
+            assert row["busbw"] == pytest.approx(row["algbw"] * factor(collective, 2))
+
+
 # ---- --cold and the bandwidth math, in one process ----
 
 def test_bus_factors_and_sizes_follow_nccl_tests():
@@ -463,6 +587,17 @@ def test_bus_factors_and_sizes_follow_nccl_tests():
     assert [bus_factor("broadcast", n) for n in (1, 2, 4)] == [1.0, 1.0, 1.0]
     assert bus_factor("barrier", 4) is None
     assert layout("all_gather", 1 << 20, 4, 4) == (65536, 262144, 1 << 20)  # per rank, total count, total bytes
+    # ReduceScatter and AllToAll: (n-1)/n of the total size S; Reduce: 1; gather/scatter (not in nccl-tests): (n-1)/n
+    for coll in ("reduce_scatter", "all_to_all", "gather", "scatter"):
+        assert [bus_factor(coll, n) for n in (1, 2, 4, 8)] == [0.0, 0.5, 0.75, 0.875], coll
+    assert [bus_factor("reduce", n) for n in (1, 2, 4)] == [1.0, 1.0, 1.0]
+    # the size is one rank's whole input (n blocks) for reduce_scatter, all_to_all and scatter (the root's) ...
+    for coll in ("reduce_scatter", "all_to_all", "scatter"):
+        assert layout(coll, 1 << 20, 4, 4) == (262144, 262144, 1 << 20), coll
+        assert layout(coll, 100, 3, 4) == (24, 24, 96), coll  # rounded down to n equal blocks
+    # ... the root's whole output for gather (each rank sends one block), count = size / itemsize for reduce
+    assert layout("gather", 1 << 20, 4, 4) == (65536, 262144, 1 << 20)
+    assert layout("reduce", 100, 3, 4) == (25, 25, 100)
 
 
 @pytest.mark.parametrize("collective,n,algbw,busbw", [

@@ -92,15 +92,19 @@ def _close(pg) -> dict:
     return {"close_s": time.monotonic() - start, **_leftovers()}
 
 
-def _arm(pg, after_sends: int, sig: int, stamps) -> None:
+def _arm(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> None:
     """Deliver `sig` to this rank just before its `after_sends`-th frame from now on; stamp the time.
     A frame is a transport send or, over shared memory, an entry published on the board (the small
-    collectives' way)."""
+    collectives' way). With min_items, only sends of at least that many elements count (data frames,
+    not the signalling frames of an agreement step)."""
     count = itertools.count(1)
+
+    def counts(args) -> bool:
+        return not min_items or (len(args) > 2 and getattr(args[2], "size", 0) >= min_items)
 
     def armed(real):
         def fire_then_call(*args, **kwargs):
-            if next(count) == after_sends:
+            if counts(args) and next(count) == after_sends:
                 stamps[pg.rank] = time.monotonic()
                 os.kill(os.getpid(), sig)
             return real(*args, **kwargs)
@@ -265,9 +269,30 @@ def _call_barrier(pg, data):
     pg.barrier()
 
 
+def _call_reduce_scatter(pg, data):
+    pg.reduce_scatter(data)
+
+
+def _call_all_to_all(pg, data):
+    pg.all_to_all(data)
+
+
+def _call_gather(pg, data):
+    pg.gather(0, data)
+
+
+def _call_scatter(pg, data):
+    pg.scatter(0, data if pg.rank == 0 else None)
+
+
 #: after how many of the victim's frames of the call it is killed: partway through the big calls,
 #: at its first frame of a barrier (which sends only a few)
-_AFTER_SENDS = {_call_all_reduce: 5, _call_broadcast: 5, _call_spawn_all_reduce: 5, _call_barrier: 1}
+_AFTER_SENDS = {_call_all_reduce: 5, _call_broadcast: 5, _call_spawn_all_reduce: 5, _call_barrier: 1,
+                _call_reduce_scatter: 5, _call_all_to_all: 5, _call_gather: 5, _call_scatter: 1}
+#: calls whose count of frames starts at the data (`_arm`'s min_items): the root of a scatter sends each rank
+#: its block as one frame, so it dies after the agreement step, before the first block, while every other
+#: rank waits inside the call for its block (a later kill lets rank 1 legitimately return with its block)
+_MIN_ITEMS = {_call_scatter: 1024}
 
 
 def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
@@ -275,7 +300,7 @@ def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
     _check_group_works(pg, ready)
     data = np.full(BIG, float(rank), dtype=np.float32)
     if rank == victim:
-        _arm(pg, _AFTER_SENDS[call], signal.SIGKILL, stamps)
+        _arm(pg, _AFTER_SENDS[call], signal.SIGKILL, stamps, _MIN_ITEMS.get(call, 0))
         call(pg, data)
         return {"kind": "victim survived its own SIGKILL"}
     out = attempt(lambda: call(pg, data))
@@ -314,6 +339,24 @@ def test_sigkill_partway_through_collective(call, n, victim, transport, aftermat
         victim = 2 if transport == "hier" else 1
         who = "forwarder"
     _sigkill_partway(n, victim, call, aftermath, who)
+
+
+# the newer collectives (BIG divides by 4: equal blocks for reduce_scatter, all_to_all and scatter)
+MORE_CALLS = [
+    (_call_reduce_scatter, 4, 2),
+    (_call_all_to_all, 4, 1),
+    # a non-root dies while the root collects; n=2 because with more ranks another non-root has legitimately
+    # finished its part (its block sent) and returns before anything is lost
+    (_call_gather, 2, 1),
+    (_call_scatter, 4, 0),  # the root dies while handing out blocks
+]
+
+
+@pytest.mark.parametrize("call, n, victim", MORE_CALLS,
+                         ids=["reduce_scatter-n4", "all_to_all-n4", "gather-n2-nonroot", "scatter-n4-root"])
+def test_sigkill_partway_through_newer_collectives(call, n, victim, transport, aftermath):
+    outs = _sigkill_partway(n, victim, call, aftermath)
+    assert set(outs) == set(range(n)) - {victim}
 
 
 # (host layout, call, world size, victim); every case has survivors on another host than the victim's

@@ -24,8 +24,8 @@ from shmcoll.errors import InvalidArgument
 
 from .argtypes import int_in, number_above
 from .bench_buffers import MAX_COLD_BUFFERS, capped_up_to, llc
-from .bench_core import (COLLECTIVES, DTYPE_NAMES, IN_PLACE, OPS, Row, Spec, UsageError,
-                         measure, parse_size, resolve_dtype, sweep, transport_name)
+from .bench_core import (COLLECTIVES, DTYPE_NAMES, IN_PLACE, OPS, PER_RANK_BLOCKS, REDUCING, SPLIT_INPUT, Row, Spec,
+                         UsageError, measure, parse_size, resolve_dtype, sweep, transport_name)
 from .bench_compare import PeerRun, compare_doc, ratios, run_peer
 from .bench_peers import PEERS
 from .bench_plot import plot
@@ -52,12 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Time one collective over a sweep of message sizes and print nccl-tests style rows:\n"
                     "size(B) count type redop time(us) algbw(GB/s) busbw(GB/s) #wrong",
-        epilog="Sizes are bytes with optional binary suffixes (8, 1K, 64K, 1M, 64M). For all_gather a size is\n"
-               "the total output: each rank sends size/N/itemsize elements (rounded down, at least 1); for\n"
-               "all_reduce and broadcast count = size/itemsize (at least 1). The size column shows the bytes\n"
-               "really moved. barrier ignores -b/-e/-f and prints one row with size 0.\n"
+        epilog="Sizes are bytes with optional binary suffixes (8, 1K, 64K, 1M, 64M). For all_gather and gather a\n"
+               "size is the total output: each rank sends size/N/itemsize elements (rounded down, at least 1);\n"
+               "for reduce_scatter and all_to_all it is each rank's input (N blocks of size/N/itemsize elements),\n"
+               "for scatter the root's input (N such blocks); for all_reduce, reduce and broadcast\n"
+               "count = size/itemsize (at least 1). The size column shows the bytes really moved. barrier\n"
+               "ignores -b/-e/-f and prints one row with size 0. Rooted collectives (broadcast, reduce, gather,\n"
+               "scatter) use root 0; reduce's --check looks at the root's result only.\n"
                "time(us) is each rank's mean over the timed iterations, maximum over ranks. algbw = size/time;\n"
-               "busbw = algbw * 2(N-1)/N (all_reduce), (N-1)/N (all_gather), 1 (broadcast).\n"
+               "busbw = algbw * 2(N-1)/N (all_reduce), (N-1)/N (all_gather, reduce_scatter, all_to_all),\n"
+               "1 (broadcast, reduce), as in nccl-tests' PERFORMANCE.md; gather and scatter are not defined there,\n"
+               "shmcoll-bench uses (N-1)/N for them (the root's own block does not travel).\n"
                "Iteration cap: when the fastest warmup call (slowest rank) says --iters calls would take more\n"
                "than --max-time seconds, fewer are timed (about --max-time worth, but at least 3); the JSON rows\n"
                "record the iterations really timed. With --warmup 0 there is no cap.\n"
@@ -71,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--np", dest="n", type=int_in(1), default=None, metavar="N",
                    help="start N ranks on this host (not needed inside a job started by a launcher)")
     p.add_argument("--collective", "-c", choices=COLLECTIVES, default="all_reduce", metavar="NAME",
-                   help=f"{', '.join(COLLECTIVES)} (default all_reduce; broadcast from rank 0)")
+                   help=f"{', '.join(COLLECTIVES)} (default all_reduce; broadcast, reduce, gather and scatter "
+                        "are rooted at rank 0)")
     p.add_argument("-b", "--minbytes", dest="min_bytes", type=_size, default=8, metavar="MIN",
                    help="smallest size (default 8)")
     p.add_argument("-e", "--maxbytes", dest="max_bytes", type=_size, default=64 << 20, metavar="MAX",
@@ -81,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", "-d", choices=tuple(DTYPE_NAMES), default="f32",
                    help="element type (default f32; bf16 needs ml_dtypes)")
     p.add_argument("--op", "-o", choices=tuple(OPS), default="sum",
-                   help="reduction for all_reduce (default sum; ignored by the others)")
+                   help="reduction for all_reduce, reduce_scatter and reduce (default sum; ignored by the others)")
     p.add_argument("--iters", type=int_in(1), default=20, metavar="K",
                    help="timed iterations per size (default 20; see the iteration cap below)")
     p.add_argument("--warmup", type=int_in(0), default=5, metavar="K",
@@ -164,7 +170,7 @@ def column_labels() -> str:
 def format_header(args, world: int, transport: str) -> list[str]:
     coll = args.collective
     dtype = "-" if coll == "barrier" else f"{args.dtype} ({DTYPE_NAMES[args.dtype]})"
-    op = args.op if coll == "all_reduce" else "none"
+    op = args.op if coll in REDUCING else "none"
     buffers = "buffers n/a" if coll == "barrier" else buffers_note(getattr(args, "cold", False), *llc())
     return [
         f"# {PROG}: collective {coll}, world size {world}, transport {transport}, dtype {dtype}, op {op}, "
@@ -326,9 +332,10 @@ def write_json(path: str, doc) -> None:
 
 def draw(args, lines: dict[str, list[dict]], world: int) -> None:
     """--plot; its one-line outcome goes to stdout when drawn, to stderr when not (matplotlib missing)."""
-    what = f"{args.collective}, {world} ranks, {args.dtype}" + (f" {args.op}" if args.collective == "all_reduce" else "")
+    what = f"{args.collective}, {world} ranks, {args.dtype}" + (f" {args.op}" if args.collective in REDUCING else "")
     ok, message = plot(args.plot, lines, f"shmcoll-bench: {what}, {'cold' if args.cold else 'warm'} buffers",
-                       "size (bytes" + (", all ranks' output)" if args.collective == "all_gather" else ")"))
+                       "size (bytes" + (", all ranks' output)" if args.collective in PER_RANK_BLOCKS
+                                         else ", one rank's input)" if args.collective in SPLIT_INPUT else ")"))
     if ok:
         print(f"# {message}", flush=True)
     else:

@@ -4,16 +4,22 @@ No printing and no argument parsing here (bench_cli.py does both), so every rank
 same sequence of collectives: any decision that changes how many calls a rank makes (the time cap
 on iterations) is taken from values every rank has gathered, never from a rank's own clock alone.
 
-Semantics follow nccl-tests. A size is bytes; for all_gather it is the total output size, so each
-rank contributes size / n / itemsize elements (rounded down, at least one) and the reported size is
-what really moved. Bandwidths: algbw = bytes / time; busbw = algbw * factor, with factor
-2(n-1)/n for all_reduce, (n-1)/n for all_gather and 1 for broadcast; a barrier has none.
+Semantics follow nccl-tests. A size is bytes. For all_gather and gather it is the total output
+size, so each rank contributes size / n / itemsize elements (rounded down, at least one); for
+reduce_scatter and all_to_all it is each rank's whole input (n blocks of size / n / itemsize
+elements), for scatter the root's whole input; the reported size is what really moved (a multiple
+of n elements). Bandwidths: algbw = bytes / time; busbw = algbw * factor, with factor 2(n-1)/n for
+all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce
+(nccl-tests' PERFORMANCE.md); gather and scatter are not defined there: (n-1)/n, as for all_gather
+(each rank's own block never crosses the bus). A barrier has none.
 
 Check inputs are small integers that every float type holds exactly, chosen so that every partial
 result is exact too; the reference is therefore exact whatever order the library reduces in.
 
 `pg` is anything with rank, world_size, all_reduce(buf, op), all_gather(buf) -> array,
-broadcast(root, buf) and barrier(): a shmcoll ProcessGroup, or a peer library's adapter
+broadcast(root, buf) and barrier() (and, for those collectives, reduce_scatter(buf, op) -> array,
+reduce(root, buf, op), all_to_all(buf) -> array, gather(root, buf) -> array or None,
+scatter(root, buf or None) -> array): a shmcoll ProcessGroup, or a peer library's adapter
 (bench_peers.py), so OpenMPI and gloo are timed and checked by this very code. An adapter may also
 offer bench_calls(collective, bufs, op, root) -> one zero-argument call per buffer, to prepare
 what its library needs (tensors, output buffers) outside the timed loop.
@@ -32,12 +38,18 @@ from shmcoll.types import ReduceKind
 
 from .bench_buffers import cycle_calls, llc, plan, rotating
 
-COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier")
-IN_PLACE = {"all_reduce": "yes", "all_gather": "no", "broadcast": "yes", "barrier": "n/a"}
+COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "reduce_scatter", "reduce", "all_to_all",
+               "gather", "scatter")
+IN_PLACE = {"all_reduce": "yes", "all_gather": "no", "broadcast": "yes", "barrier": "n/a", "reduce_scatter": "no",
+            "reduce": "yes", "all_to_all": "no", "gather": "no", "scatter": "no"}
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")  # the collectives that take --op
+ROOTED = ("broadcast", "reduce", "gather", "scatter")  # rooted at ROOT
+PER_RANK_BLOCKS = ("all_gather", "gather")  # a size is the output: n blocks, one from each rank
+SPLIT_INPUT = ("reduce_scatter", "all_to_all", "scatter")  # a size is one rank's input: n blocks
 DTYPE_NAMES = {"f16": "half", "bf16": "bfloat16", "f32": "float", "f64": "double"}
 OPS = {"sum": ReduceKind.SUM, "prod": ReduceKind.PROD, "min": ReduceKind.MIN, "max": ReduceKind.MAX,
        "avg": ReduceKind.AVG}
-ROOT = 0                  # broadcast root
+ROOT = 0                  # root of broadcast, reduce, gather and scatter
 MIN_CAPPED_ITERS = 3      # the time cap never cuts the timed loop below this many calls
 CHECK_CHUNK = 1 << 20     # elements per slice when building inputs and references (bounds memory)
 _BROADCAST_FILL = 77.0    # what non-root ranks hold before the check broadcast (outside the root's range)
@@ -90,17 +102,21 @@ def resolve_dtype(name: str) -> np.dtype:
 
 
 def bus_factor(collective: str, n: int) -> float | None:
-    """nccl-tests' busbw / algbw ratio; None for barrier (no bandwidth)."""
-    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "broadcast": 1.0}.get(collective)
+    """nccl-tests' busbw / algbw ratio; None for barrier (no bandwidth). gather and scatter are not in
+    nccl-tests' PERFORMANCE.md: (n-1)/n, like all_gather (the root's own block does not travel)."""
+    share = (n - 1) / n
+    return {"all_reduce": 2 * share, "all_gather": share, "broadcast": 1.0, "reduce_scatter": share,
+            "reduce": 1.0, "all_to_all": share, "gather": share, "scatter": share}.get(collective)
 
 
 def layout(collective: str, size: int, n: int, itemsize: int) -> tuple[int, int, int]:
     """(elements in this rank's input buffer, reported count, reported bytes) for a requested size."""
     if collective == "barrier":
         return 0, 0, 0
-    if collective == "all_gather":
+    if collective in PER_RANK_BLOCKS or collective in SPLIT_INPUT:
         per_rank = max(1, size // (n * itemsize))
-        return per_rank, per_rank * n, per_rank * n * itemsize
+        elems = per_rank if collective in PER_RANK_BLOCKS else per_rank * n
+        return elems, per_rank * n, per_rank * n * itemsize
     count = max(1, size // itemsize)
     return count, count, count * itemsize
 
@@ -120,7 +136,7 @@ class Spec:
 
     @property
     def reduces(self) -> bool:
-        return self.collective == "all_reduce"
+        return self.collective in REDUCING
 
 
 @dataclass
@@ -211,12 +227,50 @@ def check_once(pg, spec: Spec, dtype: np.dtype, elems: int, buf: np.ndarray | No
         out = pg.all_gather(buf)
         return sum(_count_wrong(out[r * elems:(r + 1) * elems], lambda i, r=r: block_values(r, i))
                    for r in range(n))
+    if spec.collective in ("reduce_scatter", "reduce", "all_to_all", "gather", "scatter"):
+        return _check_more(pg, spec.collective, op, buf)
     if rank == ROOT:
         _fill(buf, lambda i: block_values(ROOT, i))
     else:
         buf.fill(_BROADCAST_FILL)
     pg.broadcast(ROOT, buf)
     return _count_wrong(buf, lambda i: block_values(ROOT, i))
+
+
+def _check_more(pg, collective: str, op: ReduceKind, buf: np.ndarray) -> int:
+    """check_once for the collectives added later; `buf` is this rank's input (layout()'s elements)."""
+    n, rank = pg.world_size, pg.rank
+    if collective == "reduce_scatter":  # rank r gets block r of the reduction
+        _fill(buf, lambda i: reduce_input(op, rank, n, i))
+        block = len(buf) // n
+        out = pg.reduce_scatter(buf, op)
+        return _count_wrong(out, lambda i: reduce_expected(op, n, i + rank * block)) + abs(len(out) - block)
+    if collective == "reduce":  # only the root's result is defined
+        _fill(buf, lambda i: reduce_input(op, rank, n, i))
+        pg.reduce(ROOT, buf, op)
+        return _count_wrong(buf, lambda i: reduce_expected(op, n, i)) if rank == ROOT else 0
+    if collective == "all_to_all":  # block s of the result is block `rank` of source s's input
+        _fill(buf, lambda i: block_values(rank, i))
+        block = len(buf) // n
+        out = pg.all_to_all(buf)
+        return sum(_count_wrong(out[s * block:(s + 1) * block], lambda i, s=s: block_values(s, i + rank * block))
+                   for s in range(n)) + abs(len(out) - len(buf))
+    if collective == "gather":  # the root holds every rank's block in rank order
+        _fill(buf, lambda i: block_values(rank, i))
+        out = pg.gather(ROOT, buf)
+        if rank != ROOT:
+            return 0 if out is None else 1
+        elems = len(buf)
+        return sum(_count_wrong(out[r * elems:(r + 1) * elems], lambda i, r=r: block_values(r, i))
+                   for r in range(n)) + abs(len(out) - n * elems)
+    # scatter: rank r gets block r of the root's input
+    block = len(buf) // n
+    if rank == ROOT:
+        _fill(buf, lambda i: block_values(ROOT, i))
+    # shmcoll's non-roots pass None; a peer adapter (it has bench_calls) takes a buffer of the root's size on
+    # every rank, since its library needs the receive size (only the root's contents are read)
+    out = pg.scatter(ROOT, buf if rank == ROOT or hasattr(pg, "bench_calls") else None)
+    return _count_wrong(out, lambda i: block_values(ROOT, i + rank * block)) + abs(len(out) - block)
 
 
 # ---- the timed loop ----
@@ -227,6 +281,16 @@ def group_calls(pg, collective: str, bufs: list[np.ndarray], op: ReduceKind, roo
         return [lambda b=b: pg.all_reduce(b, op) for b in bufs]
     if collective == "all_gather":
         return [lambda b=b: pg.all_gather(b) for b in bufs]
+    if collective == "reduce_scatter":
+        return [lambda b=b: pg.reduce_scatter(b, op) for b in bufs]
+    if collective == "reduce":
+        return [lambda b=b: pg.reduce(root, b, op) for b in bufs]
+    if collective == "all_to_all":
+        return [lambda b=b: pg.all_to_all(b) for b in bufs]
+    if collective == "gather":
+        return [lambda b=b: pg.gather(root, b) for b in bufs]
+    if collective == "scatter":
+        return [lambda b=b: pg.scatter(root, b if pg.rank == root else None) for b in bufs]
     return [lambda b=b: pg.broadcast(root, b) for b in bufs]
 
 

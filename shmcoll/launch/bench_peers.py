@@ -1,7 +1,8 @@
 """The peer libraries of `shmcoll-bench --compare`, one rank each: OpenMPI (mpi4py) and torch gloo.
 
 Each peer is wrapped in an adapter with the few methods bench_core needs (rank, world_size,
-all_reduce, all_gather, broadcast, barrier, bench_calls), so bench_core.measure times and checks
+all_reduce, all_gather, broadcast, barrier, reduce_scatter, reduce, all_to_all, gather, scatter,
+bench_calls), so bench_core.measure times and checks
 the peers with exactly the loop, warmup, iteration cap and check that it uses for shmcoll: a ratio
 then compares libraries, not benchmark loops. Run one rank per process:
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from shmcoll.types import ReduceKind
 
-from .bench_core import IN_PLACE, Spec, measure
+from .bench_core import IN_PLACE, REDUCING, Spec, measure
 
 OPENMPI, GLOO = "openmpi", "gloo"
 PEERS = (OPENMPI, GLOO)
@@ -38,7 +39,7 @@ SIXTEEN_BIT = ("f16", "bf16")
 
 def unsupported(peer: str, collective: str, dtype: str, op: str) -> str | None:
     """Why `peer` cannot run this sweep (a reason for the 'skipped' line), or None when it can."""
-    if peer == OPENMPI and collective == "all_reduce":
+    if peer == OPENMPI and collective in REDUCING:
         if dtype in SIXTEEN_BIT:
             return f"OpenMPI has no {dtype} datatype to reduce (MPI_ERR_TYPE); it moves 16-bit data only as bytes"
         if op == "avg":
@@ -81,15 +82,67 @@ class MpiGroup:
     def barrier(self):
         self.comm.Barrier()
 
+    def reduce_scatter(self, buf, op=ReduceKind.SUM):
+        out = np.empty(len(buf) // self.world_size, buf.dtype)
+        self.comm.Reduce_scatter_block(buf, out, op=self.ops[op])
+        return out
+
+    def reduce(self, root, buf, op=ReduceKind.SUM):
+        self._reduce(root, buf, self.ops[op])
+        return buf
+
+    def _reduce(self, root, buf, mop):
+        if self.rank == root:
+            self.comm.Reduce(self.MPI.IN_PLACE, buf, op=mop, root=root)
+        else:
+            self.comm.Reduce(buf, None, op=mop, root=root)
+
+    def all_to_all(self, buf):
+        out = np.empty_like(buf)
+        self.comm.Alltoall(_raw(buf), _raw(out))
+        return out
+
+    def gather(self, root, buf):
+        out = np.empty(self.world_size * len(buf), buf.dtype) if self.rank == root else None
+        self.comm.Gather(_raw(buf), None if out is None else _raw(out), root=root)
+        return out
+
+    def scatter(self, root, buf):
+        """Every rank passes a buffer of the root's size (MPI needs the receive size; only the root's is read)."""
+        out = np.empty(len(buf) // self.world_size, buf.dtype)
+        self.comm.Scatter(_raw(buf) if self.rank == root else None, _raw(out), root=root)
+        return out
+
     def bench_calls(self, collective, bufs, op, root):
-        """Allreduce(IN_PLACE) / Allgather into preallocated outputs (rotated like the inputs) / Bcast."""
-        comm, MPI = self.comm, self.MPI
+        """Allreduce(IN_PLACE) / Allgather into preallocated outputs (rotated like the inputs) / Bcast;
+        Reduce_scatter_block, Reduce (IN_PLACE on the root), Alltoall, Gather, Scatter likewise."""
+        comm, MPI, n = self.comm, self.MPI, self.world_size
         if collective == "all_reduce":
             mop = self.ops[op]
             return [lambda b=b: comm.Allreduce(MPI.IN_PLACE, b, op=mop) for b in bufs]
         if collective == "all_gather":
             pairs = [(_raw(b), _raw(o)) for b, o in zip(bufs, _outputs(bufs, self.world_size))]
             return [lambda b=b, o=o: comm.Allgather(b, o) for b, o in pairs]
+        if collective == "reduce_scatter":
+            mop = self.ops[op]
+            pairs = [(b, o) for b, o in zip(bufs, _outputs(bufs, 1, len(bufs[0]) // n))]
+            return [lambda b=b, o=o: comm.Reduce_scatter_block(b, o, op=mop) for b, o in pairs]
+        if collective == "reduce":
+            mop = self.ops[op]
+            return [lambda b=b: self._reduce(root, b, mop) for b in bufs]
+        if collective == "all_to_all":
+            pairs = [(_raw(b), _raw(o)) for b, o in zip(bufs, _outputs(bufs, 1))]
+            return [lambda b=b, o=o: comm.Alltoall(b, o) for b, o in pairs]
+        if collective == "gather":
+            if self.rank != root:
+                return [lambda b=_raw(b): comm.Gather(b, None, root=root) for b in bufs]
+            pairs = [(_raw(b), _raw(o)) for b, o in zip(bufs, _outputs(bufs, n))]
+            return [lambda b=b, o=o: comm.Gather(b, o, root=root) for b, o in pairs]
+        if collective == "scatter":
+            outs = [_raw(o) for o in _outputs(bufs, 1, len(bufs[0]) // n)]
+            if self.rank != root:
+                return [lambda o=o: comm.Scatter(None, o, root=root) for o in outs]
+            return [lambda b=_raw(b), o=o: comm.Scatter(b, o, root=root) for b, o in zip(bufs, outs)]
         return [lambda b=_raw(b): comm.Bcast(b, root=root) for b in bufs]
 
     def close(self):
@@ -113,7 +166,9 @@ class GlooGroup:
         self.ops = {ReduceKind.SUM: R.SUM, ReduceKind.PROD: R.PRODUCT, ReduceKind.MIN: R.MIN,
                     ReduceKind.MAX: R.MAX, ReduceKind.AVG: R.AVG}
         # all_gather_single replaces the deprecated all_gather_into_tensor in newer torch
-        self.gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        # likewise reduce_scatter_single (newer) / reduce_scatter_tensor; gloo has both in torch 2.x
+        self.reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.library = f"torch {torch.__version__} gloo"
 
     def tensor(self, arr: np.ndarray):
@@ -128,7 +183,7 @@ class GlooGroup:
 
     def all_gather(self, buf):
         out = np.empty(self.world_size * len(buf), buf.dtype)
-        self.gather(self.tensor(out), self.tensor(buf))
+        self.all_gather_single(self.tensor(out), self.tensor(buf))
         return out
 
     def broadcast(self, root, buf):
@@ -138,26 +193,80 @@ class GlooGroup:
     def barrier(self):
         self.dist.barrier()
 
+    def _reduce_scatter(self, out, t, rop):
+        self.reduce_scatter_single(out, t, op=rop)
+
+    def reduce_scatter(self, buf, op=ReduceKind.SUM):
+        out = np.empty(len(buf) // self.world_size, buf.dtype)
+        self._reduce_scatter(self.tensor(out), self.tensor(buf), self.ops[op])
+        return out
+
+    def reduce(self, root, buf, op=ReduceKind.SUM):
+        self.dist.reduce(self.tensor(buf), dst=root, op=self.ops[op])
+        return buf
+
+    def all_to_all(self, buf):
+        out = np.empty_like(buf)
+        self.dist.all_to_all_single(self.tensor(out), self.tensor(buf))
+        return out
+
+    def _gather_call(self, root, t, out):
+        """dist.gather into views of one output tensor (the root's), in rank order."""
+        outs = list(out.chunk(self.world_size)) if out is not None else None
+        return lambda: self.dist.gather(t, outs, dst=root)
+
+    def gather(self, root, buf):
+        out = np.empty(self.world_size * len(buf), buf.dtype) if self.rank == root else None
+        self._gather_call(root, self.tensor(buf), None if out is None else self.tensor(out))()
+        return out
+
+    def _scatter_call(self, root, t, out):
+        ins = list(t.chunk(self.world_size)) if self.rank == root else None
+        return lambda: self.dist.scatter(out, ins, src=root)
+
+    def scatter(self, root, buf):
+        """Every rank passes a buffer of the root's size (gloo needs the receive size; only the root's is read)."""
+        out = np.empty(len(buf) // self.world_size, buf.dtype)
+        self._scatter_call(root, self.tensor(buf), self.tensor(out))()
+        return out
+
     def bench_calls(self, collective, bufs, op, root):
-        """all_reduce / all_gather into preallocated outputs (rotated like the inputs) / broadcast."""
-        dist, ts = self.dist, [self.tensor(b) for b in bufs]
+        """all_reduce / all_gather into preallocated outputs (rotated like the inputs) / broadcast;
+        reduce_scatter, reduce, all_to_all_single, gather, scatter likewise."""
+        dist, ts, n = self.dist, [self.tensor(b) for b in bufs], self.world_size
         if collective == "all_reduce":
             rop = self.ops[op]
             return [lambda t=t: dist.all_reduce(t, op=rop) for t in ts]
         if collective == "all_gather":
             outs = [self.tensor(o) for o in _outputs(bufs, self.world_size)]
-            return [lambda t=t, o=o, g=self.gather: g(o, t) for t, o in zip(ts, outs)]
+            return [lambda t=t, o=o, g=self.all_gather_single: g(o, t) for t, o in zip(ts, outs)]
+        if collective == "reduce_scatter":
+            rop = self.ops[op]
+            outs = [self.tensor(o) for o in _outputs(bufs, 1, len(bufs[0]) // n)]
+            return [lambda t=t, o=o: self._reduce_scatter(o, t, rop) for t, o in zip(ts, outs)]
+        if collective == "reduce":
+            rop = self.ops[op]
+            return [lambda t=t: dist.reduce(t, dst=root, op=rop) for t in ts]
+        if collective == "all_to_all":
+            outs = [self.tensor(o) for o in _outputs(bufs, 1)]
+            return [lambda t=t, o=o: dist.all_to_all_single(o, t) for t, o in zip(ts, outs)]
+        if collective == "gather":
+            outs = [self.tensor(o) for o in _outputs(bufs, n)] if self.rank == root else [None] * len(ts)
+            return [self._gather_call(root, t, o) for t, o in zip(ts, outs)]
+        if collective == "scatter":
+            outs = [self.tensor(o) for o in _outputs(bufs, 1, len(bufs[0]) // n)]
+            return [self._scatter_call(root, t, o) for t, o in zip(ts, outs)]
         return [lambda t=t: dist.broadcast(t, src=root) for t in ts]
 
     def close(self):
         self.dist.destroy_process_group()
 
 
-def _outputs(bufs: list[np.ndarray], n: int) -> list[np.ndarray]:
-    """One all_gather output per input buffer, rotated the same way (one arena when cold)."""
+def _outputs(bufs: list[np.ndarray], n: int, elems: int | None = None) -> list[np.ndarray]:
+    """One output per input buffer (n times its length, or `elems`), rotated the same way (one arena when cold)."""
     from .bench_buffers import Plan, rotating
 
-    elems, dtype = n * len(bufs[0]), bufs[0].dtype
+    elems, dtype = (n * len(bufs[0]) if elems is None else elems), bufs[0].dtype
     stride = -(-elems * dtype.itemsize // 64) * 64
     return rotating(dtype, elems, Plan(len(bufs), stride), fill=0.0)
 
