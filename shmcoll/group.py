@@ -7,11 +7,12 @@ A group's state lives in one shared object, so `copy.copy(pg)` is a cheap handle
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from .transport.frame import (ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, 
                               COLLECTIVE_NAMES, FEDERATED_AVERAGE, GATHER, REDUCE, REDUCE_SCATTER, ROOTS_DTYPE,
                               SCATTER, Meta)
 from .transport.mailbox import AbortReason
+from .transport import sub
 from .transport.topology import Topology
 from .types import TAG_RESERVED_BASE, WIRE_TYPES, ReduceKind
 from .worker import CollectiveHandle, OrderedWorker
@@ -39,9 +41,26 @@ from .worker import CollectiveHandle, OrderedWorker
 #: A rank not heard from (data or heartbeat) for this many seconds counts as silent in timeout reports.
 SILENT_AFTER = 2.0
 _BARRIER_CODE = 8  # barrier frames carry empty uint8 payloads
-_TAG_SPAN = (1 << 32) - TAG_RESERVED_BASE - 1
+#: The root group's collective tags: [2**30, 2**31). Sub-groups (split) use [2**31, 2**32 - 1), see transport/sub.py.
+_TAG_SPAN = TAG_RESERVED_BASE
 _STARTUP_TAG = (1 << 32) - 1  # above every sequence number's tag
 _STARTUP_SEQ = 1 << 62  # a sequence number no user collective reaches
+
+
+def _root_tag(seq: int) -> int:
+    return TAG_RESERVED_BASE + seq % _TAG_SPAN
+
+
+class _Plan(NamedTuple):
+    """A validated collective call, ready to run now or on the worker: its description and body
+    (which returns the call's result)."""
+
+    coll: int
+    code: int
+    count: int
+    body: Callable[[Call], Any]
+    op: int = 0
+    root: int = 0
 
 
 @dataclass
@@ -150,6 +169,14 @@ class ProcessGroup:
         return self._st.worker.submit("all_reduce", lambda: (self._execute(meta, body), arr)[1])
 
     def all_gather(self, local) -> np.ndarray:
+        return self._run(self._all_gather_plan(local))
+
+    def spawn_all_gather(self, local) -> CollectiveHandle:
+        """Non-blocking all_gather (in call order on the worker); join() returns the new array.
+        `local` must stay unchanged until then."""
+        return self._spawn("all_gather", self._all_gather_plan(local))
+
+    def _all_gather_plan(self, local) -> _Plan:
         arr = v.as_array(local, "local", writable=False)
         wire = v.wire_of(arr, "local")
         shape = arr.shape if arr.ndim else (1,)
@@ -160,10 +187,17 @@ class ProcessGroup:
             gather = lambda c, i, o: hier_all_gather(c, topo, i, o)
         else:
             gather = board_all_gather if self._fits_board(flat_in) else ring_all_gather
-        self._collective(ALL_GATHER, wire.code, flat_in.size, lambda c: gather(c, flat_in, flat_out))
-        return out
+        return _Plan(ALL_GATHER, wire.code, flat_in.size, lambda c: (gather(c, flat_in, flat_out), out)[1])
 
     def broadcast(self, root: int, data):
+        return self._run(self._broadcast_plan(root, data))
+
+    def spawn_broadcast(self, root: int, data) -> CollectiveHandle:
+        """Non-blocking broadcast (in call order on the worker); join() returns `data`, which must
+        not be touched until then (non-roots receive into it in the background)."""
+        return self._spawn("broadcast", self._broadcast_plan(root, data))
+
+    def _broadcast_plan(self, root: int, data) -> _Plan:
         root = v.rank_arg(root, self.world_size, "root")
         arr = v.as_array(data, "data", writable=root != self.rank)
         wire = v.wire_of(arr, "data")
@@ -173,8 +207,7 @@ class ProcessGroup:
             cast = lambda c, r, d: hier_broadcast(c, topo, r, d)
         else:
             cast = board_broadcast if self._fits_board(flat) else chain_broadcast
-        self._collective(BROADCAST, wire.code, flat.size, lambda c: cast(c, root, flat), root=root)
-        return data
+        return _Plan(BROADCAST, wire.code, flat.size, lambda c: (cast(c, root, flat), data)[1], root=root)
 
     def federated_average(self, data, deadline) -> int:
         arr = v.as_array(data, "data", writable=True)
@@ -190,15 +223,27 @@ class ProcessGroup:
     def reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> np.ndarray:
         """Rank i gets slice i (along axis 0) of op over every rank's data, as a new array; data is
         only read (the ring works on a copy)."""
+        return self._run(self._reduce_scatter_plan(data, op))
+
+    def spawn_reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
+        """Non-blocking reduce_scatter; data is copied now, so it may change at once; join() returns
+        the new array."""
+        return self._spawn("reduce_scatter", self._reduce_scatter_plan(data, op))
+
+    def _reduce_scatter_plan(self, data, op) -> _Plan:
         arr = v.as_array(data, "data", writable=False)
         wire, kind = v.reducible_wire(arr, op, "data")
         rows = v.equal_blocks(arr, self.world_size, "data", "reduce_scatter")
         work = v.storage_view(arr, wire).copy()
-        self._collective(REDUCE_SCATTER, wire.code, work.size, lambda c: sg.reduce_scatter(c, work, kind), op=kind)
         out = np.empty((rows, *arr.shape[1:]), dtype=arr.dtype)
-        block = out.size
-        v.storage_view(out, wire)[:] = work[self.rank * block:(self.rank + 1) * block]
-        return out
+        block, rank = out.size, self.rank
+
+        def body(c: Call) -> np.ndarray:
+            sg.reduce_scatter(c, work, kind)
+            v.storage_view(out, wire)[:] = work[rank * block:(rank + 1) * block]
+            return out
+
+        return _Plan(REDUCE_SCATTER, wire.code, work.size, body, op=kind)
 
     def reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM):
         """In place on root; every rank's data is scratch space (hence writable everywhere)."""
@@ -271,6 +316,55 @@ class ProcessGroup:
 
         return self._collective(ALL_GATHER_V, wire.code, row, body)
 
+    # ---- Python objects (pickled; trusted ranks only) ----
+    def broadcast_object(self, root: int, obj=None):
+        """Root's obj on every rank (the root gets obj itself, others an unpickled copy).
+
+        Security: non-roots unpickle what the root sent, and unpickling can run arbitrary code, so
+        use this only between ranks you trust (the job secret keeps strangers off the wire)."""
+        root = v.rank_arg(root, self.world_size, "root")
+        payload = _pickled(obj) if self.rank == root else None
+        size = np.array([payload.size if payload is not None else 0], dtype=np.int64)
+        self.broadcast(root, size)  # first the size, so non-roots can allocate
+        buf = payload if payload is not None else np.empty(int(size[0]), dtype=np.uint8)
+        self.broadcast(root, buf)
+        got = _unpickled(buf, root)
+        return obj if self.rank == root else got
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's obj, in rank order (unpickled copies, this rank's too).
+
+        Security: this unpickles what every peer sent, and unpickling can run arbitrary code, so
+        use it only between ranks you trust (the job secret keeps strangers off the wire)."""
+        data, lengths = self.all_gather_v(_pickled(obj))
+        bounds = np.cumsum([0, *lengths])
+        return [_unpickled(data[bounds[r]:bounds[r + 1]], r) for r in range(self.world_size)]
+
+    # ---- sub-groups ----
+    def split(self, ranks) -> "ProcessGroup | None":
+        """A group over the listed ranks, renumbered in list order; None on ranks not listed.
+
+        A collective on this group: every rank calls it with the same list (checked: a
+        disagreement raises CollectiveMismatch on every rank). The sub-group has its own sequence
+        numbers, tag range and worker, so it may run concurrently with this group (another
+        thread); it uses the flat algorithms (no shared-memory board, no host hierarchy). A failure
+        in either breaks both: they share one transport. Close sub-groups you no longer need (they
+        hold one of a few thousand tag slots). Do not call split on two groups of the same process
+        at once from different threads (slot choices would race)."""
+        members = sub.check_ranks(ranks, self.world_size)
+        t = self.transport
+        root = t.root if isinstance(t, sub.SubTransport) else t
+        views = self.all_gather_object((members, sub.used_slots(root)))
+        for r, (theirs, _) in enumerate(views):
+            if theirs != members:
+                raise self._fail(CollectiveMismatch(f"split: rank {r} passed ranks {theirs}, this rank {members}"),
+                                 None, time.monotonic(), "split")
+        if self.rank not in members:
+            return None
+        slot = sub.pick_slot(views[m][1] for m in members)
+        root_ranks = [t.ranks[m] for m in members] if isinstance(t, sub.SubTransport) else members
+        return ProcessGroup(sub.SubTransport(root, root_ranks, slot), tuning=self._st.tuning)
+
     # ---- life cycle ----
     def close(self) -> None:
         st = self._st
@@ -298,6 +392,14 @@ class ProcessGroup:
             self._st.seq += 1
         return Meta(seq=seq, coll=coll, dtype=code, count=count, op=int(op), root=root)
 
+    def _run(self, plan: _Plan):
+        return self._collective(plan.coll, plan.code, plan.count, plan.body, op=plan.op, root=plan.root)
+
+    def _spawn(self, name: str, plan: _Plan) -> CollectiveHandle:
+        """Number the call now (call order is what matches ranks), run it on the ordered worker."""
+        meta = self._next_meta(plan.coll, plan.code, plan.count, op=plan.op, root=plan.root)
+        return self._st.worker.submit(name, lambda: self._execute(meta, plan.body))
+
     def _collective(self, coll: int, code: int, count: int, body: Callable[[Call], Any], *, op: int = 0, root: int = 0):
         meta = self._next_meta(coll, code, count, op=op, root=root)
         if not self._st.worker.wait_idle(self._st.transport.timeout):
@@ -308,7 +410,7 @@ class ProcessGroup:
     def _execute(self, meta: Meta, body: Callable[[Call], Any], tag: int | None = None):
         t = self._st.transport
         start = time.monotonic()
-        tag = TAG_RESERVED_BASE + meta.seq % _TAG_SPAN if tag is None else tag
+        tag = getattr(t, "tag_of", _root_tag)(meta.seq) if tag is None else tag
         call = Call(t, tag, meta, meta.dtype, start + t.timeout, self._st.tuning.chunk_bytes)
         self._debug("start", meta, start)
         try:
@@ -392,3 +494,20 @@ def _same_kind(exc: CollectiveError, message: str) -> CollectiveError:
     if isinstance(exc, PeerLost):
         return PeerLost(message, exc.peer)
     return type(exc)(message)
+
+
+def _pickled(obj) -> np.ndarray:
+    """uint8 bytes: a 0 byte then the pickle, or a lone 1 byte when obj cannot be pickled, so the
+    peers learn of it (and raise too) instead of waiting for a collective that never comes."""
+    try:
+        raw = b"\0" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - any pickling failure; reported on every rank by _unpickled
+        raw = b"\1"
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _unpickled(buf: np.ndarray, sender: int):
+    raw = buf.tobytes()
+    if raw[:1] != b"\0":
+        raise InvalidArgument(f"the object of rank {sender} could not be pickled")
+    return pickle.loads(raw[1:])
