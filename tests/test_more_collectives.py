@@ -200,8 +200,9 @@ def _call(pg, name, root=0, rows=12, dtype="float32", op=ReduceKind.SUM, tail=()
     calls[name]()
 
 
-def _mismatched(pg, normal, odd_call, odd, finish):
+def _mismatched(pg, normal, odd_call, odd, finish, ready):
     pg.all_reduce(np.ones(8))  # sequence number 0: every rank connected and in step
+    ready.wait(PROMPT)  # nobody is still finishing call 0 when call 1's mismatch aborts the group
     name, kw = odd_call if pg.rank in odd else normal
     start = time.monotonic()
     try:
@@ -251,7 +252,8 @@ MISMATCHES = [
 
 @pytest.mark.parametrize("name, n, odd, normal, odd_call", MISMATCHES, ids=[m[0] for m in MISMATCHES])
 def test_mismatch_raises_on_every_rank(name, n, odd, normal, odd_call):
-    results = run_ranks(n, _mismatched, normal, odd_call, odd, CTX.Barrier(n), group_timeout=30.0, timeout=60.0)
+    results = run_ranks(n, _mismatched, normal, odd_call, odd, CTX.Barrier(n), CTX.Barrier(n),
+                        group_timeout=30.0, timeout=60.0)
     for rank, out in enumerate(results):
         assert out["kind"] == "CollectiveMismatch", f"rank {rank}: {out}"
         assert out["s"] < PROMPT, f"rank {rank} took {out['s']:.1f} s: {out}"
