@@ -420,6 +420,10 @@ class ProcessGroup:
         except BaseException as exc:  # Ctrl-C or a bug mid-call: peers must not wait for us
             self._fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
             raise
+        if time.monotonic() > call.deadline:  # e.g. a stopped process resumed: its peers gave up on this call
+            raise self._fail(CollectiveTimeout("it finished only after its deadline, when the other ranks had "
+                                               "already given up on it (was this process stopped or starved?)"),
+                             meta, start)
         if meta.seq != _STARTUP_SEQ:
             self._st.recorder.completed(meta, time.monotonic() - start)
         self._debug("end", meta, start)

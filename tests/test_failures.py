@@ -417,7 +417,7 @@ def test_sigkill_while_others_wait_in_barrier(transport, aftermath):
 # ---------------------------------------------------------------------------------------------
 
 _OP_NAMES = {_call_all_reduce: "all_reduce", _call_broadcast: "broadcast", _call_spawn_all_reduce: "all_reduce",
-             _call_barrier: "barrier"}
+             _call_barrier: "barrier", _call_all_to_all: "all_to_all"}
 
 
 def _assert_timed_out(out: dict, op: str, seq: int, silent: int, first_start: float) -> None:
@@ -462,7 +462,8 @@ def _stopped_partway(rank, n, port, victim, call, pids, stamps, ready, raised, f
     (_call_all_reduce, 4, 2),  # over hier: the victim on host b, two survivors on host a
     (_call_broadcast, 3, 0),  # the root stops while streaming
     (_call_spawn_all_reduce, 2, 1),  # stops on its background worker thread
-], ids=["all_reduce-n4", "broadcast-root-n3", "spawn_all_reduce-n2"])
+    (_call_all_to_all, 2, 1),  # resumed, it may find all it needs already sent: it must fail anyway
+], ids=["all_reduce-n4", "broadcast-root-n3", "spawn_all_reduce-n2", "all_to_all-n2"])
 def test_sigstop_partway_times_out_then_resumed_rank_fails_too(call, n, victim, transport, aftermath):
     stamps = CTX.RawArray("d", n + 1)
     pids = CTX.RawArray("q", n)
