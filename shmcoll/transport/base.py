@@ -17,8 +17,9 @@ import numpy as np
 from .. import kernels
 from ..errors import CollectiveMismatch
 from ..types import ReduceKind
-from .frame import Meta, describe_mismatch
-from .mailbox import AbortReason, Message
+from . import frame
+from .frame import DATA, Meta, describe_mismatch
+from .mailbox import AbortReason, Mailbox, Message
 
 
 class Transport(ABC):
@@ -74,6 +75,26 @@ class Transport(ABC):
         """Receive into `out` (a 1-D storage array): copy, or reduce with op. Checks the sender's call."""
         msg = self.recv(src, tag, deadline, strict)
         place(msg, out, code, want, op)
+
+
+class LinkTransport(Transport):
+    """A transport that carries frames to its peers itself (shared memory, TCP): one send path for
+    both, with the self-send and the per-peer byte count (`bytes_to`) in one place."""
+
+    bytes_to: list[int]
+    _mailbox: Mailbox
+
+    def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
+        header = frame.pack(DATA, self.rank, tag, meta, code, buf.shape, buf.nbytes)
+        if to == self.rank:
+            self._mailbox.post_to_self(header, buf)
+            return
+        self.bytes_to[to] += buf.nbytes
+        self._send_to(to, header, buf, deadline)
+
+    @abstractmethod
+    def _send_to(self, to: int, header: bytes, buf: np.ndarray, deadline: float) -> None:
+        """Carry one frame (header, then buf's bytes) to peer `to`."""
 
 
 def check_meta(msg: Message, want: Meta | None) -> None:

@@ -22,8 +22,8 @@ import posix_ipc
 from .. import kernels
 from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
 from . import frame
-from .base import Transport, place
-from .frame import DATA, HEADER_SIZE, Meta
+from .base import LinkTransport, place
+from .frame import HEADER_SIZE, Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .ring import (ABORT_TEXT_BYTES, ABORT_TEXT_OFFSET, CHUNK, SLOT_HEADER_BYTES, STATE_DEPARTED, W_ABORT,
                    W_ABORT_LEN, W_PIDS, W_STATES)
@@ -44,7 +44,7 @@ class _Assembly:
         self.got = 0
 
 
-class ShmTransport(Transport):
+class ShmTransport(LinkTransport):
     def __init__(self, segment: Segment, local_of: dict[int, int], rank: int, world_size: int, *,
                  timeout: float = 300.0, spin_s: float = DEFAULT_SPIN_S, mailbox: Mailbox | None = None):
         """mailbox: shared with a NetTransport under a HierarchicalTransport, so aborts and lost
@@ -68,12 +68,7 @@ class ShmTransport(Transport):
         return Channel(self._layout, src, dst, self._seg.data[src, dst], self._seg.space[src, dst])
 
     # ---- sending ----
-    def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
-        header = frame.pack(DATA, self.rank, tag, meta, code, buf.shape, buf.nbytes)
-        if to == self.rank:
-            self._mailbox.post_to_self(header, buf)
-            return
-        self.bytes_to[to] += buf.nbytes
+    def _send_to(self, to: int, header: bytes, buf: np.ndarray, deadline: float) -> None:
         raw = buf.reshape(-1).view(np.uint8)
         head = np.frombuffer(header, dtype=np.uint8)
         ch, slot_bytes = self._out[to], self._layout.slot_bytes

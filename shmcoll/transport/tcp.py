@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from . import frame
-from .base import Transport
+from .base import LinkTransport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -27,7 +27,7 @@ _GOODBYE_SECONDS = 2.0
 HEARTBEAT_SECONDS = 0.5
 
 
-class NetTransport(Transport):
+class NetTransport(LinkTransport):
     def __init__(self, rank: int, world_size: int, socks: dict[int, socket.socket], *,
                  timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD, mailbox: Mailbox | None = None):
         """socks: one connected socket per peer this transport reaches (every other rank, or only
@@ -55,12 +55,7 @@ class NetTransport(Transport):
             self._heartbeat.start()
 
     # ---- sending ----
-    def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
-        header = frame.pack(DATA, self.rank, tag, meta, code, buf.shape, buf.nbytes)
-        if to == self.rank:
-            self._mailbox.post_to_self(header, buf)
-            return
-        self.bytes_to[to] += buf.nbytes
+    def _send_to(self, to: int, header: bytes, buf: np.ndarray, deadline: float) -> None:
         self._send_frame(to, header, memoryview(buf).cast("B") if buf.nbytes else b"", deadline)
 
     def _send_frame(self, to: int, header: bytes, payload, deadline: float | None, control: bool = False) -> None:
