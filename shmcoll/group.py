@@ -328,8 +328,10 @@ class ProcessGroup:
         self.broadcast(root, size)  # first the size, so non-roots can allocate
         buf = payload if payload is not None else np.empty(int(size[0]), dtype=np.uint8)
         self.broadcast(root, buf)
-        got = _unpickled(buf, root)
-        return obj if self.rank == root else got
+        if self.rank == root:
+            _raise_if_unpicklable(buf, root)  # the root keeps obj itself: no need to unpickle its copy
+            return obj
+        return _unpickled(buf, root)
 
     def all_gather_object(self, obj) -> list:
         """Every rank's obj, in rank order (unpickled copies, this rank's too).
@@ -510,8 +512,12 @@ def _pickled(obj) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8)
 
 
-def _unpickled(buf: np.ndarray, sender: int):
-    raw = buf.tobytes()
-    if raw[:1] != b"\0":
+def _raise_if_unpicklable(buf: np.ndarray, sender: int) -> None:
+    """The flag byte _pickled wrote: every rank raises alike when the sender's object had no pickle."""
+    if buf[:1].tobytes() != b"\0":
         raise InvalidArgument(f"the object of rank {sender} could not be pickled")
-    return pickle.loads(raw[1:])
+
+
+def _unpickled(buf: np.ndarray, sender: int):
+    _raise_if_unpicklable(buf, sender)
+    return pickle.loads(buf[1:].tobytes())
