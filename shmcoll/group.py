@@ -7,12 +7,11 @@ A group's state lives in one shared object, so `copy.copy(pg)` is a cheap handle
 
 from __future__ import annotations
 
-import pickle
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 
@@ -24,18 +23,16 @@ from .algorithms.call import Call
 from .algorithms.federated import federated_average
 from .algorithms.hier import hier_all_gather, hier_barrier, hier_broadcast, small_all_reduce, two_level_all_reduce
 from .algorithms.ring import one_shot_all_reduce, ring_all_gather, ring_all_reduce
-from .algorithms import scatter_gather as sg
 from .config import Tuning
 from .recorder import FlightRecorder, diagnosis
 from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
 from .transport.base import Transport
-from .transport.frame import (ALL_GATHER, ALL_GATHER_V, ALL_REDUCE, ALL_TO_ALL, BARRIER, BROADCAST,
-                              COLLECTIVE_NAMES, FEDERATED_AVERAGE, GATHER, REDUCE, REDUCE_SCATTER, ROOTS_DTYPE,
-                              SCATTER, Meta)
+from .transport.frame import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, COLLECTIVE_NAMES, FEDERATED_AVERAGE, Meta
 from .transport.mailbox import AbortReason
-from .transport import sub
 from .transport.topology import Topology
 from .types import TAG_RESERVED_BASE, WIRE_TYPES, ReduceKind
+from .group_more import MoreCollectives
+from .plan import Plan
 from .worker import CollectiveHandle, OrderedWorker
 
 #: A rank not heard from (data or heartbeat) for this many seconds counts as silent in timeout reports.
@@ -51,18 +48,6 @@ def _root_tag(seq: int) -> int:
     return TAG_RESERVED_BASE + seq % _TAG_SPAN
 
 
-class _Plan(NamedTuple):
-    """A validated collective call, ready to run now or on the worker: its description and body
-    (which returns the call's result)."""
-
-    coll: int
-    code: int
-    count: int
-    body: Callable[[Call], Any]
-    op: int = 0
-    root: int = 0
-
-
 @dataclass
 class _State:
     transport: Transport
@@ -76,7 +61,7 @@ class _State:
     recorder: FlightRecorder = field(default_factory=FlightRecorder)
 
 
-class ProcessGroup:
+class ProcessGroup(MoreCollectives):
     def __init__(self, transport: Transport, *, tuning: Tuning | None = None,
                  on_close: list[Callable[[], None]] | None = None):
         self._st = _State(transport, tuning or Tuning(), list(on_close or []))
@@ -176,7 +161,7 @@ class ProcessGroup:
         `local` must stay unchanged until then."""
         return self._spawn("all_gather", self._all_gather_plan(local))
 
-    def _all_gather_plan(self, local) -> _Plan:
+    def _all_gather_plan(self, local) -> Plan:
         arr = v.as_array(local, "local", writable=False)
         wire = v.wire_of(arr, "local")
         shape = arr.shape if arr.ndim else (1,)
@@ -187,7 +172,7 @@ class ProcessGroup:
             gather = lambda c, i, o: hier_all_gather(c, topo, i, o)
         else:
             gather = board_all_gather if self._fits_board(flat_in) else ring_all_gather
-        return _Plan(ALL_GATHER, wire.code, flat_in.size, lambda c: (gather(c, flat_in, flat_out), out)[1])
+        return Plan(ALL_GATHER, wire.code, flat_in.size, lambda c: (gather(c, flat_in, flat_out), out)[1])
 
     def broadcast(self, root: int, data):
         return self._run(self._broadcast_plan(root, data))
@@ -197,7 +182,7 @@ class ProcessGroup:
         not be touched until then (non-roots receive into it in the background)."""
         return self._spawn("broadcast", self._broadcast_plan(root, data))
 
-    def _broadcast_plan(self, root: int, data) -> _Plan:
+    def _broadcast_plan(self, root: int, data) -> Plan:
         root = v.rank_arg(root, self.world_size, "root")
         arr = v.as_array(data, "data", writable=root != self.rank)
         wire = v.wire_of(arr, "data")
@@ -207,7 +192,7 @@ class ProcessGroup:
             cast = lambda c, r, d: hier_broadcast(c, topo, r, d)
         else:
             cast = board_broadcast if self._fits_board(flat) else chain_broadcast
-        return _Plan(BROADCAST, wire.code, flat.size, lambda c: (cast(c, root, flat), data)[1], root=root)
+        return Plan(BROADCAST, wire.code, flat.size, lambda c: (cast(c, root, flat), data)[1], root=root)
 
     def federated_average(self, data, deadline) -> int:
         arr = v.as_array(data, "data", writable=True)
@@ -218,154 +203,6 @@ class ProcessGroup:
         flat = v.storage_view(arr, wire)
         return self._collective(FEDERATED_AVERAGE, wire.code, flat.size,
                                 lambda c: federated_average(c, flat, window))
-
-    # ---- more collectives (algorithms in algorithms/scatter_gather.py; flat over any routing) ----
-    def reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> np.ndarray:
-        """Rank i gets slice i (along axis 0) of op over every rank's data, as a new array; data is
-        only read (the ring works on a copy)."""
-        return self._run(self._reduce_scatter_plan(data, op))
-
-    def spawn_reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
-        """Non-blocking reduce_scatter; data is copied now, so it may change at once; join() returns
-        the new array."""
-        return self._spawn("reduce_scatter", self._reduce_scatter_plan(data, op))
-
-    def _reduce_scatter_plan(self, data, op) -> _Plan:
-        arr = v.as_array(data, "data", writable=False)
-        wire, kind = v.reducible_wire(arr, op, "data")
-        rows = v.equal_blocks(arr, self.world_size, "data", "reduce_scatter")
-        work = v.storage_view(arr, wire).copy()
-        out = np.empty((rows, *arr.shape[1:]), dtype=arr.dtype)
-        block, rank = out.size, self.rank
-
-        def body(c: Call) -> np.ndarray:
-            sg.reduce_scatter(c, work, kind)
-            v.storage_view(out, wire)[:] = work[rank * block:(rank + 1) * block]
-            return out
-
-        return _Plan(REDUCE_SCATTER, wire.code, work.size, body, op=kind)
-
-    def reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM):
-        """In place on root; every rank's data is scratch space (hence writable everywhere)."""
-        root = v.rank_arg(root, self.world_size, "root")
-        arr = v.as_array(data, "data", writable=True)
-        wire, kind = v.reducible_wire(arr, op, "data")
-        flat = v.storage_view(arr, wire)
-        self._collective(REDUCE, wire.code, flat.size, lambda c: sg.reduce_to_root(c, root, flat, kind),
-                         op=kind, root=root)
-        return data
-
-    def gather(self, root: int, local) -> np.ndarray | None:
-        """Concatenation of every rank's local along axis 0 on root (as all_gather); None elsewhere."""
-        root = v.rank_arg(root, self.world_size, "root")
-        arr = v.as_array(local, "local", writable=False)
-        wire = v.wire_of(arr, "local")
-        shape = arr.shape if arr.ndim else (1,)
-        flat_in = v.storage_view(arr, wire)
-        out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype) if self.rank == root else None
-        flat_out = v.storage_view(out, wire) if out is not None else None
-        self._collective(GATHER, wire.code, flat_in.size,
-                         lambda c: sg.gather_to_root(c, root, flat_in, flat_out), root=root)
-        return out
-
-    def scatter(self, root: int, data=None) -> np.ndarray:
-        """Root's data split along axis 0 into world_size equal blocks; rank i gets block i (a new
-        array). Only the root's data is looked at (others pass None): the others learn dtype and
-        shape from the frame they receive, so the call description carries neither."""
-        root = v.rank_arg(root, self.world_size, "root")
-        blocks, code = None, ROOTS_DTYPE
-        if self.rank == root:
-            if data is None:
-                raise InvalidArgument("scatter: the root must pass the array to split (only other ranks pass None)")
-            arr = v.as_array(data, "data", writable=False)
-            wire = v.wire_of(arr, "data")
-            rows = v.equal_blocks(arr, self.world_size, "data", "scatter")
-            store = arr.view(wire.storage)
-            blocks = [store[j * rows:(j + 1) * rows] for j in range(self.world_size)]
-            code = wire.code
-        got = self._collective(SCATTER, ROOTS_DTYPE, 0, lambda c: sg.scatter_from_root(c, root, blocks, code),
-                               root=root)
-        return got.view(arr.dtype) if self.rank == root else got
-
-    def all_to_all(self, data) -> np.ndarray:
-        """Block j (of world_size equal blocks along axis 0) goes to rank j; the result holds the
-        blocks received, in source-rank order, as a new array of data's shape."""
-        arr = v.as_array(data, "data", writable=False)
-        wire = v.wire_of(arr, "data")
-        v.equal_blocks(arr, self.world_size, "data", "all_to_all")
-        out = np.empty(arr.shape, dtype=arr.dtype)
-        flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
-        self._collective(ALL_TO_ALL, wire.code, flat_in.size, lambda c: sg.all_to_all(c, flat_in, flat_out))
-        return out
-
-    def all_gather_v(self, local) -> tuple[np.ndarray, list[int]]:
-        """all_gather where each rank's length along axis 0 may differ (trailing dimensions and dtype
-        may not): returns the concatenation in rank order and every rank's length. The call
-        description carries the elements per row, which every rank knows; lengths are exchanged first."""
-        arr = v.as_array(local, "local", writable=False)
-        wire = v.wire_of(arr, "local")
-        shape = arr.shape if arr.ndim else (1,)
-        row = int(np.prod(shape[1:], dtype=np.int64))
-        flat_in = v.storage_view(arr, wire)
-
-        def body(c):
-            lengths = sg.exchange_shapes(c, shape)
-            out = np.empty((sum(lengths), *shape[1:]), dtype=arr.dtype)
-            sg.all_gather_v(c, flat_in, v.storage_view(out, wire), lengths, row)
-            return out, lengths
-
-        return self._collective(ALL_GATHER_V, wire.code, row, body)
-
-    # ---- Python objects (pickled; trusted ranks only) ----
-    def broadcast_object(self, root: int, obj=None):
-        """Root's obj on every rank (the root gets obj itself, others an unpickled copy).
-
-        Security: non-roots unpickle what the root sent, and unpickling can run arbitrary code, so
-        use this only between ranks you trust (the job secret keeps strangers off the wire)."""
-        root = v.rank_arg(root, self.world_size, "root")
-        payload = _pickled(obj) if self.rank == root else None
-        size = np.array([payload.size if payload is not None else 0], dtype=np.int64)
-        self.broadcast(root, size)  # first the size, so non-roots can allocate
-        buf = payload if payload is not None else np.empty(int(size[0]), dtype=np.uint8)
-        self.broadcast(root, buf)
-        if self.rank == root:
-            _raise_if_unpicklable(buf, root)  # the root keeps obj itself: no need to unpickle its copy
-            return obj
-        return _unpickled(buf, root)
-
-    def all_gather_object(self, obj) -> list:
-        """Every rank's obj, in rank order (unpickled copies, this rank's too).
-
-        Security: this unpickles what every peer sent, and unpickling can run arbitrary code, so
-        use it only between ranks you trust (the job secret keeps strangers off the wire)."""
-        data, lengths = self.all_gather_v(_pickled(obj))
-        bounds = np.cumsum([0, *lengths])
-        return [_unpickled(data[bounds[r]:bounds[r + 1]], r) for r in range(self.world_size)]
-
-    # ---- sub-groups ----
-    def split(self, ranks) -> "ProcessGroup | None":
-        """A group over the listed ranks, renumbered in list order; None on ranks not listed.
-
-        A collective on this group: every rank calls it with the same list (checked: a
-        disagreement raises CollectiveMismatch on every rank). The sub-group has its own sequence
-        numbers, tag range and worker, so it may run concurrently with this group (another
-        thread); it uses the flat algorithms (no shared-memory board, no host hierarchy). A failure
-        in either breaks both: they share one transport. Close sub-groups you no longer need (they
-        hold one of a few thousand tag slots). Do not call split on two groups of the same process
-        at once from different threads (slot choices would race)."""
-        members = sub.check_ranks(ranks, self.world_size)
-        t = self.transport
-        root = t.root if isinstance(t, sub.SubTransport) else t
-        views = self.all_gather_object((members, sub.used_slots(root)))
-        for r, (theirs, _) in enumerate(views):
-            if theirs != members:
-                raise self._fail(CollectiveMismatch(f"split: rank {r} passed ranks {theirs}, this rank {members}"),
-                                 None, time.monotonic(), "split")
-        if self.rank not in members:
-            return None
-        slot = sub.pick_slot(views[m][1] for m in members)
-        root_ranks = [t.ranks[m] for m in members] if isinstance(t, sub.SubTransport) else members
-        return ProcessGroup(sub.SubTransport(root, root_ranks, slot), tuning=self._st.tuning)
 
     # ---- life cycle ----
     def close(self) -> None:
@@ -394,10 +231,10 @@ class ProcessGroup:
             self._st.seq += 1
         return Meta(seq=seq, coll=coll, dtype=code, count=count, op=int(op), root=root)
 
-    def _run(self, plan: _Plan):
+    def _run(self, plan: Plan):
         return self._collective(plan.coll, plan.code, plan.count, plan.body, op=plan.op, root=plan.root)
 
-    def _spawn(self, name: str, plan: _Plan) -> CollectiveHandle:
+    def _spawn(self, name: str, plan: Plan) -> CollectiveHandle:
         """Number the call now (call order is what matches ranks), run it on the ordered worker."""
         meta = self._next_meta(plan.coll, plan.code, plan.count, op=plan.op, root=plan.root)
         return self._st.worker.submit(name, lambda: self._execute(meta, plan.body))
@@ -474,19 +311,28 @@ class ProcessGroup:
         return board is not None and flat.nbytes <= board.capacity
 
     def _all_reduce_body(self, flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
+        algorithm = self._all_reduce_algorithm(flat, kind)
+        return lambda c: algorithm(c, flat)
+
+    def _all_reduce_algorithm(self, flat: np.ndarray, kind: ReduceKind,
+                              small_only: bool = False) -> Callable[[Call, np.ndarray], None] | None:
         """The shared-memory board or a one-shot (one step) for small arrays, the bandwidth-optimal
         ring for large ones; across hosts the two-level versions of the latter two. Every rank picks
-        the same: the choice depends on the size (and the topology every rank shares) alone."""
+        the same: the choice depends on the size (and the topology every rank shares) alone.
+        small_only: None instead of a bandwidth-optimal algorithm (for reduce and reduce_scatter,
+        which reuse the one-step paths on small arrays)."""
         topo, one_shot = self._hosts(), self._st.tuning.one_shot_bytes
         if topo is not None:
             if flat.nbytes <= one_shot:
-                return lambda c: small_all_reduce(c, topo, flat, kind)
-            return lambda c: two_level_all_reduce(c, topo, flat, kind, one_shot)
-        if self._fits_board(flat):
-            return lambda c: board_all_reduce(c, flat, kind)
-        if flat.nbytes <= one_shot:
-            return lambda c: one_shot_all_reduce(c, flat, kind)
-        return lambda c: ring_all_reduce(c, flat, kind)
+                return lambda c, d: small_all_reduce(c, topo, d, kind)
+            large = lambda c, d: two_level_all_reduce(c, topo, d, kind, one_shot)
+        elif self._fits_board(flat):
+            return lambda c, d: board_all_reduce(c, d, kind)
+        elif flat.nbytes <= one_shot:
+            return lambda c, d: one_shot_all_reduce(c, d, kind)
+        else:
+            large = lambda c, d: ring_all_reduce(c, d, kind)
+        return None if small_only else large
 
     def _debug(self, event: str, meta: Meta, start: float) -> None:
         if self._st.tuning.debug:
@@ -501,23 +347,3 @@ def _same_kind(exc: CollectiveError, message: str) -> CollectiveError:
         return PeerLost(message, exc.peer)
     return type(exc)(message)
 
-
-def _pickled(obj) -> np.ndarray:
-    """uint8 bytes: a 0 byte then the pickle, or a lone 1 byte when obj cannot be pickled, so the
-    peers learn of it (and raise too) instead of waiting for a collective that never comes."""
-    try:
-        raw = b"\0" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - any pickling failure; reported on every rank by _unpickled
-        raw = b"\1"
-    return np.frombuffer(raw, dtype=np.uint8)
-
-
-def _raise_if_unpicklable(buf: np.ndarray, sender: int) -> None:
-    """The flag byte _pickled wrote: every rank raises alike when the sender's object had no pickle."""
-    if buf[:1].tobytes() != b"\0":
-        raise InvalidArgument(f"the object of rank {sender} could not be pickled")
-
-
-def _unpickled(buf: np.ndarray, sender: int):
-    _raise_if_unpicklable(buf, sender)
-    return pickle.loads(buf[1:].tobytes())

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.usefixtures("layout")  # over tcp, shm and every simula
 SIZES = [1, 2, 3, 4]
 BLOCKS = [0, 1, 7, 1001]  # rows per rank: empty, one, odd, several 4 KiB chunks
 SMALL_CHUNKS = {"SHMCOLL_CHUNK_BYTES": "4096"}
+#: Sizes pick the algorithm (board, one-shot, ring, two-level); "large" forces the bandwidth paths at every size.
+PATHS = {"sized": SMALL_CHUNKS,
+         "large": {**SMALL_CHUNKS, "SHMCOLL_ONE_SHOT_BYTES": "0", "SHMCOLL_SHM_BOARD_BYTES": "0"}}
 REDUCE_DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64]
 MOVE_DTYPES = [w.user for w in WIRE_TYPES.values() if w.user is not None]  # every dtype that can travel
 INT_OPS = [ReduceKind.SUM, ReduceKind.PROD, ReduceKind.MIN, ReduceKind.MAX]
@@ -64,10 +67,11 @@ def _reductions(pg, dtype):
     return out
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: np.dtype(d).name)
-def test_reductions_every_dtype_and_op(dtype):
+def test_reductions_every_dtype_and_op(dtype, path):
     n = 3
-    results = run_ranks(n, _reductions, dtype, env=SMALL_CHUNKS)
+    results = run_ranks(n, _reductions, dtype, env=PATHS[path])
     cases = [(b, op) for b in BLOCKS for op in ops_for(dtype)]
     for rank, per_case in enumerate(results):
         assert len(per_case) == len(cases)
@@ -107,11 +111,12 @@ def _every_root(pg, b):
     return got
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("b", BLOCKS)
-def test_every_size_and_root_float32(n, b):
+def test_every_size_and_root_float32(n, b, path):
     tail = (3,)
-    results = run_ranks(n, _every_root, b, env=SMALL_CHUNKS)
+    results = run_ranks(n, _every_root, b, env=PATHS[path])
     for r, got in enumerate(results):
         total = sum(_rows(k, n * b, tail).astype(np.float64) for k in range(n))
         np.testing.assert_array_equal(got["reduce_scatter"], total[r * b:(r + 1) * b])

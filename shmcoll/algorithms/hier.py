@@ -73,26 +73,33 @@ def small_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) 
 
 
 def hier_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:
+    """out receives every rank's equal-sized block in rank order (see hier_all_gather_v)."""
+    hier_all_gather_v(c, topo, local, out, [len(local)] * c.size)
+
+
+def hier_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray, sizes: list[int]) -> None:
     """Gather in the host, exchange whole hosts' blocks among leaders, leaders hand the rest out.
+    Rank r contributes sizes[r] elements (any, even zero); out holds them in rank order.
 
     The blocks are staged in host order, so each host's blocks are contiguous; when ranks are
     already numbered host by host (the launcher's placement) the staging area is `out` itself.
     """
-    m, order = len(local), [r for h in topo.hosts for r in h]
-    at = {r: i * m for i, r in enumerate(order)}
+    order = [r for h in topo.hosts for r in h]
+    at = dict(zip(order, np.cumsum([0, *(sizes[r] for r in order)]).tolist()))
     staged = out if order == sorted(order) else np.empty_like(out)
-    staged[at[c.rank]:at[c.rank] + m] = local
+    staged[at[c.rank]:at[c.rank] + sizes[c.rank]] = local
     host = topo.local_ranks(c.rank)
-    ring_all_gather_owned(c, staged, host, [(at[r], at[r] + m) for r in host])
-    span = {h[0]: (at[h[0]], at[h[0]] + len(h) * m) for h in topo.hosts}
+    ring_all_gather_owned(c, staged, host, [(at[r], at[r] + sizes[r]) for r in host])
+    span = {h[0]: (at[h[0]], at[h[-1]] + sizes[h[-1]]) for h in topo.hosts}
     if c.rank == host[0]:
         ring_all_gather_owned(c, staged, topo.leaders(), [span[r] for r in topo.leaders()])
     lo, hi = span[host[0]]
     for a, b in ((0, lo), (hi, len(staged))):
         chain_broadcast(c, host[0], staged[a:b], order=host)
     if staged is not out:
-        n = len(order)
-        out.reshape(n, m)[order] = staged.reshape(n, m)
+        starts = np.cumsum([0, *sizes]).tolist()
+        for r in order:
+            out[starts[r]:starts[r] + sizes[r]] = staged[at[r]:at[r] + sizes[r]]
 
 
 def hier_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:

@@ -1,6 +1,11 @@
 """Rooted and personalised collectives: reduce-scatter, reduce, gather, scatter, all-to-all and
-all-gather with per-rank lengths. They run flat over whatever routing the transport does (the
-hierarchical transport sends each frame over shared memory or TCP as the peer requires).
+all-gather with per-rank lengths, flat (every rank a peer of every other).
+
+Across hosts, reduce-scatter, reduce and all_gather_v have two-level versions (hier_reduce.py,
+hier.py). Gather, scatter and all-to-all stay flat over the hierarchical transport's routing: each
+of their blocks has one source and one destination, so a direct send already crosses a host
+boundary at most once; staging through host leaders would add copies, not save bytes. Only their
+agreement step (below) goes through the hierarchy's barrier instead of all pairs.
 
 Mismatch safety. A collective must fail on *every* rank when ranks disagree about the call, never
 return on some and hang on none. Symmetric algorithms get that for free: in a ring every rank
@@ -14,14 +19,18 @@ call, and a rank that fails aborts the group for the others.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveMismatch
 from ..transport.base import check_meta
 from ..transport.frame import MAX_NDIM
+from ..transport.topology import Topology
 from ..types import WIRE_TYPES, ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
+from .hier import hier_all_gather, hier_all_gather_v, hier_barrier
 from .ring import ring_all_gather_owned, ring_reduce_scatter
 
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -43,21 +52,32 @@ def exchange_all(c: Call, vec: np.ndarray, code: int) -> list[np.ndarray]:
     return got
 
 
-def agree(c: Call) -> None:
+def agree(c: Call, topo: Topology | None = None) -> None:
     """Returns only once every rank has been seen making this very call (raises CollectiveMismatch
-    otherwise): the rooted algorithms below need no further checks or acknowledgements."""
-    exchange_all(c, _EMPTY, _SIGNAL_CODE)
+    otherwise): the rooted algorithms need no further checks or acknowledgements. Across hosts the
+    hierarchy's barrier does it (every frame carries the call's description; a rank leaves it only
+    after hearing, through the leaders, from every rank) with one message per host pair, not per
+    rank pair."""
+    if topo is not None:
+        hier_barrier(replace(c, code=_SIGNAL_CODE), topo)
+    else:
+        exchange_all(c, _EMPTY, _SIGNAL_CODE)
 
 
-def _send_stream(c: Call, to: int, data: np.ndarray) -> None:
-    """Send in chunk-sized frames; the receiver knows the length, so it cuts the same way."""
-    for a, b in sub_bounds(0, len(data), chunk_count(len(data), data.itemsize, c.chunk_bytes)):
+def _stream_bounds(c: Call, data: np.ndarray) -> list[tuple[int, int]]:
+    """The frames a piece streams in; both ends know its length, so both cut it the same way."""
+    return sub_bounds(0, len(data), chunk_count(len(data), data.itemsize, c.chunk_bytes))
+
+
+def send_stream(c: Call, to: int, data: np.ndarray) -> None:
+    for a, b in _stream_bounds(c, data):
         c.t.send(to, c.tag, data[a:b], c.code, c.meta, c.deadline)
 
 
-def _recv_stream(c: Call, src: int, out: np.ndarray) -> None:
-    for a, b in sub_bounds(0, len(out), chunk_count(len(out), out.itemsize, c.chunk_bytes)):
-        c.t.recv_into(src, c.tag, out[a:b], c.code, c.deadline, c.meta)
+def recv_stream(c: Call, src: int, out: np.ndarray, op: ReduceKind | None = None) -> None:
+    """Receive what send_stream sent into out: copied, or folded in with op (out = out op received)."""
+    for a, b in _stream_bounds(c, out):
+        c.t.recv_into(src, c.tag, out[a:b], c.code, c.deadline, c.meta, op)
 
 
 def _ring_reduce_scatter_avg(c: Call, data: np.ndarray, op: ReduceKind, owned) -> None:
@@ -69,12 +89,13 @@ def _ring_reduce_scatter_avg(c: Call, data: np.ndarray, op: ReduceKind, owned) -
         kernels.scale_into(data[a:b], c.code, c.size)
 
 
-def reduce_scatter(c: Call, data: np.ndarray, op: ReduceKind) -> None:
-    """In place over a 1-D storage array whose length is a multiple of the world size: rank i ends
-    with the reduction of slice i (other slices hold partial results). Each slice is folded once, in
-    a fixed order, so the result does not depend on timing."""
-    block = len(data) // c.size
-    _ring_reduce_scatter_avg(c, data, op, [(i * block, (i + 1) * block) for i in range(c.size)])
+def reduce_scatter(c: Call, work: np.ndarray, out: np.ndarray, op: ReduceKind) -> None:
+    """out = op over every rank's block c.rank of `work` (a 1-D scratch copy of the input, n equal
+    blocks; it ends holding partial results). Each block is folded once, along the ring, in a fixed
+    order, so the result does not depend on timing."""
+    block = len(work) // c.size
+    _ring_reduce_scatter_avg(c, work, op, [(i * block, (i + 1) * block) for i in range(c.size)])
+    out[:] = work[c.rank * block:(c.rank + 1) * block]
 
 
 def reduce_to_root(c: Call, root: int, data: np.ndarray, op: ReduceKind) -> None:
@@ -87,19 +108,20 @@ def reduce_to_root(c: Call, root: int, data: np.ndarray, op: ReduceKind) -> None
     _ring_reduce_scatter_avg(c, data, op, owned)
     if c.rank != root:
         a, b = owned[c.rank]
-        _send_stream(c, root, data[a:b])
+        send_stream(c, root, data[a:b])
         return
     for src in range(c.size):
         if src != root:
             a, b = owned[src]
-            _recv_stream(c, src, data[a:b])
+            recv_stream(c, src, data[a:b])
 
 
-def gather_to_root(c: Call, root: int, local: np.ndarray, out: np.ndarray | None) -> None:
+def gather_to_root(c: Call, root: int, local: np.ndarray, out: np.ndarray | None,
+                   topo: Topology | None = None) -> None:
     """out (on root only) receives every rank's block in rank order."""
-    agree(c)
+    agree(c, topo)
     if c.rank != root:
-        _send_stream(c, root, local)
+        send_stream(c, root, local)
         return
     block = len(local)
     for src in range(c.size):
@@ -107,14 +129,15 @@ def gather_to_root(c: Call, root: int, local: np.ndarray, out: np.ndarray | None
         if src == c.rank:
             piece[...] = local
         else:
-            _recv_stream(c, src, piece)
+            recv_stream(c, src, piece)
 
 
-def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code: int) -> np.ndarray:
+def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code: int,
+                      topo: Topology | None = None) -> np.ndarray:
     """The root sends blocks[j] (an n-d storage array of wire dtype `code`) to rank j in one frame
     whose header carries its dtype and shape, so the other ranks need to know neither in advance.
     Returns this rank's block: on the root in storage dtype, elsewhere as the wire's user dtype."""
-    agree(c)
+    agree(c, topo)
     if c.rank == root:
         for k in range(1, c.size):
             j = (root + k) % c.size
@@ -136,8 +159,8 @@ def all_to_all(c: Call, data: np.ndarray, out: np.ndarray) -> None:
     out[r * block:(r + 1) * block] = data[r * block:(r + 1) * block]
     for k in range(1, n):
         to, src = (r + k) % n, (r - k) % n
-        _send_stream(c, to, data[to * block:(to + 1) * block])
-        _recv_stream(c, src, out[src * block:(src + 1) * block])
+        send_stream(c, to, data[to * block:(to + 1) * block])
+        recv_stream(c, src, out[src * block:(src + 1) * block])
 
 
 def shape_header(shape: tuple[int, ...]) -> np.ndarray:
@@ -148,11 +171,17 @@ def shape_header(shape: tuple[int, ...]) -> np.ndarray:
     return head
 
 
-def exchange_shapes(c: Call, shape: tuple[int, ...]) -> list[int]:
+def exchange_shapes(c: Call, shape: tuple[int, ...], topo: Topology | None = None) -> list[int]:
     """Every rank's length along axis 0; CollectiveMismatch (on every rank, as every rank sees every
-    header) when the trailing dimensions differ."""
-    heads = exchange_all(c, shape_header(shape), _INT64_CODE)
+    header) when the trailing dimensions differ. Across hosts the headers travel by the two-level
+    all-gather (one frame per host pair, not per rank pair)."""
     mine = shape_header(shape)
+    if topo is not None:
+        gathered = np.empty(c.size * len(mine), dtype=np.int64)
+        hier_all_gather(replace(c, code=_INT64_CODE), topo, mine, gathered)
+        heads = list(gathered.reshape(c.size, len(mine)))
+    else:
+        heads = exchange_all(c, mine, _INT64_CODE)
     for src, head in enumerate(heads):
         if head[0] != mine[0] or not np.array_equal(head[2:], mine[2:]):
             theirs = tuple(int(d) for d in head[1:1 + int(head[0])])
@@ -162,9 +191,14 @@ def exchange_shapes(c: Call, shape: tuple[int, ...]) -> list[int]:
     return [int(head[1]) for head in heads]
 
 
-def all_gather_v(c: Call, local: np.ndarray, out: np.ndarray, lengths: list[int], row: int) -> None:
+def all_gather_v(c: Call, local: np.ndarray, out: np.ndarray, lengths: list[int], row: int,
+                 topo: Topology | None = None) -> None:
     """out (1-D storage) receives every rank's `local` (lengths[i] rows of `row` elements) in rank
-    order, copied around the ring; pieces of different (even zero) length are fine."""
+    order, copied around the ring (or in two levels across hosts); pieces of different (even zero)
+    length are fine."""
+    if topo is not None:
+        hier_all_gather_v(c, topo, local, out, [n * row for n in lengths])
+        return
     starts = np.concatenate([[0], np.cumsum(lengths)]) * row
     owned = [(int(starts[i]), int(starts[i + 1])) for i in range(c.size)]
     a, b = owned[c.rank]

@@ -1,0 +1,102 @@
+"""Two-level reduce-scatter and reduce: shared memory inside each host, TCP between hosts.
+
+Reduce-scatter. The n target blocks are dealt out inside each host by local index: local rank q of
+a host with L ranks owns the blocks of every rank whose local index is q modulo L, so a rank always
+owns its own block on its own host. A ring reduce-scatter in each host leaves each owner with its
+host's sum of those blocks; each owner sends every one of them to its target on another host, and
+every rank folds the other hosts' partial sums into its own, in host order. Each block crosses
+(hosts - 1) host boundaries, once per other host: (hosts - 1) * S bytes in all for S bytes per
+rank, against a flat ring's (n - 1) / n * S per boundary it crosses.
+
+Reduce. As the large all-reduce (hier.py): K = min_local slices, reduce-scattered inside each host;
+local rank j of every host sends slice j to local rank j of the root's host, which folds them in
+host order and passes the finished slice to the root. A rooted call has senders that hear from
+nobody outside their host, so it starts with the hierarchy's barrier: a rank that disagrees about
+the call (root, size, dtype) fails every rank there instead of leaving one waiting.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..transport.topology import Topology
+from ..types import ReduceKind
+from .call import Call, segment_bounds
+from .ring import ring_reduce_scatter
+from .scatter_gather import agree, recv_stream, send_stream
+
+
+def _inner(op: ReduceKind) -> ReduceKind:
+    """AVG is summed in every phase and divided once by the world size where a block is finished."""
+    return ReduceKind.SUM if op is ReduceKind.AVG else op
+
+
+def _finish(c: Call, piece: np.ndarray, op: ReduceKind) -> None:
+    if op is ReduceKind.AVG:
+        kernels.scale_into(piece, c.code, c.size)
+
+
+def staging_order(topo: Topology, rank: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """The target ranks in the order this rank's host stages their blocks, and the range of that
+    order (in blocks) each local rank owns: local rank q owns the ranks whose local index is q mod L."""
+    host = topo.local_ranks(rank)
+    width = len(host)
+    groups = [[t for t in range(topo.world_size) if topo.local_index(t) % width == q] for q in range(width)]
+    bounds = np.cumsum([0, *(len(g) for g in groups)]).tolist()
+    return [t for g in groups for t in g], list(zip(bounds[:-1], bounds[1:]))
+
+
+def stage_for_reduce_scatter(topo: Topology, rank: int, data: np.ndarray) -> np.ndarray:
+    """A copy of data (n equal blocks, in rank order) with its blocks in staging order: the scratch
+    array hier_reduce_scatter works in (made up front, so the caller's data may change at once)."""
+    order, _ = staging_order(topo, rank)
+    return data.reshape(topo.world_size, -1)[order].reshape(-1)
+
+
+def hier_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.ndarray, op: ReduceKind) -> None:
+    """out = op over every rank's block c.rank; staged comes from stage_for_reduce_scatter."""
+    host, block = topo.local_ranks(c.rank), len(staged) // c.size
+    order, owned = staging_order(topo, c.rank)
+    ring_reduce_scatter(c, staged, _inner(op), host, [(a * block, b * block) for a, b in owned])
+    first, stop = owned[host.index(c.rank)]
+    for at in range(first, stop):
+        if order[at] != c.rank:
+            send_stream(c, order[at], staged[at * block:(at + 1) * block])
+    at = order.index(c.rank)
+    mine = staged[at * block:(at + 1) * block]
+    me = topo.local_index(c.rank)
+    for other in topo.hosts:
+        if other is not host:
+            recv_stream(c, other[me % len(other)], mine, _inner(op))
+    _finish(c, mine, op)
+    out[:] = mine
+
+
+def hier_reduce(c: Call, topo: Topology, root: int, data: np.ndarray, op: ReduceKind) -> None:
+    """In place on root; every rank's data is scratch."""
+    agree(c, topo)
+    host, k = topo.local_ranks(c.rank), topo.min_local
+    slices = segment_bounds(len(data), k)
+    ring_reduce_scatter(c, data, _inner(op), host, slices + [(len(data), len(data))] * (len(host) - k))
+    home, j = topo.local_ranks(root), host.index(c.rank)
+    if j < k:
+        _column_reduce(c, topo, data[slice(*slices[j])], op, home[j], root)
+    if c.rank == root:
+        for jj, src in enumerate(home[:k]):
+            if src != root:
+                recv_stream(c, src, data[slice(*slices[jj])])
+
+
+def _column_reduce(c: Call, topo: Topology, piece: np.ndarray, op: ReduceKind, target: int, root: int) -> None:
+    """Local rank j of every host sends its host's sum of slice j to `target` (local rank j of the
+    root's host), which folds them in host order and hands the finished slice to the root."""
+    if c.rank != target:
+        send_stream(c, target, piece)
+        return
+    for src in topo.column(topo.local_index(target)):
+        if src != target:
+            recv_stream(c, src, piece, _inner(op))
+    _finish(c, piece, op)
+    if target != root:
+        send_stream(c, root, piece)

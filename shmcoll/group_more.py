@@ -1,0 +1,227 @@
+"""The collectives beyond the original design (reduce-scatter, reduce, gather, scatter,
+all-to-all, all-gather-v), the object collectives and split: ProcessGroup's second half.
+
+Kept apart so group.py stays the machinery (numbering, ordering, failures) plus the core calls.
+Each method validates its arguments here, before anything is sent, and picks its algorithm from
+facts every rank shares (sizes, the topology), so all ranks pick alike:
+- across hosts, the two-level versions (algorithms/hier_reduce.py, hier.py);
+- small reductions reuse all_reduce's one-step paths (board, one-shot) and keep the piece they need;
+- small gathers in one host use the shared-memory board;
+- otherwise the flat algorithms of algorithms/scatter_gather.py.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import validate as v
+from .algorithms import scatter_gather as sg
+from .algorithms.board import board_all_gather
+from .algorithms.call import Call
+from .algorithms.hier_reduce import hier_reduce, hier_reduce_scatter, stage_for_reduce_scatter
+from .errors import CollectiveMismatch, InvalidArgument
+from .transport import sub
+from .transport.frame import ALL_GATHER_V, ALL_TO_ALL, GATHER, REDUCE, REDUCE_SCATTER, ROOTS_DTYPE, SCATTER
+from .plan import Plan
+from .types import ReduceKind
+from .worker import CollectiveHandle
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+
+
+class MoreCollectives:
+    """Mixed into ProcessGroup; relies on its machinery (_run, _spawn, _collective, _hosts, ...)."""
+
+    # ---- reductions that leave a piece ----
+    def reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> np.ndarray:
+        """Rank i gets slice i (along axis 0) of op over every rank's data, as a new array; data is
+        only read (the algorithms work on a copy)."""
+        return self._run(self._reduce_scatter_plan(data, op))
+
+    def spawn_reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
+        """Non-blocking reduce_scatter; data is copied now, so it may change at once; join() returns
+        the new array."""
+        return self._spawn("reduce_scatter", self._reduce_scatter_plan(data, op))
+
+    def _reduce_scatter_plan(self, data, op) -> Plan:
+        arr = v.as_array(data, "data", writable=False)
+        wire, kind = v.reducible_wire(arr, op, "data")
+        rows = v.equal_blocks(arr, self.world_size, "data", "reduce_scatter")
+        flat = v.storage_view(arr, wire)
+        out = np.empty((rows, *arr.shape[1:]), dtype=arr.dtype)
+        mine = v.storage_view(out, wire)
+        small, topo = self._all_reduce_algorithm(flat, kind, small_only=True), self._hosts()
+        if small is not None:  # reduce everything in one step, keep our slice
+            work, at = flat.copy(), self.rank * mine.size
+            run = lambda c: (small(c, work), mine.__setitem__(slice(None), work[at:at + mine.size]))
+        elif topo is not None:
+            work = stage_for_reduce_scatter(topo, self.rank, flat)
+            run = lambda c: hier_reduce_scatter(c, topo, work, mine, kind)
+        else:
+            work = flat.copy()
+            run = lambda c: sg.reduce_scatter(c, work, mine, kind)
+        return Plan(REDUCE_SCATTER, wire.code, flat.size, lambda c: (run(c), out)[1], op=kind)
+
+    def reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM):
+        """In place on root; every rank's data is scratch space (hence writable everywhere)."""
+        root = v.rank_arg(root, self.world_size, "root")
+        arr = v.as_array(data, "data", writable=True)
+        wire, kind = v.reducible_wire(arr, op, "data")
+        flat = v.storage_view(arr, wire)
+        small, topo = self._all_reduce_algorithm(flat, kind, small_only=True), self._hosts()
+        if small is not None:  # the one-step all-reduce: the root's copy is the answer
+            body = lambda c: small(c, flat)
+        elif topo is not None:
+            body = lambda c: hier_reduce(c, topo, root, flat, kind)
+        else:
+            body = lambda c: sg.reduce_to_root(c, root, flat, kind)
+        self._collective(REDUCE, wire.code, flat.size, body, op=kind, root=root)
+        return data
+
+    # ---- data movement ----
+    def gather(self, root: int, local) -> np.ndarray | None:
+        """Concatenation of every rank's local along axis 0 on root (as all_gather); None elsewhere."""
+        root = v.rank_arg(root, self.world_size, "root")
+        arr = v.as_array(local, "local", writable=False)
+        wire = v.wire_of(arr, "local")
+        shape = arr.shape if arr.ndim else (1,)
+        flat_in = v.storage_view(arr, wire)
+        on_board = self._fits_board(flat_in)
+        out = None
+        if self.rank == root or on_board:  # the board copies every block everywhere: others get scratch
+            out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype)
+        flat_out = v.storage_view(out, wire) if out is not None else None
+        topo = self._hosts()
+        if on_board:
+            body = lambda c: board_all_gather(c, flat_in, flat_out)
+        else:
+            body = lambda c: sg.gather_to_root(c, root, flat_in, flat_out, topo)
+        self._collective(GATHER, wire.code, flat_in.size, body, root=root)
+        return out if self.rank == root else None
+
+    def scatter(self, root: int, data=None) -> np.ndarray:
+        """Root's data split along axis 0 into world_size equal blocks; rank i gets block i (a new
+        array). Only the root's data is looked at (others pass None): the others learn dtype and
+        shape from the frame they receive, so the call description carries neither."""
+        root = v.rank_arg(root, self.world_size, "root")
+        blocks, code = None, ROOTS_DTYPE
+        if self.rank == root:
+            if data is None:
+                raise InvalidArgument("scatter: the root must pass the array to split (only other ranks pass None)")
+            arr = v.as_array(data, "data", writable=False)
+            wire = v.wire_of(arr, "data")
+            rows = v.equal_blocks(arr, self.world_size, "data", "scatter")
+            store = arr.view(wire.storage)
+            blocks = [store[j * rows:(j + 1) * rows] for j in range(self.world_size)]
+            code = wire.code
+        topo = self._hosts()
+        got = self._collective(SCATTER, ROOTS_DTYPE, 0,
+                               lambda c: sg.scatter_from_root(c, root, blocks, code, topo), root=root)
+        return got.view(arr.dtype) if self.rank == root else got
+
+    def all_to_all(self, data) -> np.ndarray:
+        """Block j (of world_size equal blocks along axis 0) goes to rank j; the result holds the
+        blocks received, in source-rank order, as a new array of data's shape. Flat on every
+        transport: each block goes straight from its source to its destination."""
+        arr = v.as_array(data, "data", writable=False)
+        wire = v.wire_of(arr, "data")
+        v.equal_blocks(arr, self.world_size, "data", "all_to_all")
+        out = np.empty(arr.shape, dtype=arr.dtype)
+        flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
+        self._collective(ALL_TO_ALL, wire.code, flat_in.size, lambda c: sg.all_to_all(c, flat_in, flat_out))
+        return out
+
+    def all_gather_v(self, local) -> tuple[np.ndarray, list[int]]:
+        """all_gather where each rank's length along axis 0 may differ (trailing dimensions and dtype
+        may not): returns the concatenation in rank order and every rank's length. The call
+        description carries the elements per row, which every rank knows; lengths are exchanged first."""
+        arr = v.as_array(local, "local", writable=False)
+        wire = v.wire_of(arr, "local")
+        shape = arr.shape if arr.ndim else (1,)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        flat_in, topo = v.storage_view(arr, wire), self._hosts()
+
+        def body(c: Call):
+            lengths = sg.exchange_shapes(c, shape, topo)
+            out = np.empty((sum(lengths), *shape[1:]), dtype=arr.dtype)
+            sg.all_gather_v(c, flat_in, v.storage_view(out, wire), lengths, row, topo)
+            return out, lengths
+
+        return self._collective(ALL_GATHER_V, wire.code, row, body)
+
+    # ---- Python objects (pickled; trusted ranks only) ----
+    def broadcast_object(self, root: int, obj=None):
+        """Root's obj on every rank (the root gets obj itself, others an unpickled copy).
+
+        Security: non-roots unpickle what the root sent, and unpickling can run arbitrary code, so
+        use this only between ranks you trust (the job secret keeps strangers off the wire)."""
+        root = v.rank_arg(root, self.world_size, "root")
+        payload = _pickled(obj) if self.rank == root else None
+        size = np.array([payload.size if payload is not None else 0], dtype=np.int64)
+        self.broadcast(root, size)  # first the size, so non-roots can allocate
+        buf = payload if payload is not None else np.empty(int(size[0]), dtype=np.uint8)
+        self.broadcast(root, buf)
+        if self.rank == root:
+            _raise_if_unpicklable(buf, root)  # the root keeps obj itself: no need to unpickle its copy
+            return obj
+        return _unpickled(buf, root)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's obj, in rank order (unpickled copies, this rank's too).
+
+        Security: this unpickles what every peer sent, and unpickling can run arbitrary code, so
+        use it only between ranks you trust (the job secret keeps strangers off the wire)."""
+        data, lengths = self.all_gather_v(_pickled(obj))
+        bounds = np.cumsum([0, *lengths])
+        return [_unpickled(data[bounds[r]:bounds[r + 1]], r) for r in range(self.world_size)]
+
+    # ---- sub-groups ----
+    def split(self, ranks) -> "ProcessGroup | None":
+        """A group over the listed ranks, renumbered in list order; None on ranks not listed.
+
+        A collective on this group: every rank calls it with the same list (checked: a
+        disagreement raises CollectiveMismatch on every rank). The sub-group has its own sequence
+        numbers, tag range and worker, so it may run concurrently with this group (another
+        thread); it uses the flat algorithms (no shared-memory board, no host hierarchy). A failure
+        in either breaks both: they share one transport. Close sub-groups you no longer need (they
+        hold one of a few thousand tag slots). Do not call split on two groups of the same process
+        at once from different threads (slot choices would race)."""
+        members = sub.check_ranks(ranks, self.world_size)
+        t = self.transport
+        root = t.root if isinstance(t, sub.SubTransport) else t
+        views = self.all_gather_object((members, sub.used_slots(root)))
+        for r, (theirs, _) in enumerate(views):
+            if theirs != members:
+                raise self._fail(CollectiveMismatch(f"split: rank {r} passed ranks {theirs}, this rank {members}"),
+                                 None, time.monotonic(), "split")
+        if self.rank not in members:
+            return None
+        slot = sub.pick_slot(views[m][1] for m in members)
+        root_ranks = [t.ranks[m] for m in members] if isinstance(t, sub.SubTransport) else members
+        return type(self)(sub.SubTransport(root, root_ranks, slot), tuning=self._st.tuning)
+
+
+def _pickled(obj) -> np.ndarray:
+    """uint8 bytes: a 0 byte then the pickle, or a lone 1 byte when obj cannot be pickled, so the
+    peers learn of it (and raise too) instead of waiting for a collective that never comes."""
+    try:
+        raw = b"\0" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - any pickling failure; reported on every rank by _unpickled
+        raw = b"\1"
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _raise_if_unpicklable(buf: np.ndarray, sender: int) -> None:
+    """The flag byte _pickled wrote: every rank raises alike when the sender's object had no pickle."""
+    if buf[:1].tobytes() != b"\0":
+        raise InvalidArgument(f"the object of rank {sender} could not be pickled")
+
+
+def _unpickled(buf: np.ndarray, sender: int):
+    _raise_if_unpicklable(buf, sender)
+    return pickle.loads(buf[1:].tobytes())
