@@ -233,6 +233,31 @@ def _nested(pg):
     return ident, done
 
 
+def _same_tag_in_parent_and_subgroups(pg):
+    """Ranks 1 and 3 talk on user tag 5 in the parent, in sub-group [1, 3] and in sub-group [3, 1]
+    (each sent before the parent's, which is received first): each recv must get its own group's."""
+    a, b = pg.split([1, 3]), pg.split([3, 1])
+    if pg.rank not in (1, 3):
+        pg.barrier()
+        return None
+    peer = 4 - pg.rank
+    a.send(1 - a.rank, 5, np.array([10 + pg.rank]))
+    b.send(1 - b.rank, 5, np.array([20 + pg.rank]))
+    pg.send(peer, 5, np.array([30 + pg.rank]))
+    got = [int(pg.recv(peer, 5)[0]), int(b.recv(1 - b.rank, 5)[0]), int(a.recv(1 - a.rank, 5)[0])]
+    a.close(), b.close()
+    pg.barrier()
+    return got
+
+
+@pytest.mark.usefixtures("transport")
+def test_point_to_point_tags_are_per_group():
+    """A sub-group's send/recv have their own tag space, as MPI communicators do."""
+    results = run_ranks(4, _same_tag_in_parent_and_subgroups)
+    assert results[1] == [33, 23, 13]
+    assert results[3] == [31, 21, 11]
+
+
 @pytest.mark.usefixtures("transport")
 def test_nested_split():
     got = run_ranks(4, _nested)

@@ -69,6 +69,15 @@ class Header(NamedTuple):
     nbytes: int
 
 
+def queue_tag(header: Header) -> int:
+    """The tag a frame is queued and matched under: its tag, except that a point-to-point frame of
+    a sub-group (split) carries the group's context in meta.seq (0 for the root group), which goes
+    above the 32 tag bits, so sub-groups and the parent never take each other's send/recv frames."""
+    if header.meta.coll == 0 and header.meta.seq:
+        return header.tag | (header.meta.seq << 32)
+    return header.tag
+
+
 def pack(kind: int, src: int, tag: int, meta: Meta, dtype: int, shape: tuple[int, ...], nbytes: int) -> bytes:
     """Serialise a header; the caller guarantees the fields are in range (they come from our own arrays)."""
     dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeout, PeerLost, error_of_kind
-from .frame import Header, unpack
+from .frame import Header, queue_tag, unpack
 
 _MAX_WAIT_SLICE = 3600.0  # Condition.wait rejects timeouts past threading.TIMEOUT_MAX; loop instead
 
@@ -66,7 +66,7 @@ class Mailbox:
             self.last_heard[h.src] = time.monotonic()
             if h.meta.coll and h.meta.seq < self._retired_below:
                 return  # e.g. a straggler's vector for a federated round that already ended
-            self._queues[(h.src, h.tag)].append(msg)
+            self._queues[(h.src, queue_tag(h))].append(msg)
             self._cond.notify_all()
 
     def post_to_self(self, header: bytes, buf: np.ndarray) -> None:

@@ -126,7 +126,7 @@ class ShmTransport(LinkTransport):
                 return False  # another thread moved it out of the ring while we waited for the lock
             if src not in self._assembling:
                 header, chunk_at, n = self._next_slot(src, deadline, strict, target[2] if target else None)
-                if target is not None and header.tag == tag:
+                if target is not None and frame.queue_tag(header) == tag:
                     self._consume_into(src, header, chunk_at, n, target, deadline, strict)
                     return True
                 self._absorb(src, header, chunk_at, n)

@@ -16,8 +16,10 @@ Keeping groups apart on one mailbox (frames are queued by (source rank, tag)):
   receipt, so algorithms and mismatch checks see the sub-group's numbers. The offset also keeps the
   shared-memory transport's mismatch probe (which compares a wait's call with the parent's board
   entry of the same sequence number) from taking a parent call for a mismatched sub-group call.
-- user point-to-point tags are not remapped (they are below 2**30, with no spare range): a
-  sub-group's send/recv share the (source, tag) space of the parent's, in root ranks.
+- user point-to-point frames keep their tag (there is no spare range below 2**30) but carry the
+  slot + 1 in meta.seq (0 for the root group); the mailbox queues them under tag + that context
+  above 32 bits (frame.queue_tag), so a sub-group's send/recv never meet the parent's or another
+  live sub-group's, whatever tags the user picks (as MPI communicators' contexts).
 
 A failure anywhere aborts the root transport, so it breaks every group over it (the parent and all
 its sub-groups), as peers could otherwise wait on a rank that has given up.
@@ -37,6 +39,7 @@ from ..errors import CollectiveMismatch, InvalidArgument
 from .base import Transport
 from .frame import Meta
 from .mailbox import AbortReason, Message
+from ..types import TAG_RESERVED_BASE
 
 SUB_TAG_BASE = 1 << 31
 SLOT_SPAN = 1 << 16
@@ -101,9 +104,15 @@ class SubTransport(Transport):
         return SUB_TAG_BASE + self.slot * SLOT_SPAN + seq % SLOT_SPAN
 
     # ---- translation ----
-    @staticmethod
-    def _out(meta: Meta | None) -> Meta | None:
-        return meta._replace(seq=meta.seq + SEQ_OFFSET) if meta is not None and meta.coll else meta
+    def _out(self, meta: Meta | None) -> Meta | None:
+        """Collective frames: offset sequence numbers; point-to-point frames: this group's context."""
+        if meta is None:
+            return None
+        return meta._replace(seq=meta.seq + SEQ_OFFSET) if meta.coll else meta._replace(seq=self.slot + 1)
+
+    def _tag(self, tag: int) -> int:
+        """The root mailbox's queue tag: user tags (below 2**30) get this group's context (see _out)."""
+        return tag | ((self.slot + 1) << 32) if tag < TAG_RESERVED_BASE else tag
 
     def _in(self, msg: Message | None) -> Message | None:
         if msg is None:
@@ -117,16 +126,16 @@ class SubTransport(Transport):
         self.root.send(self.ranks[to], tag, buf, code, self._out(meta), deadline)
 
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
-        return self._in(self.root.recv(self.ranks[src], tag, deadline, strict))
+        return self._in(self.root.recv(self.ranks[src], self._tag(tag), deadline, strict))
 
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
-        return self._in(self.root.recv_any({self.ranks[s] for s in srcs}, tag, deadline))
+        return self._in(self.root.recv_any({self.ranks[s] for s in srcs}, self._tag(tag), deadline))
 
     def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
                   want: Meta | None = None, op=None, strict: bool = True) -> None:
         """The root's own recv_into (shared memory reduces in place), with the wire's numbering."""
         try:
-            self.root.recv_into(self.ranks[src], tag, out, code, deadline, self._out(want), op, strict)
+            self.root.recv_into(self.ranks[src], self._tag(tag), out, code, deadline, self._out(want), op, strict)
         except CollectiveMismatch as exc:
             text = re.sub(r"\d{19,}", lambda m: str(int(m.group()) - SEQ_OFFSET) if int(m.group()) >= SEQ_OFFSET
                           else m.group(), str(exc))  # the sub-group's own sequence numbers
