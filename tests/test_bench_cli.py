@@ -689,3 +689,124 @@ def test_cold_loop_moves_to_fresh_memory_on_every_call(monkeypatch, cold):
     if cold:
         assert expected == 17 and all(a != b for a, b in zip(g.seen, g.seen[1:]))
         assert len(set(g.seen)) * 4096 > 64 << 10
+
+
+# ---- all_gather_v and the pickled-object collectives (bench_objects.py) ----
+
+NEWEST = ["all_gather_v", "broadcast_object", "all_gather_object"]
+NEWEST_FACTOR = {"all_gather_v": lambda n: (n - 1) / n, "broadcast_object": lambda n: 1.0,
+                 "all_gather_object": lambda n: (n - 1) / n}
+
+
+def newest_sizes(collective: str, n: int, itemsize: int) -> list[int]:
+    """all_gather_v: n * (size / n / itemsize) elements; all_gather_object: n * (size / n) bytes;
+    broadcast_object: the size itself."""
+    if collective == "broadcast_object":
+        return SMALL_SIZES
+    return [max(1, s // (n * itemsize)) * n * itemsize for s in SMALL_SIZES]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("collective", NEWEST)
+def test_newest_collectives_sweep_with_check(tmp_path, n, collective):
+    """Every size checked (contents and all_gather_v's lengths, the objects byte for byte): 0 wrong; the
+    object rows ignore --dtype (type 'bytes', JSON dtype null); busbw = algbw * the documented factor."""
+    out = tmp_path / "rows.json"
+    proc = bench("-n", str(n), "--collective", collective, "--dtype", "f16", *SMALL, "--check", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, rows = parse_table(proc.stdout)
+    assert f"collective {collective}" in first and f"world size {n}" in first and "in-place no" in first
+    objects = collective != "all_gather_v"
+    assert ("dtype - (pickled bytes objects)" if objects else "dtype f16 (half)") in first
+    itemsize = 1 if objects else 2
+    assert [int(r[0]) for r in rows] == newest_sizes(collective, n, itemsize)
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+    data = json.loads(out.read_text())
+    assert len(data) == len(rows) == len(SMALL_SIZES)
+    for row, cells in zip(data, rows):
+        assert cells[2:4] == (["bytes", "none"] if objects else ["half", "none"]) and cells[7] == "0"
+        assert row["dtype"] == (None if objects else "f16") and row["collective"] == collective
+        assert row["size"] == row["count"] * itemsize and row["wrong"] == 0
+        assert row["busbw"] == pytest.approx(row["algbw"] * NEWEST_FACTOR[collective](n), rel=1e-9)
+
+
+@pytest.mark.parametrize("total,n,lengths", [(2, 2, [1, 1]), (16, 2, [5, 11]), (15, 3, [3, 5, 7]),
+                                             (3, 3, [1, 1, 1]), (100, 4, [10, 20, 30, 40])])
+def test_all_gather_v_lengths_differ_and_sum_to_the_count(total, n, lengths):
+    from shmcoll.launch.bench_objects import v_lengths
+    assert v_lengths(total, n) == lengths
+    assert [layout("all_gather_v", total * 4, n, 4, r) for r in range(n)] == [(k, total, total * 4) for k in lengths]
+
+
+class _BrokenNewest:
+    """all_gather_v / broadcast_object / all_gather_object that damage their result on rank 0 (`how`)."""
+
+    def __init__(self, rank, n, how):
+        self.rank, self.world_size, self.how = rank, n, how
+
+    def all_gather_v(self, buf):
+        from shmcoll.launch.bench_objects import v_lengths
+        lengths = v_lengths(16, self.world_size)
+        out = np.concatenate([bench_core.block_values(r, np.arange(k)) for r, k in enumerate(lengths)])
+        if self.rank == 0 and self.how == "data":
+            out[-2:] += 1000
+        if self.rank == 0 and self.how == "lengths":
+            lengths = lengths[::-1]  # same total, wrong split
+        return out.astype(buf.dtype), lengths
+
+    def _obj(self, r, nbytes):
+        from shmcoll.launch.bench_objects import payload
+        data = payload(r, nbytes)
+        if self.rank == 0 and self.how == "data":
+            return data[:-2] + bytes(b ^ 1 for b in data[-2:])
+        return data[:-1] if self.rank == 0 and self.how == "lengths" else data
+
+    def broadcast_object(self, root, obj):
+        return self._obj(root, 32)
+
+    def all_gather_object(self, obj):
+        return [self._obj(r, len(obj)) for r in range(self.world_size)]
+
+
+@pytest.mark.parametrize("collective", NEWEST)
+@pytest.mark.parametrize("how,wrong", [("none", 0), ("data", 2), ("lengths", 1)])
+def test_check_of_newest_collectives_counts_damage(collective, how, wrong):
+    """Damaged contents count per element/byte (all_gather_object: in both ranks' objects); all_gather_v's
+    lengths list counts per wrong entry (reversed at n=2: both), a truncated object per missing byte;
+    rank 1's results are always right."""
+    n = 2
+    spec = Spec(collective, "f32", "sum", 1, 0, True, 0)
+    dtype = np.dtype(np.uint8 if collective in ("broadcast_object", "all_gather_object") else np.float32)
+    size = 32 if collective == "broadcast_object" else 16 * dtype.itemsize
+    expect = {("all_gather_v", "lengths"): 2, ("all_gather_object", "data"): 4,
+              ("all_gather_object", "lengths"): 2}.get((collective, how), wrong)
+    for rank in range(n):
+        elems, count, _ = layout(collective, size, n, dtype.itemsize, rank)
+        got = check_once(_BrokenNewest(rank, n, how), spec, dtype, elems, count=count)
+        assert got == (expect if rank == 0 else 0), (collective, how, rank, got)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("collective", NEWEST)
+def test_newest_collectives_compare_rows(tmp_path, collective):
+    """--compare at 3 ranks: OpenMPI (Allgatherv, pickling bcast/allgather) and gloo (padded all_gather,
+    broadcast_object_list, all_gather_object) rows with shmcoll's sizes, checked, 0 wrong."""
+    out = tmp_path / "rows.json"
+    proc = bench("-n", "3", "--collective", collective, "-b", "64", "-e", "512", "-f", "8", "--iters", "2",
+                 "--warmup", "1", "--check", "--compare", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sections = split_sections(proc.stdout)
+    mine = table_rows(sections["shmcoll"])
+    doc = json.loads(out.read_text())
+    for peer, needs in (("openmpi", ("mpirun", "mpi4py")), ("gloo", ("torch",))):
+        if not_installed(*needs):
+            assert doc["peers"][peer]["status"] == "skipped", doc["peers"][peer]
+            continue
+        assert doc["peers"][peer]["status"] == "ok", doc["peers"][peer]
+        rows = table_rows(sections[peer])
+        assert [r[:4] for r in rows] == [r[:4] for r in mine] and len(rows) == 2
+        assert all(r[7] == "0" for r in rows), rows
+        for row in (r for r in doc["rows"] if r["peer"] == peer):
+            assert row["collective"] == collective and row["wrong"] == 0
+            assert row["busbw"] == pytest.approx(row["algbw"] * NEWEST_FACTOR[collective](3))

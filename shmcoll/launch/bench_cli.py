@@ -25,7 +25,7 @@ from shmcoll.errors import InvalidArgument
 from .argtypes import int_in, number_above
 from .bench_buffers import MAX_COLD_BUFFERS, capped_up_to, llc
 from .bench_core import (COLLECTIVES, DTYPE_NAMES, IN_PLACE, OPS, PER_RANK_BLOCKS, REDUCING, SPLIT_INPUT, Row, Spec,
-                         UsageError, measure, parse_size, resolve_dtype, sweep, transport_name)
+                         UsageError, has_dtype, measure, parse_size, resolve_dtype, sweep, transport_name)
 from .bench_compare import PeerRun, compare_doc, ratios, run_peer
 from .bench_peers import PEERS
 from .bench_plot import plot
@@ -58,11 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
                "for scatter the root's input (N such blocks); for all_reduce, reduce and broadcast\n"
                "count = size/itemsize (at least 1). The size column shows the bytes really moved. barrier\n"
                "ignores -b/-e/-f and prints one row with size 0. Rooted collectives (broadcast, reduce, gather,\n"
-               "scatter) use root 0; reduce's --check looks at the root's result only.\n"
+               "scatter, broadcast_object) use root 0; reduce's --check looks at the root's result only.\n"
+               "all_gather_v: a size is the total output, as for all_gather, but rank r sends 1 element plus a\n"
+               "share of the rest weighted r+1 (uneven lengths); --check compares the contents and the lengths.\n"
+               "broadcast_object / all_gather_object move a pickled bytes object (--dtype is ignored, type\n"
+               "'bytes'): the root's payload / all ranks' payloads together (size/N bytes each).\n"
                "time(us) is each rank's mean over the timed iterations, maximum over ranks. algbw = size/time;\n"
                "busbw = algbw * 2(N-1)/N (all_reduce), (N-1)/N (all_gather, reduce_scatter, all_to_all),\n"
                "1 (broadcast, reduce), as in nccl-tests' PERFORMANCE.md; gather and scatter are not defined there,\n"
-               "shmcoll-bench uses (N-1)/N for them (the root's own block does not travel).\n"
+               "shmcoll-bench uses (N-1)/N for them (the root's own block does not travel), and for\n"
+               "all_gather_v and all_gather_object (as all_gather); broadcast_object: 1 (as broadcast).\n"
+               "gloo has no all_gather_v: its row pads every rank to the longest length and all_gathers.\n"
                "Iteration cap: when the fastest warmup call (slowest rank) says --iters calls would take more\n"
                "than --max-time seconds, fewer are timed (about --max-time worth, but at least 3); the JSON rows\n"
                "record the iterations really timed. With --warmup 0 there is no cap.\n"
@@ -76,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--np", dest="n", type=int_in(1), default=None, metavar="N",
                    help="start N ranks on this host (not needed inside a job started by a launcher)")
     p.add_argument("--collective", "-c", choices=COLLECTIVES, default="all_reduce", metavar="NAME",
-                   help=f"{', '.join(COLLECTIVES)} (default all_reduce; broadcast, reduce, gather and scatter "
-                        "are rooted at rank 0)")
+                   help=f"{', '.join(COLLECTIVES)} (default all_reduce; broadcast, reduce, gather, scatter and "
+                        "broadcast_object are rooted at rank 0)")
     p.add_argument("-b", "--minbytes", dest="min_bytes", type=_size, default=8, metavar="MIN",
                    help="smallest size (default 8)")
     p.add_argument("-e", "--maxbytes", dest="max_bytes", type=_size, default=64 << 20, metavar="MAX",
@@ -169,7 +175,8 @@ def column_labels() -> str:
 
 def format_header(args, world: int, transport: str) -> list[str]:
     coll = args.collective
-    dtype = "-" if coll == "barrier" else f"{args.dtype} ({DTYPE_NAMES[args.dtype]})"
+    dtype = f"{args.dtype} ({DTYPE_NAMES[args.dtype]})" if has_dtype(coll) else \
+        "- (pickled bytes objects)" if coll != "barrier" else "-"
     op = args.op if coll in REDUCING else "none"
     buffers = "buffers n/a" if coll == "barrier" else buffers_note(getattr(args, "cold", False), *llc())
     return [
@@ -306,7 +313,7 @@ def run_rank(args) -> int:
 
 def json_rows(args, rows: list[Row], world: int, transport: str) -> list[dict]:
     """The rows in --json's form: each with the job's context."""
-    dtype = None if args.collective == "barrier" else args.dtype
+    dtype = args.dtype if has_dtype(args.collective) else None
     context = dict(world_size=world, collective=args.collective, transport=transport, dtype=dtype,
                    warmup=args.warmup, in_place=IN_PLACE[args.collective], cold=args.cold)
     return [r.to_json(**context) for r in rows]
@@ -332,7 +339,8 @@ def write_json(path: str, doc) -> None:
 
 def draw(args, lines: dict[str, list[dict]], world: int) -> None:
     """--plot; its one-line outcome goes to stdout when drawn, to stderr when not (matplotlib missing)."""
-    what = f"{args.collective}, {world} ranks, {args.dtype}" + (f" {args.op}" if args.collective in REDUCING else "")
+    dtype = args.dtype if has_dtype(args.collective) else "bytes"
+    what = f"{args.collective}, {world} ranks, {dtype}" + (f" {args.op}" if args.collective in REDUCING else "")
     ok, message = plot(args.plot, lines, f"shmcoll-bench: {what}, {'cold' if args.cold else 'warm'} buffers",
                        "size (bytes" + (", all ranks' output)" if args.collective in PER_RANK_BLOCKS
                                          else ", one rank's input)" if args.collective in SPLIT_INPUT else ")"))

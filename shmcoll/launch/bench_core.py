@@ -11,7 +11,9 @@ elements), for scatter the root's whole input; the reported size is what really 
 of n elements). Bandwidths: algbw = bytes / time; busbw = algbw * factor, with factor 2(n-1)/n for
 all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce
 (nccl-tests' PERFORMANCE.md); gather and scatter are not defined there: (n-1)/n, as for all_gather
-(each rank's own block never crosses the bus). A barrier has none.
+(each rank's own block never crosses the bus). A barrier has none. all_gather_v, broadcast_object
+and all_gather_object (bench_objects.py: uneven lengths, pickled bytes objects) count like
+all_gather, broadcast and all_gather: factor (n-1)/n, 1 and (n-1)/n.
 
 Check inputs are small integers that every float type holds exactly, chosen so that every partial
 result is exact too; the reference is therefore exact whatever order the library reduces in.
@@ -19,7 +21,8 @@ result is exact too; the reference is therefore exact whatever order the library
 `pg` is anything with rank, world_size, all_reduce(buf, op), all_gather(buf) -> array,
 broadcast(root, buf) and barrier() (and, for those collectives, reduce_scatter(buf, op) -> array,
 reduce(root, buf, op), all_to_all(buf) -> array, gather(root, buf) -> array or None,
-scatter(root, buf or None) -> array): a shmcoll ProcessGroup, or a peer library's adapter
+scatter(root, buf or None) -> array, all_gather_v(buf) -> (array, lengths), broadcast_object(root,
+obj) and all_gather_object(obj) -> list): a shmcoll ProcessGroup, or a peer library's adapter
 (bench_peers.py), so OpenMPI and gloo are timed and checked by this very code. An adapter may also
 offer bench_calls(collective, bufs, op, root) -> one zero-argument call per buffer, to prepare
 what its library needs (tensors, output buffers) outside the timed loop.
@@ -36,15 +39,18 @@ import numpy as np
 
 from shmcoll.types import ReduceKind
 
+from . import bench_objects
 from .bench_buffers import cycle_calls, llc, plan, rotating
+from .bench_objects import NEWEST, OBJECT_TYPE, OBJECTS, VARIED, v_lengths
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "reduce_scatter", "reduce", "all_to_all",
-               "gather", "scatter")
+               "gather", "scatter", "all_gather_v", "broadcast_object", "all_gather_object")
 IN_PLACE = {"all_reduce": "yes", "all_gather": "no", "broadcast": "yes", "barrier": "n/a", "reduce_scatter": "no",
-            "reduce": "yes", "all_to_all": "no", "gather": "no", "scatter": "no"}
+            "reduce": "yes", "all_to_all": "no", "gather": "no", "scatter": "no", "all_gather_v": "no",
+            "broadcast_object": "no", "all_gather_object": "no"}
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")  # the collectives that take --op
-ROOTED = ("broadcast", "reduce", "gather", "scatter")  # rooted at ROOT
-PER_RANK_BLOCKS = ("all_gather", "gather")  # a size is the output: n blocks, one from each rank
+ROOTED = ("broadcast", "reduce", "gather", "scatter", "broadcast_object")  # rooted at ROOT
+PER_RANK_BLOCKS = ("all_gather", "gather", "all_gather_v", "all_gather_object")  # a size is the whole output
 SPLIT_INPUT = ("reduce_scatter", "all_to_all", "scatter")  # a size is one rank's input: n blocks
 DTYPE_NAMES = {"f16": "half", "bf16": "bfloat16", "f32": "float", "f64": "double"}
 OPS = {"sum": ReduceKind.SUM, "prod": ReduceKind.PROD, "min": ReduceKind.MIN, "max": ReduceKind.MAX,
@@ -106,13 +112,23 @@ def bus_factor(collective: str, n: int) -> float | None:
     nccl-tests' PERFORMANCE.md: (n-1)/n, like all_gather (the root's own block does not travel)."""
     share = (n - 1) / n
     return {"all_reduce": 2 * share, "all_gather": share, "broadcast": 1.0, "reduce_scatter": share,
-            "reduce": 1.0, "all_to_all": share, "gather": share, "scatter": share}.get(collective)
+            "reduce": 1.0, "all_to_all": share, "gather": share, "scatter": share, "all_gather_v": share,
+            "broadcast_object": 1.0, "all_gather_object": share}.get(collective)
 
 
-def layout(collective: str, size: int, n: int, itemsize: int) -> tuple[int, int, int]:
-    """(elements in this rank's input buffer, reported count, reported bytes) for a requested size."""
+def has_dtype(collective: str) -> bool:
+    """Whether --dtype means anything: not for barrier (no data) or the object rows (bytes objects)."""
+    return collective != "barrier" and collective not in OBJECTS
+
+
+def layout(collective: str, size: int, n: int, itemsize: int, rank: int = 0) -> tuple[int, int, int]:
+    """(elements in rank `rank`'s input buffer, reported count, reported bytes) for a requested size;
+    only all_gather_v's input depends on the rank (bench_objects.v_lengths)."""
     if collective == "barrier":
         return 0, 0, 0
+    if collective in VARIED:
+        total = max(1, size // (n * itemsize)) * n
+        return v_lengths(total, n)[rank], total, total * itemsize
     if collective in PER_RANK_BLOCKS or collective in SPLIT_INPUT:
         per_rank = max(1, size // (n * itemsize))
         elems = per_rank if collective in PER_RANK_BLOCKS else per_rank * n
@@ -211,13 +227,17 @@ def _count_wrong(buf: np.ndarray, expected: Callable[[np.ndarray], np.ndarray]) 
                for start, stop, i in _slices(len(buf)))
 
 
-def check_once(pg, spec: Spec, dtype: np.dtype, elems: int, buf: np.ndarray | None = None) -> int:
-    """One more call on known inputs (in `buf` when given, e.g. one of the cold views); wrong elements here."""
+def check_once(pg, spec: Spec, dtype: np.dtype, elems: int, buf: np.ndarray | None = None,
+               count: int | None = None) -> int:
+    """One more call on known inputs (in `buf` when given, e.g. one of the cold views); wrong elements here.
+    `count` (layout()'s reported count) is needed by all_gather_v only: it fixes every rank's length."""
     n, rank, op = pg.world_size, pg.rank, OPS[spec.op_name]
     if spec.collective == "barrier":
         pg.barrier()  # nothing to compare: "correct" means it returned on every rank
         return 0
     buf = np.empty(elems, dtype) if buf is None else buf
+    if spec.collective in NEWEST:
+        return bench_objects.check(pg, spec.collective, buf, elems * n if count is None else count, ROOT)
     if spec.collective == "all_reduce":
         _fill(buf, lambda i: reduce_input(op, rank, n, i))
         pg.all_reduce(buf, op)
@@ -291,6 +311,8 @@ def group_calls(pg, collective: str, bufs: list[np.ndarray], op: ReduceKind, roo
         return [lambda b=b: pg.gather(root, b) for b in bufs]
     if collective == "scatter":
         return [lambda b=b: pg.scatter(root, b if pg.rank == root else None) for b in bufs]
+    if collective in NEWEST:
+        return bench_objects.group_calls(pg, collective, bufs, root)
     return [lambda b=b: pg.broadcast(root, b) for b in bufs]
 
 
@@ -315,7 +337,9 @@ def measure(pg, spec: Spec, dtype: np.dtype, size: int) -> Row:
     The time is each rank's mean over the timed loop, reported as the slowest rank's.
     """
     n = pg.world_size
-    elems, count, nbytes = layout(spec.collective, size, n, dtype.itemsize)
+    if spec.collective in OBJECTS:
+        dtype = np.dtype(np.uint8)  # a payload of `size` bytes, built from a byte buffer
+    elems, count, nbytes = layout(spec.collective, size, n, dtype.itemsize, pg.rank)
     bufs = [] if spec.collective == "barrier" else \
         rotating(dtype, elems, plan(elems * dtype.itemsize, spec.cold, llc()[0]))
     call = timed_call(pg, spec, bufs)
@@ -333,7 +357,8 @@ def measure(pg, spec: Spec, dtype: np.dtype, size: int) -> Row:
     for _ in range(iters):
         call()
     mean = (time.perf_counter() - t0) / iters
-    wrong = check_once(pg, spec, dtype, elems, bufs[-1] if spec.cold and bufs else None) if spec.check else 0
+    last = bufs[-1] if spec.cold and bufs else None
+    wrong = check_once(pg, spec, dtype, elems, last, count) if spec.check else 0
     stats = pg.all_gather(np.array([mean, wrong], np.float64)).reshape(n, 2)
     return make_row(spec, n, count, nbytes, float(stats[:, 0].max()),
                     int(stats[:, 1].sum()) if spec.check else None, iters, max(1, len(bufs)))
@@ -346,7 +371,8 @@ def make_row(spec: Spec, n: int, count: int, nbytes: int, seconds: float, wrong:
     algbw = None if factor is None else (nbytes / seconds / 1e9 if seconds > 0 else 0.0)
     return Row(
         size=nbytes, count=count,
-        type="-" if spec.collective == "barrier" else DTYPE_NAMES[spec.dtype_name],
+        type=DTYPE_NAMES[spec.dtype_name] if has_dtype(spec.collective) else
+        "-" if spec.collective == "barrier" else OBJECT_TYPE,
         redop=spec.op_name if spec.reduces else "none",
         time_us=seconds * 1e6, algbw=algbw, busbw=None if algbw is None else algbw * factor,
         wrong=wrong, iters=iters, buffers=buffers,

@@ -2,7 +2,7 @@
 
 Each peer is wrapped in an adapter with the few methods bench_core needs (rank, world_size,
 all_reduce, all_gather, broadcast, barrier, reduce_scatter, reduce, all_to_all, gather, scatter,
-bench_calls), so bench_core.measure times and checks
+all_gather_v, broadcast_object, all_gather_object, bench_calls), so bench_core.measure times and checks
 the peers with exactly the loop, warmup, iteration cap and check that it uses for shmcoll: a ratio
 then compares libraries, not benchmark loops. Run one rank per process:
 
@@ -13,6 +13,7 @@ ARGS are shmcoll-bench's sweep options (--collective, --dtype, --op, --iters, --
 --check, --cold, -b/-e/-f) plus --size-list (exact sizes) and --rows-to PATH, where rank 0 writes
 {"library": ..., "rows": [...]}. A missing library prints one MISSING line on stderr and exits 3.
 Which (collective, dtype, op) a peer cannot run is decided before launching (unsupported()).
+torch.distributed has no all_gather_v: gloo's row pads to the longest length (GlooGroup._v_call).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import numpy as np
 
 from shmcoll.types import ReduceKind
 
-from .bench_core import IN_PLACE, REDUCING, Spec, measure
+from .bench_core import IN_PLACE, REDUCING, Spec, has_dtype, measure
+from .bench_objects import NEWEST
 
 OPENMPI, GLOO = "openmpi", "gloo"
 PEERS = (OPENMPI, GLOO)
@@ -113,10 +115,51 @@ class MpiGroup:
         self.comm.Scatter(_raw(buf) if self.rank == root else None, _raw(out), root=root)
         return out
 
+    def _lengths(self, k: int, out: np.ndarray | None = None) -> list[int]:
+        """Every rank's length (Allgather of one int64): an MPI user must know them before Allgatherv,
+        and shmcoll's all_gather_v exchanges them inside each call too."""
+        out = np.empty(self.world_size, np.int64) if out is None else out
+        self.comm.Allgather(np.array([k], np.int64), out)
+        return out.tolist()
+
+    def _allgatherv(self, buf, out, lengths):
+        scale = buf.itemsize // _raw(buf).itemsize  # 16-bit floats travel as twice as many bytes
+        self.comm.Allgatherv(_raw(buf), [_raw(out), [k * scale for k in lengths]])
+
+    def all_gather_v(self, buf):
+        lengths = self._lengths(len(buf))
+        out = np.empty(sum(lengths), buf.dtype)
+        self._allgatherv(buf, out, lengths)
+        return out, lengths
+
+    def broadcast_object(self, root, obj):
+        return self.comm.bcast(obj, root=root)
+
+    def all_gather_object(self, obj):
+        return self.comm.allgather(obj)
+
+    def _newest_calls(self, collective, bufs, root):
+        """all_gather_v: the lengths' Allgather, then Allgatherv into preallocated outputs; the objects:
+        mpi4py's pickling bcast / allgather of a bytes object built beforehand from each buffer."""
+        if collective == "all_gather_v":
+            lens = np.empty(self.world_size, np.int64)
+            lengths = self._lengths(len(bufs[0]))
+            outs = _outputs(bufs, 1, sum(lengths))
+
+            def call(b, o):
+                self._allgatherv(b, o, self._lengths(len(b), lens))
+            return [lambda b=b, o=o: call(b, o) for b, o in zip(bufs, outs)]
+        objs = [b.tobytes() for b in bufs]
+        if collective == "broadcast_object":
+            return [lambda o=o: self.comm.bcast(o if self.rank == root else None, root=root) for o in objs]
+        return [lambda o=o: self.comm.allgather(o) for o in objs]
+
     def bench_calls(self, collective, bufs, op, root):
         """Allreduce(IN_PLACE) / Allgather into preallocated outputs (rotated like the inputs) / Bcast;
         Reduce_scatter_block, Reduce (IN_PLACE on the root), Alltoall, Gather, Scatter likewise."""
         comm, MPI, n = self.comm, self.MPI, self.world_size
+        if collective in NEWEST:
+            return self._newest_calls(collective, bufs, root)
         if collective == "all_reduce":
             mop = self.ops[op]
             return [lambda b=b: comm.Allreduce(MPI.IN_PLACE, b, op=mop) for b in bufs]
@@ -230,9 +273,57 @@ class GlooGroup:
         self._scatter_call(root, self.tensor(buf), self.tensor(out))()
         return out
 
+    def _lengths(self, k: int) -> list[int]:
+        """Every rank's length (an all_gather of one int64), as a gloo user must learn them."""
+        out = self.torch.empty(self.world_size, dtype=self.torch.int64)
+        self.all_gather_single(out, self.torch.tensor([k], dtype=self.torch.int64))
+        return out.tolist()
+
+    def _v_call(self, buf, pad, out, compact):
+        """torch.distributed has no all_gather_v: exchange lengths, copy into a buffer of the longest
+        length, all_gather those, then copy each rank's valid part into `compact` (the concatenation)."""
+        lengths = self._lengths(len(buf))
+        m = len(pad)
+        pad[:len(buf)] = buf
+        self.all_gather_single(self.tensor(out), self.tensor(pad))
+        np.concatenate([out[r * m:r * m + k] for r, k in enumerate(lengths)], out=compact)
+        return compact, lengths
+
+    def _v_buffers(self, buf, lengths=None):
+        """(padded input, padded output, concatenation) for `buf`; `lengths` from _lengths when not given."""
+        lengths = self._lengths(len(buf)) if lengths is None else lengths
+        m, dtype = max(lengths), buf.dtype
+        return np.zeros(m, dtype), np.empty(m * self.world_size, dtype), np.empty(sum(lengths), dtype)
+
+    def all_gather_v(self, buf):
+        return self._v_call(buf, *self._v_buffers(buf))
+
+    def broadcast_object(self, root, obj):
+        box = [obj if self.rank == root else None]
+        self.dist.broadcast_object_list(box, src=root)
+        return box[0]
+
+    def all_gather_object(self, obj):
+        out = [None] * self.world_size
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def _newest_calls(self, collective, bufs, root):
+        """all_gather_v padded to the longest length (_v_call; its buffers prepared per input buffer);
+        the objects through broadcast_object_list / all_gather_object of a bytes object built beforehand."""
+        if collective == "all_gather_v":
+            lengths = self._lengths(len(bufs[0]))  # once: every buffer has this rank's length
+            return [lambda b=b, p=self._v_buffers(b, lengths): self._v_call(b, *p) for b in bufs]
+        objs = [b.tobytes() for b in bufs]
+        if collective == "broadcast_object":
+            return [lambda o=o: self.broadcast_object(root, o) for o in objs]
+        return [lambda o=o: self.all_gather_object(o) for o in objs]
+
     def bench_calls(self, collective, bufs, op, root):
         """all_reduce / all_gather into preallocated outputs (rotated like the inputs) / broadcast;
         reduce_scatter, reduce, all_to_all_single, gather, scatter likewise."""
+        if collective in NEWEST:
+            return self._newest_calls(collective, bufs, root)
         dist, ts, n = self.dist, [self.tensor(b) for b in bufs], self.world_size
         if collective == "all_reduce":
             rop = self.ops[op]
@@ -314,7 +405,7 @@ def run(args) -> int:
         rows = [measure(group, spec, args.np_dtype, size) for size in args.sizes]
         if group.rank == 0 and args.rows_to:
             context = dict(world_size=group.world_size, collective=args.collective, transport=args.peer,
-                           dtype=None if args.collective == "barrier" else args.dtype, warmup=args.warmup,
+                           dtype=args.dtype if has_dtype(args.collective) else None, warmup=args.warmup,
                            in_place=IN_PLACE[args.collective], cold=args.cold, peer=args.peer)
             doc = {"library": group.library, "rows": [r.to_json(**context) for r in rows]}
             tmp = Path(args.rows_to + ".tmp")
