@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from harness import run_ranks, simulated_host_id
+from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
 
 S = 1 << 20  # bytes of float32 data in the bandwidth case (1 MiB: the ring, not the one-shot path)
@@ -180,3 +181,169 @@ def test_ranks_published_on_loopback_next_to_routable_ones_are_refused(addresses
     expected = re.escape(f"ranks {refused} reach the rendezvous node1:29500 over loopback")
     with pytest.raises(shmcoll.InvalidArgument, match=expected + r".*SHMCOLL_MASTER_ADDR.*getent hosts node1"):
         _check_routable(cfg, addrs)
+
+
+# ---- the collectives beyond all_reduce / broadcast / all_gather (group_more.py) ----
+# Each takes (or, for all_gather_v, averages) 1 MiB per rank; with 3 ranks the element count is cut
+# to a multiple of 3 (262143 float32, S - 4 bytes) so reduce_scatter, scatter and all_to_all split
+# it evenly. Every action checks its result, so a path that moves the right bytes wrongly fails.
+ROOT = 1  # rooted calls: rank 1 is on host a in halves, on host b in interleaved and first-alone
+
+
+def _elems(n: int) -> int:
+    """float32 elements per rank: S bytes, cut to a multiple of n."""
+    return S // 4 // n * n
+
+
+def _size(n: int) -> int:
+    """Bytes per rank (S for 4 ranks, S - 4 for 3)."""
+    return 4 * _elems(n)
+
+
+def _reduce_scatter(pg):
+    n, e = pg.world_size, _elems(pg.world_size)
+    # Block j of rank r holds (r + 1) * (j + 1) plus a within-block pattern: a block delivered to the
+    # wrong rank, or shifted, shows up.
+    x = ((pg.rank + 1) * (1 + np.arange(e) // (e // n)) + np.arange(e) % 5).astype(np.float32)
+    out = pg.reduce_scatter(x)
+    b = e // n
+    expected = (pg.rank + 1) * n * (n + 1) / 2 + n * (np.arange(pg.rank * b, (pg.rank + 1) * b) % 5)
+    assert out.shape == (e // n,) and np.array_equal(out, expected.astype(np.float32))
+
+
+def _reduce(pg):
+    n, e = pg.world_size, _elems(pg.world_size)
+    x = (pg.rank + 1 + np.arange(e) % 5).astype(np.float32)
+    pg.reduce(ROOT, x)
+    if pg.rank == ROOT:
+        assert np.array_equal(x, (n * (n + 1) / 2 + n * (np.arange(e) % 5)).astype(np.float32))
+
+
+def _v_length(rank: int) -> int:
+    """all_gather_v: rank r contributes (r + 1) * S / 4 bytes (S/4, S/2, 3S/4, S)."""
+    return (rank + 1) * (S // 16)
+
+
+def _all_gather_v(pg):
+    n = pg.world_size
+    out, lengths = pg.all_gather_v(np.full(_v_length(pg.rank), float(pg.rank), dtype=np.float32))
+    assert lengths == [_v_length(r) for r in range(n)]
+    assert np.array_equal(out, np.repeat(np.arange(n, dtype=np.float32), lengths))
+
+
+def _gather(pg):
+    n, e = pg.world_size, _elems(pg.world_size)
+    out = pg.gather(ROOT, np.arange(e, dtype=np.float32) + pg.rank)
+    if pg.rank == ROOT:
+        assert np.array_equal(out, (np.arange(e)[None, :] + np.arange(n)[:, None]).reshape(-1).astype(np.float32))
+    else:
+        assert out is None
+
+
+def _scatter(pg):
+    n, e = pg.world_size, _elems(pg.world_size)
+    got = pg.scatter(ROOT, np.arange(e, dtype=np.float32) if pg.rank == ROOT else None)
+    assert np.array_equal(got, np.arange(pg.rank * (e // n), (pg.rank + 1) * (e // n), dtype=np.float32))
+
+
+def _all_to_all(pg):
+    n, e = pg.world_size, _elems(pg.world_size)
+    # Block j of rank r holds r * n + j: rank j must end with s * n + j from every source s, in order.
+    out = pg.all_to_all(np.repeat(np.arange(pg.rank * n, (pg.rank + 1) * n, dtype=np.float32), e // n))
+    assert np.array_equal(out, np.repeat(np.arange(n, dtype=np.float32) * n + pg.rank, e // n))
+
+
+_MORE = (_reduce_scatter, _reduce, _all_gather_v, _gather, _scatter, _all_to_all)
+
+
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4), ("each", 4)])
+@pytest.mark.parametrize("action", _MORE, ids=lambda a: a.__name__.lstrip("_"))
+def test_more_collectives_follow_the_hosts(layout, n, action, monkeypatch):
+    """As test_paths_follow_the_hosts, for the large paths of the collectives of group_more.py."""
+    hosts = _hosts(layout, n)
+    results = _run(layout, n, "hier", action, monkeypatch)
+    for rank, out in enumerate(results):
+        assert out["kind"] == "HierarchicalTransport"
+        for peer in range(n):
+            local = hosts[peer] == hosts[rank]
+            assert out["tcp" if local else "shm"][peer] == 0, (rank, peer, out)
+    assert _cross(results, hosts) > 0
+    if len(set(hosts)) < n:
+        assert sum(sum(out["shm"]) for out in results) > 0
+
+
+S3 = _size(3)  # bytes per rank with 3 ranks (S - 4: 262143 float32, a multiple of 3)
+HEAD = 8 * (1 + MAX_NDIM)  # all_gather_v's length header: [ndim, dim0, ...] as int64 (72 bytes)
+
+
+# Bytes that must cross host boundaries, two-level versus flat TCP, for the collectives above.
+# reduce_scatter: each owner sends its host's partial sum of a target's block (S/n) straight to the
+#   target, once per other host: (hosts - 1) * S = S on two hosts, whatever the layout. Flat: the
+#   ring carries (n - 1) blocks of S/n over every edge: 3S/4 per edge, 2 edges cross in 2+2 (1.5S),
+#   all 4 in a,b,a,b (3S); 1+2: (2/3)S3 over 2 of 3 edges.
+# reduce (root 1): K = min_local slices of the host's sum go from every other host's column to the
+#   root's host: (hosts - 1) * S again (1+2: K = 1, rank 0 sends all of S3 to rank 1). Flat: the
+#   ring reduce-scatter as above, then every rank sends its S/n segment to the root: 2+2 adds
+#   ranks 2, 3 (S/2) to 1.5S; a,b,a,b adds 0, 2 (S/2) to 3S; 1+2 adds rank 0's S3/3 to (4/3)S3.
+# all_gather_v (rank r gives (r + 1)S/4, T = 2.5S in all with 4 ranks, 1.5S with 3): the leaders'
+#   ring passes each host's span to the other leader once, T, plus the length headers through the
+#   two-level all-gather (n * HEAD). Flat: every pair swaps headers (8 cross pairs in 2+2 and
+#   a,b,a,b, 4 in 1+2), and ring edge r -> r+1 carries all blocks but r+1's: 2+2 crosses 1->2
+#   (T - S*3/4) and 3->0 (T - S/4), a,b,a,b every edge (3T), 1+2 0->1 (T - S/2) and 2->0 (T - S/4).
+# gather, scatter, all_to_all: every block goes straight from its source to its destination, so it
+#   crosses at most once on either transport and the counts are equal: they are byte-minimal
+#   already (the agreement frames, barrier or all-pairs, are empty: 0 payload bytes). gather (root
+#   1): S from each rank on another host; scatter: S/n to each such rank; all_to_all: S/n per
+#   ordered pair on different hosts (8 in 2+2 and a,b,a,b, 4 in 1+2).
+@pytest.mark.parametrize("layout, n, action, hier_bytes, flat_bytes", [
+    ("halves", 4, _reduce_scatter, S, 3 * S // 2),
+    ("interleaved", 4, _reduce_scatter, S, 3 * S),
+    ("first-alone", 3, _reduce_scatter, S3, 4 * S3 // 3),
+    ("halves", 4, _reduce, S, 2 * S),
+    ("interleaved", 4, _reduce, S, 7 * S // 2),
+    ("first-alone", 3, _reduce, S3, 5 * S3 // 3),
+    ("halves", 4, _all_gather_v, 5 * S // 2 + 4 * HEAD, 4 * S + 8 * HEAD),
+    ("interleaved", 4, _all_gather_v, 5 * S // 2 + 4 * HEAD, 15 * S // 2 + 8 * HEAD),
+    ("first-alone", 3, _all_gather_v, 3 * S // 2 + 3 * HEAD, 9 * S // 4 + 4 * HEAD),
+    ("halves", 4, _gather, 2 * S, 2 * S),
+    ("interleaved", 4, _gather, 2 * S, 2 * S),
+    ("first-alone", 3, _gather, S3, S3),
+    ("halves", 4, _scatter, S // 2, S // 2),
+    ("interleaved", 4, _scatter, S // 2, S // 2),
+    ("first-alone", 3, _scatter, S3 // 3, S3 // 3),
+    ("halves", 4, _all_to_all, 2 * S, 2 * S),
+    ("interleaved", 4, _all_to_all, 2 * S, 2 * S),
+    ("first-alone", 3, _all_to_all, 4 * S3 // 3, 4 * S3 // 3),
+], ids=lambda v: v.__name__.lstrip("_") if callable(v) else None)
+def test_more_collectives_cross_hosts_exactly(layout, n, action, hier_bytes, flat_bytes, monkeypatch):
+    hosts = _hosts(layout, n)
+    hier = _cross(_run(layout, n, "hier", action, monkeypatch), hosts)
+    flat = _cross(_run(layout, n, "tcp", action, monkeypatch), hosts)
+    assert (hier, flat) == (hier_bytes, flat_bytes)
+    if action in (_gather, _scatter, _all_to_all):
+        assert hier == flat  # direct sends: nothing for two levels to save
+    else:
+        assert hier < flat
+
+
+def _small_reduce(pg):
+    x = np.full(2, pg.rank + 1.0, dtype=np.float32)  # 8 bytes
+    pg.reduce(ROOT, x)
+    if pg.rank == ROOT:
+        assert np.all(x == 10.0)
+
+
+def _small_reduce_scatter(pg):
+    x = (np.arange(4) + pg.rank).astype(np.float16)  # 8 bytes: one float16 per rank's block
+    out = pg.reduce_scatter(x)
+    assert out.dtype == np.float16 and out.tolist() == [4.0 * pg.rank + 6.0]
+
+
+@pytest.mark.parametrize("action", [_small_reduce, _small_reduce_scatter], ids=lambda a: a.__name__.lstrip("_"))
+def test_small_reductions_go_through_the_leaders(action, monkeypatch):
+    """8 bytes per rank over 2+2 (<= SHMCOLL_ONE_SHOT_BYTES): reduce and reduce_scatter reuse
+    all_reduce's one-step path, so only the leaders 0 and 2 talk across hosts, the whole 8 bytes
+    once each way; the rest stays in shared memory."""
+    results = _run("halves", 4, "hier", action, monkeypatch)
+    assert [out["tcp"] for out in results] == [[0, 0, 8, 0], [0] * 4, [8, 0, 0, 0], [0] * 4]
+    assert all(sum(out["shm"]) > 0 for out in results)
