@@ -69,23 +69,36 @@ class MoreCollectives:
 
     def reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM):
         """In place on root; every rank's data is scratch space (hence writable everywhere)."""
+        return self._run(self._reduce_plan(root, data, op))
+
+    def spawn_reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
+        """Non-blocking reduce; join() returns data, which must not be touched until then."""
+        return self._spawn("reduce", self._reduce_plan(root, data, op))
+
+    def _reduce_plan(self, root: int, data, op) -> Plan:
         root = v.rank_arg(root, self.world_size, "root")
         arr = v.as_array(data, "data", writable=True)
         wire, kind = v.reducible_wire(arr, op, "data")
         flat = v.storage_view(arr, wire)
         small, topo = self._all_reduce_algorithm(flat, kind, small_only=True), self._hosts()
         if small is not None:  # the one-step all-reduce: the root's copy is the answer
-            body = lambda c: small(c, flat)
+            run = lambda c: small(c, flat)
         elif topo is not None:
-            body = lambda c: hier_reduce(c, topo, root, flat, kind)
+            run = lambda c: hier_reduce(c, topo, root, flat, kind)
         else:
-            body = lambda c: sg.reduce_to_root(c, root, flat, kind)
-        self._collective(REDUCE, wire.code, flat.size, body, op=kind, root=root)
-        return data
+            run = lambda c: sg.reduce_to_root(c, root, flat, kind)
+        return Plan(REDUCE, wire.code, flat.size, lambda c: (run(c), data)[1], op=kind, root=root)
 
     # ---- data movement ----
     def gather(self, root: int, local) -> np.ndarray | None:
         """Concatenation of every rank's local along axis 0 on root (as all_gather); None elsewhere."""
+        return self._run(self._gather_plan(root, local))
+
+    def spawn_gather(self, root: int, local) -> CollectiveHandle:
+        """Non-blocking gather; join() returns what gather returns; leave local alone until then."""
+        return self._spawn("gather", self._gather_plan(root, local))
+
+    def _gather_plan(self, root: int, local) -> Plan:
         root = v.rank_arg(root, self.world_size, "root")
         arr = v.as_array(local, "local", writable=False)
         wire = v.wire_of(arr, "local")
@@ -96,20 +109,26 @@ class MoreCollectives:
         if self.rank == root or on_board:  # the board copies every block everywhere: others get scratch
             out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype)
         flat_out = v.storage_view(out, wire) if out is not None else None
-        topo = self._hosts()
+        topo, result = self._hosts(), out if self.rank == root else None
         if on_board:
-            body = lambda c: board_all_gather(c, flat_in, flat_out)
+            run = lambda c: board_all_gather(c, flat_in, flat_out)
         else:
-            body = lambda c: sg.gather_to_root(c, root, flat_in, flat_out, topo)
-        self._collective(GATHER, wire.code, flat_in.size, body, root=root)
-        return out if self.rank == root else None
+            run = lambda c: sg.gather_to_root(c, root, flat_in, flat_out, topo)
+        return Plan(GATHER, wire.code, flat_in.size, lambda c: (run(c), result)[1], root=root)
 
     def scatter(self, root: int, data=None) -> np.ndarray:
         """Root's data split along axis 0 into world_size equal blocks; rank i gets block i (a new
         array). Only the root's data is looked at (others pass None): the others learn dtype and
         shape from the frame they receive, so the call description carries neither."""
+        return self._run(self._scatter_plan(root, data))
+
+    def spawn_scatter(self, root: int, data=None) -> CollectiveHandle:
+        """Non-blocking scatter; join() returns this rank's block; the root leaves data alone until then."""
+        return self._spawn("scatter", self._scatter_plan(root, data))
+
+    def _scatter_plan(self, root: int, data) -> Plan:
         root = v.rank_arg(root, self.world_size, "root")
-        blocks, code = None, ROOTS_DTYPE
+        blocks, code, user = None, ROOTS_DTYPE, None
         if self.rank == root:
             if data is None:
                 raise InvalidArgument("scatter: the root must pass the array to split (only other ranks pass None)")
@@ -118,28 +137,45 @@ class MoreCollectives:
             rows = v.equal_blocks(arr, self.world_size, "data", "scatter")
             store = arr.view(wire.storage)
             blocks = [store[j * rows:(j + 1) * rows] for j in range(self.world_size)]
-            code = wire.code
+            code, user = wire.code, arr.dtype
         topo = self._hosts()
-        got = self._collective(SCATTER, ROOTS_DTYPE, 0,
-                               lambda c: sg.scatter_from_root(c, root, blocks, code, topo), root=root)
-        return got.view(arr.dtype) if self.rank == root else got
+
+        def body(c: Call) -> np.ndarray:
+            got = sg.scatter_from_root(c, root, blocks, code, topo)
+            return got.view(user) if user is not None else got  # the root's comes back as storage
+
+        return Plan(SCATTER, ROOTS_DTYPE, 0, body, root=root)
 
     def all_to_all(self, data) -> np.ndarray:
         """Block j (of world_size equal blocks along axis 0) goes to rank j; the result holds the
         blocks received, in source-rank order, as a new array of data's shape. Flat on every
         transport: each block goes straight from its source to its destination."""
+        return self._run(self._all_to_all_plan(data))
+
+    def spawn_all_to_all(self, data) -> CollectiveHandle:
+        """Non-blocking all_to_all (say, overlapping an expert layer's exchange with compute);
+        join() returns the new array; leave data alone until then."""
+        return self._spawn("all_to_all", self._all_to_all_plan(data))
+
+    def _all_to_all_plan(self, data) -> Plan:
         arr = v.as_array(data, "data", writable=False)
         wire = v.wire_of(arr, "data")
         v.equal_blocks(arr, self.world_size, "data", "all_to_all")
         out = np.empty(arr.shape, dtype=arr.dtype)
         flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
-        self._collective(ALL_TO_ALL, wire.code, flat_in.size, lambda c: sg.all_to_all(c, flat_in, flat_out))
-        return out
+        return Plan(ALL_TO_ALL, wire.code, flat_in.size, lambda c: (sg.all_to_all(c, flat_in, flat_out), out)[1])
 
     def all_gather_v(self, local) -> tuple[np.ndarray, list[int]]:
         """all_gather where each rank's length along axis 0 may differ (trailing dimensions and dtype
         may not): returns the concatenation in rank order and every rank's length. The call
         description carries the elements per row, which every rank knows; lengths are exchanged first."""
+        return self._run(self._all_gather_v_plan(local))
+
+    def spawn_all_gather_v(self, local) -> CollectiveHandle:
+        """Non-blocking all_gather_v; join() returns (array, lengths); leave local alone until then."""
+        return self._spawn("all_gather_v", self._all_gather_v_plan(local))
+
+    def _all_gather_v_plan(self, local) -> Plan:
         arr = v.as_array(local, "local", writable=False)
         wire = v.wire_of(arr, "local")
         shape = arr.shape if arr.ndim else (1,)
@@ -152,7 +188,7 @@ class MoreCollectives:
             sg.all_gather_v(c, flat_in, v.storage_view(out, wire), lengths, row, topo)
             return out, lengths
 
-        return self._collective(ALL_GATHER_V, wire.code, row, body)
+        return Plan(ALL_GATHER_V, wire.code, row, body)
 
     # ---- Python objects (pickled; trusted ranks only) ----
     def broadcast_object(self, root: int, obj=None):

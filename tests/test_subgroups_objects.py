@@ -309,10 +309,25 @@ def _spawned(pg):
     h_cast = pg.spawn_broadcast(n - 1, bdata)
     h_rs = pg.spawn_reduce_scatter(rdata, ReduceKind.SUM)
     rdata[:] = -1  # spawn_reduce_scatter copied its input
+    red = np.full(5, r + 1, dtype=np.int64)
+    h_red = pg.spawn_reduce(0, red, ReduceKind.SUM)
+    h_gat = pg.spawn_gather(n - 1, local)
+    h_sca = pg.spawn_scatter(0, np.arange(2 * n, dtype=np.int16) if r == 0 else None)
+    h_a2a = pg.spawn_all_to_all(np.array([10 * r + j for j in range(n)], dtype=np.int64))
+    h_agv = pg.spawn_all_gather_v(np.full(r, r, dtype=np.uint8))
+    handles = (h_gather, h_cast, h_rs, h_red, h_gat, h_sca, h_a2a, h_agv)
     after = np.full(4, float(r), dtype=np.float32)
     pg.all_reduce(after, ReduceKind.MAX)  # issued after the spawned ones: runs after them
-    assert all(h.done() for h in (h_gather, h_cast, h_rs))
+    assert all(h.done() for h in handles)
     assert np.all(after == n - 1)
+    assert h_red.join(JOIN_S) is red and (r != 0 or np.all(red == n * (n + 1) // 2))
+    gathered = h_gat.join(JOIN_S)
+    assert (gathered is None) == (r != n - 1)
+    assert gathered is None or list(gathered) == [v for q in range(n) for v in (q, q + 100)]
+    assert h_sca.join(JOIN_S).tolist() == [2 * r, 2 * r + 1]
+    assert h_a2a.join(JOIN_S).tolist() == [10 * q + r for q in range(n)]
+    out, lengths = h_agv.join(JOIN_S)
+    assert lengths == list(range(n)) and out.tolist() == [q for q in range(n) for _ in range(q)]
     assert h_cast.join(JOIN_S) is bdata and np.all(bdata == n - 1)
     assert list(h_rs.join(JOIN_S)) == [(3 * r + k) * n * (n + 1) // 2 for k in range(3)]
     assert list(h_gather.join(JOIN_S)) == [v for q in range(n) for v in (q, q + 100)]
@@ -330,13 +345,16 @@ def _spawn_error(pg, which):
     dtype = np.float32 if pg.rank == 0 else np.float64
     data = np.ones(3 * pg.world_size, dtype=dtype)
     spawn = {"all_gather": lambda: pg.spawn_all_gather(data), "broadcast": lambda: pg.spawn_broadcast(0, data),
-             "reduce_scatter": lambda: pg.spawn_reduce_scatter(data)}[which]
+             "reduce_scatter": lambda: pg.spawn_reduce_scatter(data), "reduce": lambda: pg.spawn_reduce(0, data),
+             "gather": lambda: pg.spawn_gather(0, data), "all_to_all": lambda: pg.spawn_all_to_all(data),
+             "all_gather_v": lambda: pg.spawn_all_gather_v(data.reshape(-1, 1) if pg.rank else data)}[which]
     handle = spawn()
     return attempt(lambda: handle.join(JOIN_S))
 
 
 @pytest.mark.usefixtures("transport")
-@pytest.mark.parametrize("which", ["all_gather", "broadcast", "reduce_scatter"])
+@pytest.mark.parametrize("which", ["all_gather", "broadcast", "reduce_scatter", "reduce", "gather", "all_to_all",
+                                   "all_gather_v"])
 def test_spawn_errors_reraised_by_join(which):
     for res in run_ranks(3, _spawn_error, which):
         assert res["kind"] == "CollectiveMismatch", res
