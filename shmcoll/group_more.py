@@ -6,7 +6,7 @@ Each method validates its arguments here, before anything is sent, and picks its
 facts every rank shares (sizes, the topology), so all ranks pick alike:
 - across hosts, the two-level versions (algorithms/hier_reduce.py, hier.py);
 - small reductions reuse all_reduce's one-step paths (board, one-shot) and keep the piece they need;
-- small gathers in one host use the shared-memory board;
+- small gathers and all-to-alls in one host use the shared-memory board;
 - otherwise the flat algorithms of algorithms/scatter_gather.py.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from . import validate as v
 from .algorithms import scatter_gather as sg
-from .algorithms.board import board_all_gather
+from .algorithms.board import board_all_gather, board_all_to_all
 from .algorithms.call import Call
 from .algorithms.hier_reduce import hier_reduce, hier_reduce_scatter, stage_for_reduce_scatter
 from .errors import CollectiveMismatch, InvalidArgument
@@ -148,8 +148,9 @@ class MoreCollectives:
 
     def all_to_all(self, data) -> np.ndarray:
         """Block j (of world_size equal blocks along axis 0) goes to rank j; the result holds the
-        blocks received, in source-rank order, as a new array of data's shape. Flat on every
-        transport: each block goes straight from its source to its destination."""
+        blocks received, in source-rank order, as a new array of data's shape. Small inputs on one
+        host go through the board in one step; otherwise each block goes straight from its source
+        to its destination (across hosts too: it crosses a host boundary at most once)."""
         return self._run(self._all_to_all_plan(data))
 
     def spawn_all_to_all(self, data) -> CollectiveHandle:
@@ -163,7 +164,8 @@ class MoreCollectives:
         v.equal_blocks(arr, self.world_size, "data", "all_to_all")
         out = np.empty(arr.shape, dtype=arr.dtype)
         flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
-        return Plan(ALL_TO_ALL, wire.code, flat_in.size, lambda c: (sg.all_to_all(c, flat_in, flat_out), out)[1])
+        exchange = board_all_to_all if self._fits_board(flat_in) else sg.all_to_all
+        return Plan(ALL_TO_ALL, wire.code, flat_in.size, lambda c: (exchange(c, flat_in, flat_out), out)[1])
 
     def all_gather_v(self, local) -> tuple[np.ndarray, list[int]]:
         """all_gather where each rank's length along axis 0 may differ (trailing dimensions and dtype
