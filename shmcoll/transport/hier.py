@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, PeerLost
 from .base import Transport
-from .frame import ABORT, Meta
+from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
 from .shm_channel import WAIT_SLICE
@@ -85,11 +85,11 @@ class HierarchicalTransport(Transport):
 
     # ---- state ----
     def abort(self, reason: AbortReason) -> None:
-        """Local ranks learn it from the host's abort flag, remote ones from an ABORT frame."""
-        if self._mailbox.aborted is not None:
-            return  # already aborted here; whoever aborted first told everyone
+        """Local ranks learn it from the host's abort flag, remote ones from ABORT frames. Both are
+        written even when the abort came from elsewhere (the shared mailbox already holds it), so
+        every peer sees the abort before it sees this rank close (else it would report PeerLost)."""
         self.shm.abort(reason)
-        self.net.broadcast_control(ABORT, reason.encode())
+        self.net.abort(reason)
 
     def retire_below(self, seq: int) -> None:
         self._mailbox.retire_below(seq)

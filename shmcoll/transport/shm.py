@@ -258,8 +258,10 @@ class ShmTransport(LinkTransport):
         for peer in peers:  # a rank that closed its group on purpose may exit: that is no loss
             if peer != self.rank and not self._peer_alive(peer) and not self._departed(peer):  # this order:
                 # a rank marks itself departed before it exits, so "dead" read first then "departed" is exact
+                self._raise_if_aborted()  # it may have aborted since our first look, then left
                 raise PeerLost(f"rank {peer} was lost: its process is gone (killed?)", peer)
         if src is not None and src != self.rank and self._departed(src) and not has_token(self._in[src].data):
+            self._raise_if_aborted()  # a rank that failed sets the abort flag before it leaves: its reason wins
             raise PeerLost(f"rank {src} closed its group while this rank still expected a message from it", src)
 
     def check_health(self, strict: bool = True) -> None:
@@ -301,9 +303,12 @@ class ShmTransport(LinkTransport):
             raise AbortReason.decode(text, who - 1).error()
 
     def abort(self, reason: AbortReason) -> None:
-        if self._mailbox.aborted is not None:
-            return
-        self._mailbox.set_abort(reason)
+        """Record the abort here and in the host's abort flag, unless a local rank already set it.
+        The flag is written even when this mailbox already holds an abort: in a hierarchy that may
+        have come over TCP from another host, and this host's other ranks may not have read their
+        copy yet; they must see the abort before they see this rank leave (else: PeerLost)."""
+        if self._mailbox.aborted is None:
+            self._mailbox.set_abort(reason)
         if int(self._seg.words[W_ABORT]):
             return  # another rank aborted first; everyone already sees its reason
         text = reason.encode()[:ABORT_TEXT_BYTES]

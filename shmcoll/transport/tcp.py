@@ -40,6 +40,7 @@ class NetTransport(LinkTransport):
         self._socks = socks
         self._send_locks = {peer: threading.Lock() for peer in socks}
         self._closing = False
+        self._relayed = False  # this rank has sent its ABORT frames
         self._close_lock = threading.Lock()
         self._readers = []
         for peer, sock in socks.items():
@@ -161,9 +162,15 @@ class NetTransport(LinkTransport):
 
     # ---- state ----
     def abort(self, reason: AbortReason) -> None:
-        if self._mailbox.aborted is not None:
-            return  # already aborted (perhaps by a peer, which told everyone itself)
-        self._mailbox.set_abort(reason)
+        """Record the abort (the first one wins) and tell every peer, once. A rank aborted by a
+        peer relays it too: frames on one connection arrive in order, so each peer reads this
+        rank's ABORT before it sees the connection close, whatever became of the first ABORT."""
+        if self._mailbox.aborted is None:
+            self._mailbox.set_abort(reason)
+        with self._close_lock:
+            if self._relayed:
+                return
+            self._relayed = True
         self.broadcast_control(ABORT, reason.encode())
 
     def broadcast_control(self, kind: int, payload: bytes) -> None:
@@ -186,6 +193,9 @@ class NetTransport(LinkTransport):
                 return
             if self._mailbox.aborted is None:
                 self.broadcast_control(GOODBYE, b"")
+            elif not self._relayed:  # aborted by a peer while idle: relay it before the close is seen
+                self._relayed = True
+                self.broadcast_control(ABORT, self._mailbox.aborted.encode())
             self._closing = True
         self._stop_heartbeat.set()
         if self._heartbeat.is_alive():
