@@ -734,7 +734,7 @@ def _streams(draw) -> bytes:
 
 
 def _expected(stream: bytes) -> tuple[list, bool, str]:
-    """What the reader must make of a stream: the data frames delivered (tag, payload) in order,
+    """What the reader must make of a stream: the data frames delivered (queue tag, payload) in order,
     whether an abort arrived, and how it ends: "protocol" (a bad header), "goodbye", or "closed"
     (the stream ran out, perhaps mid-frame)."""
     pos, delivered, aborted = 0, [], False
@@ -747,8 +747,8 @@ def _expected(stream: bytes) -> tuple[list, bool, str]:
         if len(stream) - pos < h.nbytes:
             break
         payload, pos = stream[pos:pos + h.nbytes], pos + h.nbytes
-        if h.kind == frame.DATA:
-            delivered.append((h.tag, payload))
+        if h.kind == frame.DATA:  # queued under its tag plus any sub-group context (frame.queue_tag)
+            delivered.append((frame.queue_tag(h), payload))
         elif h.kind == frame.ABORT:
             aborted = True
         elif h.kind == frame.GOODBYE:
