@@ -274,6 +274,7 @@ def test_more_collectives_follow_the_hosts(layout, n, action, monkeypatch):
 
 S3 = _size(3)  # bytes per rank with 3 ranks (S - 4: 262143 float32, a multiple of 3)
 HEAD = 8 * (1 + MAX_NDIM)  # all_gather_v's length header: [ndim, dim0, ...] as int64 (72 bytes)
+BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block: [dtype code, ndim, dim0, ...] as int64
 
 
 # Bytes that must cross host boundaries, two-level versus flat TCP, for the collectives above.
@@ -293,7 +294,8 @@ HEAD = 8 * (1 + MAX_NDIM)  # all_gather_v's length header: [ndim, dim0, ...] as 
 # gather, scatter, all_to_all: every block goes straight from its source to its destination, so it
 #   crosses at most once on either transport and the counts are equal: they are byte-minimal
 #   already (the agreement frames, barrier or all-pairs, are empty: 0 payload bytes). gather (root
-#   1): S from each rank on another host; scatter: S/n to each such rank; all_to_all: S/n per
+#   1): S from each rank on another host; scatter: S/n to each such rank (after a BLOCK_HEAD
+#   announcing its dtype and shape); all_to_all: S/n per
 #   ordered pair on different hosts (8 in 2+2 and a,b,a,b, 4 in 1+2).
 @pytest.mark.parametrize("layout, n, action, hier_bytes, flat_bytes", [
     ("halves", 4, _reduce_scatter, S, 3 * S // 2),
@@ -308,9 +310,9 @@ HEAD = 8 * (1 + MAX_NDIM)  # all_gather_v's length header: [ndim, dim0, ...] as 
     ("halves", 4, _gather, 2 * S, 2 * S),
     ("interleaved", 4, _gather, 2 * S, 2 * S),
     ("first-alone", 3, _gather, S3, S3),
-    ("halves", 4, _scatter, S // 2, S // 2),
-    ("interleaved", 4, _scatter, S // 2, S // 2),
-    ("first-alone", 3, _scatter, S3 // 3, S3 // 3),
+    ("halves", 4, _scatter, S // 2 + 2 * BLOCK_HEAD, S // 2 + 2 * BLOCK_HEAD),
+    ("interleaved", 4, _scatter, S // 2 + 2 * BLOCK_HEAD, S // 2 + 2 * BLOCK_HEAD),
+    ("first-alone", 3, _scatter, S3 // 3 + BLOCK_HEAD, S3 // 3 + BLOCK_HEAD),
     ("halves", 4, _all_to_all, 2 * S, 2 * S),
     ("interleaved", 4, _all_to_all, 2 * S, 2 * S),
     ("first-alone", 3, _all_to_all, 4 * S3 // 3, 4 * S3 // 3),

@@ -24,8 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from .. import kernels
-from ..errors import CollectiveMismatch
-from ..transport.base import check_meta
+from ..errors import CollectiveError, CollectiveMismatch
 from ..transport.frame import MAX_NDIM
 from ..transport.topology import Topology
 from ..types import WIRE_TYPES, ReduceKind
@@ -70,6 +69,7 @@ def _stream_bounds(c: Call, data: np.ndarray) -> list[tuple[int, int]]:
 
 
 def send_stream(c: Call, to: int, data: np.ndarray) -> None:
+    """Send a 1-D piece in chunk-sized frames (the receiver cuts its copy the same way)."""
     for a, b in _stream_bounds(c, data):
         c.t.send(to, c.tag, data[a:b], c.code, c.meta, c.deadline)
 
@@ -134,33 +134,51 @@ def gather_to_root(c: Call, root: int, local: np.ndarray, out: np.ndarray | None
 
 def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code: int,
                       topo: Topology | None = None) -> np.ndarray:
-    """The root sends blocks[j] (an n-d storage array of wire dtype `code`) to rank j in one frame
-    whose header carries its dtype and shape, so the other ranks need to know neither in advance.
-    Returns this rank's block: on the root in storage dtype, elsewhere as the wire's user dtype."""
+    """The root sends blocks[j] (an n-d storage array of wire dtype `code`) to rank j: first a
+    small frame with its dtype code and shape (the other ranks know neither in advance), then the
+    block in chunk-sized frames that land straight in the new array. Returns this rank's block: on
+    the root in storage dtype, elsewhere as the wire's user dtype."""
     agree(c, topo)
     if c.rank == root:
         for k in range(1, c.size):
             j = (root + k) % c.size
-            c.t.send(j, c.tag, blocks[j], code, c.meta, c.deadline)
+            head = np.concatenate([[code], shape_header(blocks[j].shape)])
+            c.t.send(j, c.tag, head, _INT64_CODE, c.meta, c.deadline)
+            send_stream(replace(c, code=code), j, blocks[j].reshape(-1))
         return blocks[root].copy()  # storage dtype: the caller views it as the user's
-    msg = c.t.recv(root, c.tag, c.deadline)
-    check_meta(msg, c.meta)
-    wire = WIRE_TYPES[msg.header.dtype]
-    out = np.empty(msg.header.shape, dtype=wire.user if wire.user is not None else wire.storage)
-    out.reshape(-1).view(np.uint8)[:] = msg.payload
+    head = np.empty(2 + MAX_NDIM, dtype=np.int64)
+    c.t.recv_into(root, c.tag, head, _INT64_CODE, c.deadline, c.meta)
+    code, shape = _block_description(head, root)
+    wire = WIRE_TYPES[code]
+    out = np.empty(shape, dtype=wire.user if wire.user is not None else wire.storage)
+    recv_stream(replace(c, code=code), root, out.reshape(-1).view(wire.storage))
     return out
+
+
+def _block_description(head: np.ndarray, root: int) -> tuple[int, tuple[int, ...]]:
+    """The dtype code and shape a scatter root announced; a root that announces nonsense broke the
+    protocol (its frames passed the job's authentication, so this is a bug, not an attack)."""
+    code, ndim = int(head[0]), int(head[1])
+    shape = tuple(int(d) for d in head[2:2 + ndim])
+    if code not in WIRE_TYPES or not 0 <= ndim <= MAX_NDIM or min(shape, default=0) < 0:
+        raise CollectiveError(f"scatter: root {root} announced an invalid block (dtype code {code}, shape {shape})")
+    return code, shape
 
 
 def all_to_all(c: Call, data: np.ndarray, out: np.ndarray) -> None:
     """Pairwise exchange over 1-D storage arrays of n equal blocks: at step k send block r+k to
-    rank r+k and receive rank r-k's block r. Every rank hears from every rank directly."""
+    rank r+k and receive rank r-k's block r, chunk by chunk in turn, so each chunk is taken
+    straight into `out` as it arrives (no rank's send waits on a full channel holding its input).
+    Every rank hears from every rank directly."""
     n, r = c.size, c.rank
     block = len(data) // n
     out[r * block:(r + 1) * block] = data[r * block:(r + 1) * block]
+    pieces = sub_bounds(0, block, chunk_count(block, data.itemsize, c.chunk_bytes))
     for k in range(1, n):
         to, src = (r + k) % n, (r - k) % n
-        send_stream(c, to, data[to * block:(to + 1) * block])
-        recv_stream(c, src, out[src * block:(src + 1) * block])
+        for a, b in pieces:
+            c.t.send(to, c.tag, data[to * block + a:to * block + b], c.code, c.meta, c.deadline)
+            c.t.recv_into(src, c.tag, out[src * block + a:src * block + b], c.code, c.deadline, c.meta)
 
 
 def shape_header(shape: tuple[int, ...]) -> np.ndarray:
