@@ -3,6 +3,9 @@ the contract's errors. The algorithms and the transport below it know nothing of
 
 A group's state lives in one shared object, so `copy.copy(pg)` is a cheap handle on the same group
 (same transport, same sequence numbers), like the Arc clone of the original design.
+
+This file holds that machinery and the original design's calls; the later ones (reduce-scatter,
+gather, all-to-all, objects, split, ...) come from the MoreCollectives mixin in group_more.py.
 """
 
 from __future__ import annotations

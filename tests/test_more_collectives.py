@@ -140,6 +140,36 @@ def test_every_size_and_root_float32(n, b, path):
         np.testing.assert_array_equal(out, np.concatenate([_rows(k, _varying(k, b), tail) for k in range(n)]))
 
 
+# ---------------------------------------------------------------- random floats: accurate, repeatable
+
+def _random_reductions(pg, dtype, rows):
+    """reduce_scatter and reduce (root 1) of random normal floats, twice each."""
+    data = np.random.default_rng(pg.rank).standard_normal(pg.world_size * rows).astype(dtype)
+    got = [pg.reduce_scatter(data) for _ in range(2)]
+    for _ in range(2):
+        scratch = data.copy()
+        pg.reduce(1, scratch)
+        got.append(scratch if pg.rank == 1 else None)
+    return got
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_random_floats_accurate_and_repeatable(n, dtype):
+    """Within rounding of the exact sum, and bitwise the same when the call is repeated (the
+    reduction order is fixed by the algorithm, never by timing). 3001 rows: the large paths."""
+    rows = 3001
+    results = run_ranks(n, _random_reductions, dtype, rows, env=SMALL_CHUNKS)
+    exact = sum(np.random.default_rng(r).standard_normal(n * rows).astype(dtype).astype(np.float64) for r in range(n))
+    tol = {np.float16: 1e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    for r, (first, again, whole, whole_again) in enumerate(results):
+        assert first.tobytes() == again.tobytes()
+        np.testing.assert_allclose(first.astype(np.float64), exact[r * rows:(r + 1) * rows], rtol=tol, atol=tol * n)
+        if r == 1:
+            assert whole.tobytes() == whole_again.tobytes()
+            np.testing.assert_allclose(whole.astype(np.float64), exact, rtol=tol, atol=tol * n)
+
+
 # ---------------------------------------------------------------- data movement, every dtype
 
 def _movement(pg, dtypes):

@@ -36,3 +36,29 @@ def test_torch_tensors_reduce_in_place(n):
         np.testing.assert_array_equal(weights, torch.linspace(0, 1, 6, dtype=torch.float64).numpy())
         np.testing.assert_array_equal(spawned, np.full(1000, n))
         np.testing.assert_array_equal(gathered, np.repeat(np.arange(n), 2))
+
+
+def _torch_more_calls(pg):
+    """The calls beyond all_reduce take tensors too: reduce in place through the tensor, the others
+    return numpy arrays of the tensor's dtype (bfloat16 included)."""
+    n, r = pg.world_size, pg.rank
+    red = torch.full((3, 2), float(r + 1), dtype=torch.bfloat16)
+    pg.reduce(0, red)
+    scattered = pg.reduce_scatter(torch.arange(2 * n, dtype=torch.float32) * (r + 1))
+    swapped = pg.all_to_all(torch.tensor([10 * r + j for j in range(n)], dtype=torch.int64))
+    gathered = pg.gather(n - 1, torch.tensor([r], dtype=torch.float16))
+    out, lengths = pg.all_gather_v(torch.full((r,), r, dtype=torch.int32))
+    return (red.float().numpy().copy() if r == 0 else None, scattered, swapped, gathered, out, lengths)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_torch_tensors_through_the_more_collectives(n):
+    for r, (red, scattered, swapped, gathered, out, lengths) in enumerate(run_ranks(n, _torch_more_calls)):
+        if r == 0:
+            np.testing.assert_array_equal(red, np.full((3, 2), n * (n + 1) / 2))
+        assert scattered.dtype == np.float32
+        np.testing.assert_array_equal(scattered, np.array([2 * r, 2 * r + 1]) * n * (n + 1) / 2)
+        assert swapped.tolist() == [10 * q + r for q in range(n)]
+        assert (gathered is None) == (r != n - 1)
+        assert gathered is None or (gathered.dtype == np.float16 and gathered.tolist() == list(range(n)))
+        assert lengths == list(range(n)) and out.tolist() == [q for q in range(n) for _ in range(q)]
