@@ -56,9 +56,12 @@ class MoreCollectives:
         out = np.empty((rows, *arr.shape[1:]), dtype=arr.dtype)
         mine = v.storage_view(out, wire)
         small, topo = self._all_reduce_algorithm(flat, kind, small_only=True), self._hosts()
-        if small is not None:  # reduce everything in one step, keep our slice
+        if small is not None:
             work, at = flat.copy(), self.rank * mine.size
-            run = lambda c: (small(c, work), mine.__setitem__(slice(None), work[at:at + mine.size]))
+
+            def run(c: Call) -> None:  # reduce everything in one step, keep our slice
+                small(c, work)
+                mine[:] = work[at:at + mine.size]
         elif topo is not None:
             work = stage_for_reduce_scatter(topo, self.rank, flat)
             run = lambda c: hier_reduce_scatter(c, topo, work, mine, kind)
