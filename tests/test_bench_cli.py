@@ -551,13 +551,11 @@ def test_newer_collectives_peer_support():
         assert unsupported("openmpi", coll, "f16", "sum") is None and unsupported("gloo", coll, "bf16", "sum") is None
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("collective", NEWER)
-def test_newer_collectives_compare_rows(tmp_path, collective):
-    """--compare for each newer collective: OpenMPI (Reduce_scatter_block, Reduce, Alltoall, Gather, Scatter)
-    and gloo rows with the same sizes, checked, 0 wrong; or, without the peers, a skip reason."""
+def check_compare_rows(tmp_path, collective: str, n: int, maxbytes: str, bus) -> None:
+    """--compare for one collective at n ranks: OpenMPI and gloo rows with shmcoll's sizes, checked,
+    0 wrong, busbw = algbw * bus(n); or, without a peer installed, its skip reason."""
     out = tmp_path / "rows.json"
-    proc = bench("-n", "2", "--collective", collective, "-b", "64", "-e", "4K", "-f", "8", "--iters", "2",
+    proc = bench("-n", str(n), "--collective", collective, "-b", "64", "-e", maxbytes, "-f", "8", "--iters", "2",
                  "--warmup", "1", "--check", "--compare", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sections = split_sections(proc.stdout)
@@ -571,11 +569,18 @@ def test_newer_collectives_compare_rows(tmp_path, collective):
             continue
         assert status == "ok", doc["peers"][peer]
         rows = table_rows(sections[peer])
-        assert [r[:4] for r in rows] == [r[:4] for r in mine]  # size, count, type, redop
+        assert [r[:4] for r in rows] == [r[:4] for r in mine] and rows  # size, count, type, redop
         assert all(r[7] == "0" for r in rows), rows
         for row in (r for r in doc["rows"] if r["peer"] == peer):
             assert row["collective"] == collective and row["wrong"] == 0
-            assert row["busbw"] == pytest.approx(row["algbw"] * factor(collective, 2))
+            assert row["busbw"] == pytest.approx(row["algbw"] * bus(n))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("collective", NEWER)
+def test_newer_collectives_compare_rows(tmp_path, collective):
+    """OpenMPI (Reduce_scatter_block, Reduce, Alltoall, Gather, Scatter) and gloo, at 2 ranks."""
+    check_compare_rows(tmp_path, collective, 2, "4K", lambda n: factor(collective, n))
 
 
 # ---- --cold and the bandwidth math, in one process ----
@@ -790,23 +795,6 @@ def test_check_of_newest_collectives_counts_damage(collective, how, wrong):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("collective", NEWEST)
 def test_newest_collectives_compare_rows(tmp_path, collective):
-    """--compare at 3 ranks: OpenMPI (Allgatherv, pickling bcast/allgather) and gloo (padded all_gather,
-    broadcast_object_list, all_gather_object) rows with shmcoll's sizes, checked, 0 wrong."""
-    out = tmp_path / "rows.json"
-    proc = bench("-n", "3", "--collective", collective, "-b", "64", "-e", "512", "-f", "8", "--iters", "2",
-                 "--warmup", "1", "--check", "--compare", "--json", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    sections = split_sections(proc.stdout)
-    mine = table_rows(sections["shmcoll"])
-    doc = json.loads(out.read_text())
-    for peer, needs in (("openmpi", ("mpirun", "mpi4py")), ("gloo", ("torch",))):
-        if not_installed(*needs):
-            assert doc["peers"][peer]["status"] == "skipped", doc["peers"][peer]
-            continue
-        assert doc["peers"][peer]["status"] == "ok", doc["peers"][peer]
-        rows = table_rows(sections[peer])
-        assert [r[:4] for r in rows] == [r[:4] for r in mine] and len(rows) == 2
-        assert all(r[7] == "0" for r in rows), rows
-        for row in (r for r in doc["rows"] if r["peer"] == peer):
-            assert row["collective"] == collective and row["wrong"] == 0
-            assert row["busbw"] == pytest.approx(row["algbw"] * NEWEST_FACTOR[collective](3))
+    """OpenMPI (Allgatherv, pickling bcast/allgather) and gloo (padded all_gather,
+    broadcast_object_list, all_gather_object), at 3 ranks."""
+    check_compare_rows(tmp_path, collective, 3, "512", NEWEST_FACTOR[collective])
