@@ -228,7 +228,8 @@ class MoreCollectives:
         A collective on this group: every rank calls it with the same list (checked: a
         disagreement raises CollectiveMismatch on every rank). The sub-group has its own sequence
         numbers, tag range and worker, so it may run concurrently with this group (another
-        thread); it uses the flat algorithms (no shared-memory board, no host hierarchy). A failure
+        thread); it uses the two-level algorithms when its members span hosts, never the
+        shared-memory board (that belongs to the root group's sequence numbers). A failure
         in either breaks both: they share one transport. Close sub-groups you no longer need (they
         hold one of a few thousand tag slots). Do not call split on two groups of the same process
         at once from different threads (slot choices would race)."""

@@ -349,3 +349,22 @@ def test_small_reductions_go_through_the_leaders(action, monkeypatch):
     results = _run("halves", 4, "hier", action, monkeypatch)
     assert [out["tcp"] for out in results] == [[0, 0, 8, 0], [0] * 4, [8, 0, 0, 0], [0] * 4]
     assert all(sum(out["shm"]) > 0 for out in results)
+
+
+def _subgroup_all_reduce(pg):
+    """A sub-group over all ranks, numbered a,b,a,b across the 2+2 hosts: its all_reduce of S."""
+    sub = pg.split([2, 0, 3, 1])
+    out = _traffic_of(pg, lambda _: _all_reduce(sub))
+    topology = sub.transport.topology
+    sub.close()
+    return out, topology.hosts
+
+
+def test_subgroup_spanning_hosts_runs_two_level(monkeypatch):
+    """Sub-group ranks 0..3 are parent ranks 2, 0, 3, 1: hosts ((0, 2), (1, 3)) in its numbering. Its
+    large all_reduce sends 2S across hosts (two-level), not the 6S of a flat ring over a,b,a,b."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
+    results = run_ranks(4, _subgroup_all_reduce, timeout=60)
+    assert all(hosts == ((0, 2), (1, 3)) for _, hosts in results)
+    assert _cross([out for out, _ in results], _hosts("halves", 4)) == 2 * S

@@ -139,10 +139,15 @@ def _split_all(pg, members):
         return g.rank
 
 
+#: "large": the bandwidth algorithms (rings, two-level across hosts) even for these small arrays.
+LARGE_PATHS = {"SHMCOLL_ONE_SHOT_BYTES": "0", "SHMCOLL_SHM_BOARD_BYTES": "0", "SHMCOLL_CHUNK_BYTES": "64"}
+
+
 @pytest.mark.usefixtures("layout")
-def test_split_every_collective_n4():
+@pytest.mark.parametrize("path", ["sized", "large"])
+def test_split_every_collective_n4(path):
     members = _members(4)
-    got = run_ranks(4, _split_all, members)
+    got = run_ranks(4, _split_all, members, env=LARGE_PATHS if path == "large" else None)
     assert got == [members.index(r) if r in members else None for r in range(4)]
 
 

@@ -39,6 +39,7 @@ from ..errors import CollectiveMismatch, InvalidArgument
 from .base import Transport
 from .frame import Meta
 from .mailbox import AbortReason, Message
+from .topology import Topology
 from ..types import TAG_RESERVED_BASE
 
 SUB_TAG_BASE = 1 << 31
@@ -84,10 +85,18 @@ def pick_slot(used_by_members: Iterable[Iterable[int]]) -> int:
     raise InvalidArgument(f"split: all {N_SLOTS} sub-group slots are in use; close sub-groups you no longer need")
 
 
+def _member_topology(root_topology: Topology | None, ranks: tuple[int, ...]) -> Topology | None:
+    """The members' hosts, renumbered: a sub-group spanning hosts runs the two-level algorithms
+    over the root's routing (shared memory to its host, TCP to the others), as its parent does."""
+    if root_topology is None:
+        return None
+    return Topology.from_host_ids({i: str(root_topology.host_of[r]) for i, r in enumerate(ranks)})
+
+
 class SubTransport(Transport):
     """A view of `root` restricted to `ranks` (root ranks, in the sub-group's rank order)."""
 
-    board = None  # the shared-memory board is per host and belongs to the root group: flat algorithms here
+    board = None  # the shared-memory board is per host and belongs to the root group's sequence numbers
 
     def __init__(self, root: Transport, ranks: list[int], slot: int):
         self.root, self.ranks, self.slot = root, tuple(ranks), slot
@@ -95,6 +104,7 @@ class SubTransport(Transport):
         self.rank = self._sub_of[root.rank]
         self.world_size = len(self.ranks)
         self.timeout = root.timeout
+        self.topology = _member_topology(getattr(root, "topology", None), self.ranks)
         self._closed = False
         with _slots_lock:
             _slots.setdefault(root, set()).add(slot)
