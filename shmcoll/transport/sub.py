@@ -36,11 +36,11 @@ from typing import Iterable
 import numpy as np
 
 from ..errors import CollectiveMismatch, InvalidArgument
+from ..types import TAG_RESERVED_BASE
 from .base import Transport
 from .frame import Meta
 from .mailbox import AbortReason, Message
 from .topology import Topology
-from ..types import TAG_RESERVED_BASE
 
 SUB_TAG_BASE = 1 << 31
 SLOT_SPAN = 1 << 16
