@@ -133,12 +133,14 @@ def gather_to_root(c: Call, root: int, local: np.ndarray, out: np.ndarray | None
 
 
 def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code: int,
-                      topo: Topology | None = None) -> np.ndarray:
+                      topo: Topology | None = None, agreed: bool = False) -> np.ndarray:
     """The root sends blocks[j] (an n-d storage array of wire dtype `code`) to rank j: first a
     small frame with its dtype code and shape (the other ranks know neither in advance), then the
     block in chunk-sized frames that land straight in the new array. Returns this rank's block: on
-    the root in storage dtype, elsewhere as the wire's user dtype."""
-    agree(c, topo)
+    the root in storage dtype, elsewhere as the wire's user dtype. agreed: the ranks already
+    checked that they all make this call (a board step did), so the agreement step is skipped."""
+    if not agreed:
+        agree(c, topo)
     if c.rank == root:
         for k in range(1, c.size):
             j = (root + k) % c.size
@@ -200,13 +202,18 @@ def exchange_shapes(c: Call, shape: tuple[int, ...], topo: Topology | None = Non
         heads = list(gathered.reshape(c.size, len(mine)))
     else:
         heads = exchange_all(c, mine, _INT64_CODE)
-    for src, head in enumerate(heads):
-        if head[0] != mine[0] or not np.array_equal(head[2:], mine[2:]):
-            theirs = tuple(int(d) for d in head[1:1 + int(head[0])])
+    return lengths_from([tuple(int(d) for d in head[1:1 + int(head[0])]) for head in heads], shape)
+
+
+def lengths_from(shapes: list[tuple[int, ...]], mine: tuple[int, ...]) -> list[int]:
+    """Every rank's length along axis 0, from every rank's shape; CollectiveMismatch when a rank's
+    trailing dimensions differ from ours (every rank sees every shape, so every rank raises)."""
+    for src, theirs in enumerate(shapes):
+        if len(theirs) != len(mine) or theirs[1:] != tuple(mine[1:]):
             raise CollectiveMismatch(
-                f"all_gather_v: rank {src} passed shape {theirs} but this rank passed {tuple(shape)}; "
+                f"all_gather_v: rank {src} passed shape {theirs} but this rank passed {tuple(mine)}; "
                 f"only the length along axis 0 may differ between ranks")
-    return [int(head[1]) for head in heads]
+    return [theirs[0] for theirs in shapes]
 
 
 def all_gather_v(c: Call, local: np.ndarray, out: np.ndarray, lengths: list[int], row: int,

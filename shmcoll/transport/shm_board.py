@@ -57,14 +57,28 @@ class Board:
 
     def read(self, src: int, seq: int, want: Meta, deadline: float, check: Callable[[int], None]) -> np.ndarray:
         """Rank src's payload (uint8 view into shared memory) for seq; CollectiveMismatch if its call differs."""
+        at, raw = self._published(src, seq, deadline, check)
+        if raw[_SRC_END:] != self._header[_SRC_END:] or raw[:_SRC_START] != self._header[:_SRC_START]:
+            self._mismatch(raw, src, want)  # the same call makes the same header, but for the source rank
+        return self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + self._nbytes]
+
+    def read_any_size(self, src: int, seq: int, want: Meta, deadline: float, check: Callable[[int], None]) -> np.ndarray:
+        """As read, for calls whose ranks publish different amounts (all_gather_v, scatter): only the
+        call's description must match; the payload is as long as src's entry says."""
+        at, raw = self._published(src, seq, deadline, check)
+        header = frame.unpack(raw, src)
+        problem = frame.describe_mismatch(header.meta, want, src)
+        if problem:
+            raise CollectiveMismatch(problem)
+        return self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + min(header.nbytes, self.capacity)]
+
+    def _published(self, src: int, seq: int, deadline: float, check: Callable[[int], None]) -> tuple[int, bytes]:
+        """Wait for src's entry of seq; its offset and raw frame header."""
         at = self._layout.board_offset(self._local_of[src], seq)
         word = at // 8
         if self._words[word] != seq + 1:
             self._wait(lambda: self._words[word] == seq + 1, deadline, lambda: check(src), f"rank {src}'s board entry")
-        raw = self._mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE].tobytes()
-        if raw[_SRC_END:] != self._header[_SRC_END:] or raw[:_SRC_START] != self._header[:_SRC_START]:
-            self._mismatch(raw, src, want)  # the same call makes the same header, but for the source rank
-        return self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + self._nbytes]
+        return at, self._mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE].tobytes()
 
     def _mismatch(self, raw: bytes, src: int, want: Meta) -> None:
         header = frame.unpack(raw, src)
@@ -82,6 +96,13 @@ class Board:
     def finish(self, seq: int) -> None:
         """We have read every entry of seq: peers may overwrite theirs."""
         self._words[W_DONE + self._me] = seq + 1
+
+    def wait_all_finished(self, seq: int, deadline: float, check: Callable[[], None]) -> None:
+        """Until every peer has finished seq. A call that goes on over the rings after a board step
+        waits here first, so no peer still waiting on the board takes its ring frames for a
+        mismatch. check must not consume frames (peers past this point may already send them)."""
+        if not self._all_done(seq + 1):
+            self._wait(lambda: self._all_done(seq + 1), deadline, check, "peers to finish the board step")
 
     def probe(self, want: Meta) -> str | None:
         """A peer that published an entry for want.seq describing another call: how it differs."""
