@@ -6,7 +6,7 @@ Each method validates its arguments here, before anything is sent, and picks its
 facts every rank shares (sizes, the topology), so all ranks pick alike:
 - across hosts, the two-level versions (algorithms/hier_reduce.py, hier.py);
 - small reductions reuse all_reduce's one-step paths (board, one-shot) and keep the piece they need;
-- small gathers, all-to-alls, all_gather_v and scatters in one host use the shared-memory board;
+- small gathers, all-to-alls and all_gather_vs in one host use the shared-memory board;
 - otherwise the flat algorithms of algorithms/scatter_gather.py.
 """
 
@@ -21,8 +21,7 @@ import numpy as np
 from . import validate as v
 from .algorithms import scatter_gather as sg
 from .algorithms.board import board_all_gather, board_all_to_all
-from .algorithms import board_v
-from .algorithms.board_v import board_all_gather_v, board_scatter
+from .algorithms.board_v import board_all_gather_v, has_room_for_heads
 from .algorithms.call import Call
 from .algorithms.hier_reduce import hier_reduce, hier_reduce_scatter, stage_for_reduce_scatter
 from .errors import CollectiveMismatch, InvalidArgument
@@ -133,7 +132,7 @@ class MoreCollectives:
 
     def _scatter_plan(self, root: int, data) -> Plan:
         root = v.rank_arg(root, self.world_size, "root")
-        blocks, code, user, store = None, ROOTS_DTYPE, None, None
+        blocks, code, user = None, ROOTS_DTYPE, None
         if self.rank == root:
             if data is None:
                 raise InvalidArgument("scatter: the root must pass the array to split (only other ranks pass None)")
@@ -143,15 +142,11 @@ class MoreCollectives:
             store = arr.view(wire.storage)
             blocks = [store[j * rows:(j + 1) * rows] for j in range(self.world_size)]
             code, user = wire.code, arr.dtype
-        topo, on_board = self._hosts(), board_v.usable(self.transport.board)
+        topo = self._hosts()
 
         def body(c: Call) -> np.ndarray:
-            got = None
-            if on_board:  # one step when the root's array fits its board entry
-                got, _, _ = board_scatter(c, root, code, store, blocks[0].shape if blocks else ())
-            if got is None:
-                got = sg.scatter_from_root(c, root, blocks, code, topo, agreed=on_board)
-            return got.view(user) if user is not None else got  # the root's may come back as storage
+            got = sg.scatter_from_root(c, root, blocks, code, topo)
+            return got.view(user) if user is not None else got  # the root's comes back as storage
 
         return Plan(SCATTER, ROOTS_DTYPE, 0, body, root=root)
 
@@ -191,7 +186,7 @@ class MoreCollectives:
         wire = v.wire_of(arr, "local")
         shape = arr.shape if arr.ndim else (1,)
         row = int(np.prod(shape[1:], dtype=np.int64))
-        flat_in, topo, on_board = v.storage_view(arr, wire), self._hosts(), board_v.usable(self.transport.board)
+        flat_in, topo, on_board = v.storage_view(arr, wire), self._hosts(), has_room_for_heads(self.transport.board)
 
         def make_out(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
             out = np.empty((sum(lengths), *shape[1:]), dtype=arr.dtype)

@@ -23,8 +23,8 @@ SIZES = [1, 2, 3, 4]
 BLOCKS = [0, 1, 7, 1001]  # rows per rank: empty, one, odd, several 4 KiB chunks
 SMALL_CHUNKS = {"SHMCOLL_CHUNK_BYTES": "4096"}
 #: Sizes pick the algorithm (board, one-shot, ring, two-level); "large" forces the bandwidth paths at
-#: every size; "overflow": a board entry of 128 bytes, so all_gather_v and scatter start on the board
-#: and mostly find a piece too large for it (they go on over the rings), sometimes not.
+#: every size; "overflow": a board entry of 128 bytes, so all_gather_v starts on the board and
+#: mostly finds a piece too large for it (it goes on over the rings), sometimes not.
 PATHS = {"sized": SMALL_CHUNKS,
          "large": {**SMALL_CHUNKS, "SHMCOLL_ONE_SHOT_BYTES": "0", "SHMCOLL_SHM_BOARD_BYTES": "0"},
          "overflow": {**SMALL_CHUNKS, "SHMCOLL_SHM_BOARD_BYTES": "128"}}

@@ -133,14 +133,12 @@ def gather_to_root(c: Call, root: int, local: np.ndarray, out: np.ndarray | None
 
 
 def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code: int,
-                      topo: Topology | None = None, agreed: bool = False) -> np.ndarray:
+                      topo: Topology | None = None) -> np.ndarray:
     """The root sends blocks[j] (an n-d storage array of wire dtype `code`) to rank j: first a
     small frame with its dtype code and shape (the other ranks know neither in advance), then the
     block in chunk-sized frames that land straight in the new array. Returns this rank's block: on
-    the root in storage dtype, elsewhere as the wire's user dtype. agreed: the ranks already
-    checked that they all make this call (a board step did), so the agreement step is skipped."""
-    if not agreed:
-        agree(c, topo)
+    the root in storage dtype, elsewhere as the wire's user dtype."""
+    agree(c, topo)
     if c.rank == root:
         for k in range(1, c.size):
             j = (root + k) % c.size
