@@ -32,7 +32,7 @@ from .shm_channel import WAIT_SLICE, Channel, has_token, take_token
 from .shm_segment import Segment, pid_alive
 
 #: Default seconds a waiter spins (yielding) before blocking in the kernel (SHMCOLL_SPIN_US).
-DEFAULT_SPIN_S = 50e-6
+DEFAULT_SPIN_S = 200e-6
 
 
 class _Assembly:
