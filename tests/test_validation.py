@@ -108,6 +108,22 @@ class Row:
         return f"{self.call}[{self.id}]"
 
 
+def _add_reduction_rules(add, call: str, run, length: int) -> None:
+    """The rows every reducing call shares (all_reduce's rules): wrong types, dtypes that cannot
+    travel or reduce, AVG over integers, bad ops. run(pg, data, *op) makes the call; length: the
+    element count of the arrays it gets (reduce_scatter's must divide by the world size)."""
+    for k, make in WRONG_TYPES.items():
+        add(call, f"data={k}", lambda pg, make=make: run(pg, make()), TYPE_MSG + "|read-only")
+    for k, make in BAD_DTYPES.items():
+        add(call, f"dtype={k}", lambda pg, make=make: run(pg, make()), DTYPE_MSG)
+    for k, dt in NOT_REDUCIBLE.items():
+        add(call, f"dtype={k}", lambda pg, dt=dt: run(pg, np.ones(length, dtype=dt)), DTYPE_MSG)
+    for k, dt in (("int32", np.int32), ("int64", np.int64)):
+        add(call, f"{k}-AVG", lambda pg, dt=dt: run(pg, np.ones(length, dtype=dt), ReduceKind.AVG), INTOP_MSG)
+    for k, op in BAD_OPS.items():
+        add(call, f"op={k}", lambda pg, op=op: run(pg, f32(), op), OP_MSG)
+
+
 def _rows() -> list[Row]:
     rows: list[Row] = []
 
@@ -142,16 +158,7 @@ def _rows() -> list[Row]:
         def run(pg, data, *op, call=call):
             return getattr(pg, call)(data, *op)
 
-        for k, make in WRONG_TYPES.items():
-            add(call, f"data={k}", lambda pg, make=make, run=run: run(pg, make()), TYPE_MSG + "|read-only")
-        for k, make in BAD_DTYPES.items():
-            add(call, f"dtype={k}", lambda pg, make=make, run=run: run(pg, make()), DTYPE_MSG)
-        for k, dt in NOT_REDUCIBLE.items():
-            add(call, f"dtype={k}", lambda pg, dt=dt, run=run: run(pg, np.ones(3, dtype=dt)), DTYPE_MSG)
-        for k, dt in (("int32", np.int32), ("int64", np.int64)):
-            add(call, f"{k}-AVG", lambda pg, dt=dt, run=run: run(pg, np.ones(3, dtype=dt), ReduceKind.AVG), INTOP_MSG)
-        for k, op in BAD_OPS.items():
-            add(call, f"op={k}", lambda pg, op=op, run=run: run(pg, f32(), op), OP_MSG)
+        _add_reduction_rules(add, call, run, 3)
         add(call, "read-only", lambda pg, run=run: run(pg, readonly(f32())), RO_MSG)
         add(call, "read-only-0d", lambda pg, run=run: run(pg, readonly(np.array(1.0))), RO_MSG)
         add(call, "bytes", lambda pg, run=run: run(pg, b"\x00" * 8), RO_MSG + "|" + DTYPE_MSG)
@@ -226,16 +233,7 @@ def _rows() -> list[Row]:
     # ---- reduce_scatter / reduce (the rules of all_reduce, plus axis 0 divisible / a root)
     RS, R = "reduce_scatter", "reduce"
     for call, run in ((RS, lambda pg, d, *op: pg.reduce_scatter(d, *op)), (R, lambda pg, d, *op: pg.reduce(0, d, *op))):
-        for k, make in WRONG_TYPES.items():
-            add(call, f"data={k}", lambda pg, make=make, run=run: run(pg, make()), TYPE_MSG + "|read-only")
-        for k, make in BAD_DTYPES.items():
-            add(call, f"dtype={k}", lambda pg, make=make, run=run: run(pg, make()), DTYPE_MSG)
-        for k, dt in NOT_REDUCIBLE.items():
-            add(call, f"dtype={k}", lambda pg, dt=dt, run=run: run(pg, np.ones(4, dtype=dt)), DTYPE_MSG)
-        for k, dt in (("int32", np.int32), ("int64", np.int64)):
-            add(call, f"{k}-AVG", lambda pg, dt=dt, run=run: run(pg, np.ones(4, dtype=dt), ReduceKind.AVG), INTOP_MSG)
-        for k, op in BAD_OPS.items():
-            add(call, f"op={k}", lambda pg, op=op, run=run: run(pg, f32(), op), OP_MSG)
+        _add_reduction_rules(add, call, run, 4)
         add(call, "a[::2]", lambda pg, run=run: run(pg, strided()), CONTIG_MSG)
         add(call, "fortran-2d", lambda pg, run=run: run(pg, fortran()), CONTIG_MSG)
     add(RS, "0-d", lambda pg: pg.reduce_scatter(np.array(1.0)), r"0-d.*1-D")
