@@ -58,8 +58,9 @@ F32 = _wt(3, "f32", np.float32, reducible=True, is_float=True)
 F64 = _wt(4, "f64", np.float64, reducible=True, is_float=True)
 I32 = _wt(5, "i32", np.int32, reducible=True)
 I64 = _wt(6, "i64", np.int64, reducible=True)
+U8 = _wt(8, "u8", np.uint8)  # raw bytes, and the empty frames of barriers and agreement steps
 _MOVE_ONLY = [
-    _wt(7, "i8", np.int8), _wt(8, "u8", np.uint8), _wt(9, "i16", np.int16),
+    _wt(7, "i8", np.int8), U8, _wt(9, "i16", np.int16),
     _wt(10, "u16", np.uint16), _wt(11, "u32", np.uint32), _wt(12, "u64", np.uint64),
     _wt(13, "bool", np.bool_), _wt(14, "c64", np.complex64), _wt(15, "c128", np.complex128),
 ]

@@ -12,6 +12,7 @@ import numpy as np
 from .. import kernels
 from ..types import ReduceKind
 from .call import Call
+from .ring import scale_if_avg
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 
@@ -25,8 +26,7 @@ def board_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
     for src in range(1, c.size):
         kernels.reduce_into(data, board.read(src, seq, c.meta, c.deadline, guard).view(data.dtype), c.code, op)
     board.finish(seq)
-    if op is ReduceKind.AVG:
-        kernels.scale_into(data, c.code, c.size)
+    scale_if_avg(c, data, op, c.size)
 
 
 def board_barrier(c: Call) -> None:

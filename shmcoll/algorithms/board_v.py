@@ -20,11 +20,11 @@ import numpy as np
 
 from ..errors import CollectiveError
 from ..transport.frame import MAX_NDIM
-from ..types import WIRE_TYPES
+from ..types import U8, WIRE_TYPES
 from .call import Call
 from .scatter_gather import lengths_from
 
-_SIGNAL_CODE = 8  # the entries are raw bytes (uint8): the call's dtype is in its description
+_SIGNAL_CODE = U8.code  # the entries are raw bytes: the call's dtype is in its description
 _HEAD = 3 + MAX_NDIM  # int64 words: [fits, dtype code, ndim, dim0, dim1, ...]
 _HEAD_BYTES = 8 * _HEAD
 

@@ -17,23 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
 from ..transport.topology import Topology
 from ..types import ReduceKind
 from .barrier import dissemination_barrier
 from .broadcast import chain_broadcast
 from .call import Call, segment_bounds
-from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter
-
-
-def _inner(op: ReduceKind) -> ReduceKind:
-    """AVG is summed in every phase and divided once by the world size at the end."""
-    return ReduceKind.SUM if op is ReduceKind.AVG else op
-
-
-def _scale_if_avg(c: Call, data: np.ndarray, op: ReduceKind) -> None:
-    if op is ReduceKind.AVG:
-        kernels.scale_into(data, c.code, c.size)
+from .ring import (one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg,
+                   summed)
 
 
 def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int) -> None:
@@ -42,12 +32,12 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     host, k, end = topo.local_ranks(c.rank), topo.min_local, len(data)
     slices = segment_bounds(end, k)
     owned = slices + [(end, end)] * (len(host) - k)
-    ring_reduce_scatter(c, data, _inner(op), host, owned)
+    ring_reduce_scatter(c, data, summed(op), host, owned)
     j = host.index(c.rank)
     if j < k:
         a, b = slices[j]
-        _across(c, data[a:b], _inner(op), topo.column(j), one_shot_bytes)
-        _scale_if_avg(c, data[a:b], op)
+        _across(c, data[a:b], summed(op), topo.column(j), one_shot_bytes)
+        scale_if_avg(c, data[a:b], op, c.size)
     ring_all_gather_owned(c, data, host, owned)
 
 
@@ -61,15 +51,15 @@ def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], 
 def small_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
     """Latency first: one-shot in the host, one-shot among host leaders, leader fans out."""
     host = topo.local_ranks(c.rank)
-    one_shot_all_reduce(c, data, _inner(op), host)
+    one_shot_all_reduce(c, data, summed(op), host)
     leader = host[0]
     if c.rank == leader:
-        one_shot_all_reduce(c, data, _inner(op), topo.leaders())
+        one_shot_all_reduce(c, data, summed(op), topo.leaders())
         for peer in host[1:]:
             c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
     else:
         c.t.recv_into(leader, c.tag, data, c.code, c.deadline, c.meta)
-    _scale_if_avg(c, data, op)
+    scale_if_avg(c, data, op, c.size)
 
 
 def hier_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:

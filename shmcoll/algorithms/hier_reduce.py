@@ -19,22 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
 from ..transport.topology import Topology
 from ..types import ReduceKind
 from .call import Call, segment_bounds
-from .ring import ring_reduce_scatter
+from .ring import ring_reduce_scatter, scale_if_avg, summed
 from .scatter_gather import agree, recv_stream, send_stream
-
-
-def _inner(op: ReduceKind) -> ReduceKind:
-    """AVG is summed in every phase and divided once by the world size where a block is finished."""
-    return ReduceKind.SUM if op is ReduceKind.AVG else op
-
-
-def _finish(c: Call, piece: np.ndarray, op: ReduceKind) -> None:
-    if op is ReduceKind.AVG:
-        kernels.scale_into(piece, c.code, c.size)
 
 
 def staging_order(topo: Topology, rank: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -58,7 +47,7 @@ def hier_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.nda
     """out = op over every rank's block c.rank; staged comes from stage_for_reduce_scatter."""
     host, block = topo.local_ranks(c.rank), len(staged) // c.size
     order, owned = staging_order(topo, c.rank)
-    ring_reduce_scatter(c, staged, _inner(op), host, [(a * block, b * block) for a, b in owned])
+    ring_reduce_scatter(c, staged, summed(op), host, [(a * block, b * block) for a, b in owned])
     first, stop = owned[host.index(c.rank)]
     for at in range(first, stop):
         if order[at] != c.rank:
@@ -68,8 +57,8 @@ def hier_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.nda
     me = topo.local_index(c.rank)
     for other in topo.hosts:
         if other is not host:
-            recv_stream(c, other[me % len(other)], mine, _inner(op))
-    _finish(c, mine, op)
+            recv_stream(c, other[me % len(other)], mine, summed(op))
+    scale_if_avg(c, mine, op, c.size)
     out[:] = mine
 
 
@@ -78,7 +67,7 @@ def hier_reduce(c: Call, topo: Topology, root: int, data: np.ndarray, op: Reduce
     agree(c, topo)
     host, k = topo.local_ranks(c.rank), topo.min_local
     slices = segment_bounds(len(data), k)
-    ring_reduce_scatter(c, data, _inner(op), host, slices + [(len(data), len(data))] * (len(host) - k))
+    ring_reduce_scatter(c, data, summed(op), host, slices + [(len(data), len(data))] * (len(host) - k))
     home, j = topo.local_ranks(root), host.index(c.rank)
     if j < k:
         _column_reduce(c, topo, data[slice(*slices[j])], op, home[j], root)
@@ -96,7 +85,7 @@ def _column_reduce(c: Call, topo: Topology, piece: np.ndarray, op: ReduceKind, t
         return
     for src in topo.column(topo.local_index(target)):
         if src != target:
-            recv_stream(c, src, piece, _inner(op))
-    _finish(c, piece, op)
+            recv_stream(c, src, piece, summed(op))
+    scale_if_avg(c, piece, op, c.size)
     if target != root:
         send_stream(c, root, piece)

@@ -58,15 +58,30 @@ def ring_all_gather_owned(c: Call, data: np.ndarray, ring: Sequence[int], owned:
         _ring_step(c, data, ring, p, owned[(p - step) % n], owned[(p - step - 1) % n], pieces, None)
 
 
+def summed(op: ReduceKind) -> ReduceKind:
+    """The op to fold with: AVG is summed, and divided once where a piece is finished (scale_if_avg)."""
+    return ReduceKind.SUM if op is ReduceKind.AVG else op
+
+
+def scale_if_avg(c: Call, piece: np.ndarray, op: ReduceKind, count: int) -> None:
+    """Finish an AVG: divide the sum of `count` inputs (nothing to do for other ops)."""
+    if op is ReduceKind.AVG:
+        kernels.scale_into(piece, c.code, count)
+
+
+def ring_reduce_scatter_op(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequence[int],
+                           owned: Sequence[Bounds]) -> None:
+    """ring_reduce_scatter for any op, AVG included: each position's piece ends finished."""
+    ring_reduce_scatter(c, data, summed(op), ring, owned)
+    a, b = owned[ring.index(c.rank)]
+    scale_if_avg(c, data[a:b], op, len(ring))
+
+
 def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:
     """In place over a 1-D storage array; AVG is a SUM scaled by each segment's owner."""
     ring = _members(c, members)
     owned = segment_bounds(len(data), len(ring))
-    inner = ReduceKind.SUM if op is ReduceKind.AVG else op
-    ring_reduce_scatter(c, data, inner, ring, owned)
-    if op is ReduceKind.AVG:
-        a, b = owned[ring.index(c.rank)]
-        kernels.scale_into(data[a:b], c.code, len(ring))
+    ring_reduce_scatter_op(c, data, op, ring, owned)
     ring_all_gather_owned(c, data, ring, owned)
 
 
@@ -86,8 +101,7 @@ def one_shot_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequ
             kernels.reduce_into(data, own, c.code, op)
         else:
             c.t.recv_into(src, c.tag, data, c.code, c.deadline, c.meta, op)
-    if op is ReduceKind.AVG:
-        kernels.scale_into(data, c.code, len(ranks))
+    scale_if_avg(c, data, op, len(ranks))
 
 
 def ring_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:

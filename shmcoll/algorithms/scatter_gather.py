@@ -23,18 +23,17 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import kernels
 from ..errors import CollectiveError, CollectiveMismatch
 from ..transport.frame import MAX_NDIM
 from ..transport.topology import Topology
-from ..types import WIRE_TYPES, ReduceKind
+from ..types import I64, U8, WIRE_TYPES, ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
 from .hier import hier_all_gather, hier_all_gather_v, hier_barrier
-from .ring import ring_all_gather_owned, ring_reduce_scatter
+from .ring import ring_all_gather_owned, ring_reduce_scatter_op
 
 _EMPTY = np.empty(0, dtype=np.uint8)
-_SIGNAL_CODE = 8  # uint8: the empty frames of `agree` (valid whatever dtype the call carries)
-_INT64_CODE = 6
+_SIGNAL_CODE = U8.code  # the empty frames of `agree` (valid whatever dtype the call carries)
+_INT64_CODE = I64.code
 
 
 def exchange_all(c: Call, vec: np.ndarray, code: int) -> list[np.ndarray]:
@@ -80,21 +79,12 @@ def recv_stream(c: Call, src: int, out: np.ndarray, op: ReduceKind | None = None
         c.t.recv_into(src, c.tag, out[a:b], c.code, c.deadline, c.meta, op)
 
 
-def _ring_reduce_scatter_avg(c: Call, data: np.ndarray, op: ReduceKind, owned) -> None:
-    """ring_reduce_scatter where rank i owns owned[i]; AVG is a SUM scaled by the owner (as in all_reduce)."""
-    inner = ReduceKind.SUM if op is ReduceKind.AVG else op
-    ring_reduce_scatter(c, data, inner, range(c.size), owned)
-    if op is ReduceKind.AVG:
-        a, b = owned[c.rank]
-        kernels.scale_into(data[a:b], c.code, c.size)
-
-
 def reduce_scatter(c: Call, work: np.ndarray, out: np.ndarray, op: ReduceKind) -> None:
     """out = op over every rank's block c.rank of `work` (a 1-D scratch copy of the input, n equal
     blocks; it ends holding partial results). Each block is folded once, along the ring, in a fixed
     order, so the result does not depend on timing."""
     block = len(work) // c.size
-    _ring_reduce_scatter_avg(c, work, op, [(i * block, (i + 1) * block) for i in range(c.size)])
+    ring_reduce_scatter_op(c, work, op, range(c.size), [(i * block, (i + 1) * block) for i in range(c.size)])
     out[:] = work[c.rank * block:(c.rank + 1) * block]
 
 
@@ -105,7 +95,7 @@ def reduce_to_root(c: Call, root: int, data: np.ndarray, op: ReduceKind) -> None
     if c.size == 1:
         return  # op over one input is the input (AVG divides by 1)
     owned = segment_bounds(len(data), c.size)
-    _ring_reduce_scatter_avg(c, data, op, owned)
+    ring_reduce_scatter_op(c, data, op, range(c.size), owned)
     if c.rank != root:
         a, b = owned[c.rank]
         send_stream(c, root, data[a:b])
