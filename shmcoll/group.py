@@ -33,14 +33,13 @@ from .transport.base import Transport
 from .transport.frame import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, COLLECTIVE_NAMES, FEDERATED_AVERAGE, Meta
 from .transport.mailbox import AbortReason
 from .transport.topology import Topology
-from .types import TAG_RESERVED_BASE, WIRE_TYPES, ReduceKind
+from .types import TAG_RESERVED_BASE, U8, WIRE_TYPES, ReduceKind
 from .group_more import MoreCollectives
 from .plan import Plan
 from .worker import CollectiveHandle, OrderedWorker
 
 #: A rank not heard from (data or heartbeat) for this many seconds counts as silent in timeout reports.
 SILENT_AFTER = 2.0
-_BARRIER_CODE = 8  # barrier frames carry empty uint8 payloads
 #: The root group's collective tags: [2**30, 2**31). Sub-groups (split) use [2**31, 2**32 - 1), see transport/sub.py.
 _TAG_SPAN = TAG_RESERVED_BASE
 _STARTUP_TAG = (1 << 32) - 1  # above every sequence number's tag
@@ -127,12 +126,12 @@ class ProcessGroup(MoreCollectives):
             body = lambda c: hier_barrier(c, topo)
         else:
             body = board_barrier if self.transport.board is not None else dissemination_barrier
-        self._collective(BARRIER, _BARRIER_CODE, 0, body)
+        self._collective(BARRIER, U8.code, 0, body)  # empty uint8 frames
 
     def _startup_barrier(self) -> None:
         """init()'s last step, on a tag of its own: the first user collective is still number 0."""
         self._check_usable()
-        meta = Meta(seq=_STARTUP_SEQ, coll=BARRIER, dtype=_BARRIER_CODE)
+        meta = Meta(seq=_STARTUP_SEQ, coll=BARRIER, dtype=U8.code)
         self._execute(meta, dissemination_barrier, tag=_STARTUP_TAG)
 
     def all_reduce(self, data, op: ReduceKind = ReduceKind.SUM):
@@ -167,8 +166,7 @@ class ProcessGroup(MoreCollectives):
     def _all_gather_plan(self, local) -> Plan:
         arr = v.as_array(local, "local", writable=False)
         wire = v.wire_of(arr, "local")
-        shape = arr.shape if arr.ndim else (1,)
-        out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype)
+        out = v.gathered_like(arr, self.world_size)
         flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
         topo = self._hosts()
         if topo is not None:

@@ -106,12 +106,11 @@ class MoreCollectives:
         root = v.rank_arg(root, self.world_size, "root")
         arr = v.as_array(local, "local", writable=False)
         wire = v.wire_of(arr, "local")
-        shape = arr.shape if arr.ndim else (1,)
         flat_in = v.storage_view(arr, wire)
         on_board = self._fits_board(flat_in)
         out = None
         if self.rank == root or on_board:  # the board copies every block everywhere: others get scratch
-            out = np.empty((self.world_size * shape[0], *shape[1:]), dtype=arr.dtype)
+            out = v.gathered_like(arr, self.world_size)
         flat_out = v.storage_view(out, wire) if out is not None else None
         topo, result = self._hosts(), out if self.rank == root else None
         if on_board:

@@ -150,3 +150,10 @@ def equal_blocks(arr: np.ndarray, parts: int, what: str, call: str) -> int:
             f"{call}: len({what}) = {arr.shape[0]} (axis 0) is not divisible by the world size {parts}; "
             f"pad {what} to a multiple of {parts} rows")
     return arr.shape[0] // parts
+
+
+def gathered_like(arr: np.ndarray, parts: int) -> np.ndarray:
+    """A new array for `parts` ranks' arr concatenated along axis 0 (what all_gather and gather
+    return); a 0-d arr counts as one row."""
+    shape = arr.shape if arr.ndim else (1,)
+    return np.empty((parts * shape[0], *shape[1:]), dtype=arr.dtype)
