@@ -106,7 +106,10 @@ def _arm(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> None:
         def fire_then_call(*args, **kwargs):
             if counts(args) and next(count) == after_sends:
                 stamps[pg.rank] = time.monotonic()
-                os.kill(os.getpid(), sig)
+                # To this thread, not the process: a process-directed SIGSTOP is taken by the main
+                # thread (asleep in join() for spawn_*), and until it gets a core and stops the
+                # group, this thread goes on sending (seen: a whole call finished under load).
+                signal.pthread_kill(threading.get_ident(), sig)
             return real(*args, **kwargs)
         return fire_then_call
 
