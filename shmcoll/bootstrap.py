@@ -20,13 +20,13 @@ import weakref
 from .config import Config, load_config
 from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLost, ShmSetupError, error_of_kind
 from .group import ProcessGroup
-from .netio import Deadline
+from .net.sockets import Deadline
 from .rendezvous.store import ABORT_KEY, StoreAbort, StoreClient, StoreServer
 from .transport.base import Transport
-from .transport.hier import HierarchicalTransport
+from .transport.hierarchical import HierarchicalTransport
 from .transport.mailbox import Mailbox
-from .transport.mesh import connect_mesh, open_listener
-from .transport.ring import Layout, fit_layout
+from .net.mesh import connect_mesh, open_listener
+from .transport.shm_layout import Layout, fit_layout
 from .transport.shm import ShmTransport
 from .transport.shm_segment import Segment, attach_segment, create_segment, free_bytes, name_prefix, unlink_names
 from .transport.tcp import NetTransport
@@ -180,7 +180,7 @@ def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pid
     shm = _shm_transport(cfg, client, hosts, pids, deadline, mailbox)
     try:
         remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
-        net = _tcp_transport(cfg, client, deadline, remote, mailbox, across_hosts=True)
+        net = _tcp_transport(cfg, client, deadline, remote, mailbox, local=shm)
     except BaseException:
         shm.close()
         raise
@@ -188,19 +188,21 @@ def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pid
 
 
 def _tcp_transport(cfg: Config, client: StoreClient, deadline: float, peers: set[int] | None = None,
-                   mailbox: Mailbox | None = None, across_hosts: bool = False) -> NetTransport:
+                   mailbox: Mailbox | None = None, local: ShmTransport | None = None) -> NetTransport:
+    """TCP to `peers` (default every other rank); under a hierarchy, `local` is this host's
+    shared-memory transport and the mailbox the one both share."""
     listener = open_listener(client.local_address)
     try:
         me = json.dumps([client.local_address, listener.getsockname()[1]])
         addrs = {r: tuple(json.loads(v)) for r, v in _gather(cfg, client, "tcp", me, deadline).items()}
-        if across_hosts:
+        if local is not None:  # the TCP side of a hierarchy: its peers are on other hosts
             _check_routable(cfg, addrs)
     except BaseException:
         listener.close()
         raise
     socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers,
                          check=lambda: _raise_if_aborted(client, deadline))
-    return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox)
+    return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local)
 
 
 def _raise_if_aborted(client: StoreClient, deadline: float) -> None:

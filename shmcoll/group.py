@@ -30,10 +30,10 @@ from .config import Tuning
 from .recorder import FlightRecorder, diagnosis
 from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
 from .transport.base import Transport
-from .transport.frame import ALL_GATHER, ALL_REDUCE, BARRIER, BROADCAST, COLLECTIVE_NAMES, FEDERATED_AVERAGE, Meta
+from .transport.frame import Meta
 from .transport.mailbox import AbortReason
 from .transport.topology import Topology
-from .types import TAG_RESERVED_BASE, U8, WIRE_TYPES, ReduceKind
+from .types import TAG_RESERVED_BASE, U8, WIRE_TYPES, Collective, ReduceKind
 from .group_more import MoreCollectives
 from .plan import Plan
 from .worker import CollectiveHandle, OrderedWorker
@@ -126,32 +126,32 @@ class ProcessGroup(MoreCollectives):
             body = lambda c: hier_barrier(c, topo)
         else:
             body = board_barrier if self.transport.board is not None else dissemination_barrier
-        self._collective(BARRIER, U8.code, 0, body)  # empty uint8 frames
+        self._collective(Collective.BARRIER, U8.code, 0, body)  # empty uint8 frames
 
     def _startup_barrier(self) -> None:
         """init()'s last step, on a tag of its own: the first user collective is still number 0."""
         self._check_usable()
-        meta = Meta(seq=_STARTUP_SEQ, coll=BARRIER, dtype=U8.code)
+        meta = Meta(seq=_STARTUP_SEQ, coll=Collective.BARRIER, dtype=U8.code)
         self._execute(meta, dissemination_barrier, tag=_STARTUP_TAG)
 
     def all_reduce(self, data, op: ReduceKind = ReduceKind.SUM):
         arr = v.as_array(data, "data", writable=True)
         wire, kind = v.reducible_wire(arr, op, "data")
         flat = v.storage_view(arr, wire)
-        self._collective(ALL_REDUCE, wire.code, flat.size, self._all_reduce_body(flat, kind), op=kind)
+        self._collective(Collective.ALL_REDUCE, wire.code, flat.size, self._all_reduce_body(flat, kind), op=kind)
         return data
 
     def all_reduce_typed(self, buf, dtype, op: ReduceKind = ReduceKind.SUM):
         flat, wire = v.typed_buffer(buf, dtype)
         kind = v.reduce_kind(op)
-        self._collective(ALL_REDUCE, wire.code, flat.size, self._all_reduce_body(flat, kind), op=kind)
+        self._collective(Collective.ALL_REDUCE, wire.code, flat.size, self._all_reduce_body(flat, kind), op=kind)
         return buf
 
     def spawn_all_reduce(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
         arr = v.as_array(data, "data", writable=True)
         wire, kind = v.reducible_wire(arr, op, "data")
         flat = v.storage_view(arr, wire)
-        meta = self._next_meta(ALL_REDUCE, wire.code, flat.size, op=kind)
+        meta = self._next_meta(Collective.ALL_REDUCE, wire.code, flat.size, op=kind)
         body = self._all_reduce_body(flat, kind)
         return self._st.worker.submit("all_reduce", lambda: (self._execute(meta, body), arr)[1])
 
@@ -173,7 +173,7 @@ class ProcessGroup(MoreCollectives):
             gather = lambda c, i, o: hier_all_gather(c, topo, i, o)
         else:
             gather = board_all_gather if self._fits_board(flat_in) else ring_all_gather
-        return Plan(ALL_GATHER, wire.code, flat_in.size, lambda c: (gather(c, flat_in, flat_out), out)[1])
+        return Plan(Collective.ALL_GATHER, wire.code, flat_in.size, lambda c: (gather(c, flat_in, flat_out), out)[1])
 
     def broadcast(self, root: int, data):
         return self._run(self._broadcast_plan(root, data))
@@ -193,7 +193,7 @@ class ProcessGroup(MoreCollectives):
             cast = lambda c, r, d: hier_broadcast(c, topo, r, d)
         else:
             cast = board_broadcast if self._fits_board(flat) else chain_broadcast
-        return Plan(BROADCAST, wire.code, flat.size, lambda c: (cast(c, root, flat), data)[1], root=root)
+        return Plan(Collective.BROADCAST, wire.code, flat.size, lambda c: (cast(c, root, flat), data)[1], root=root)
 
     def federated_average(self, data, deadline) -> int:
         arr = v.as_array(data, "data", writable=True)
@@ -202,7 +202,7 @@ class ProcessGroup(MoreCollectives):
             raise InvalidArgument(f"federated_average averages floating-point data, not {arr.dtype}")
         window = v.seconds_arg(deadline, "deadline")
         flat = v.storage_view(arr, wire)
-        return self._collective(FEDERATED_AVERAGE, wire.code, flat.size,
+        return self._collective(Collective.FEDERATED_AVERAGE, wire.code, flat.size,
                                 lambda c: federated_average(c, flat, window))
 
     # ---- life cycle ----
@@ -250,7 +250,7 @@ class ProcessGroup(MoreCollectives):
     def _execute(self, meta: Meta, body: Callable[[Call], Any], tag: int | None = None):
         t = self._st.transport
         start = time.monotonic()
-        tag = getattr(t, "tag_of", _root_tag)(meta.seq) if tag is None else tag
+        tag = t.tag_of(meta.seq) if tag is None else tag
         call = Call(t, tag, meta, meta.dtype, start + t.timeout, self._st.tuning.chunk_bytes)
         self._debug("start", meta, start)
         try:
@@ -280,7 +280,7 @@ class ProcessGroup(MoreCollectives):
     def _fail(self, exc: CollectiveError, meta: Meta | None, start: float, what: str | None = None) -> CollectiveError:
         """Describe the failure, break the group, and tell every peer so nobody waits for us."""
         st = self._st
-        what = what or f"{COLLECTIVE_NAMES[meta.coll]} (sequence number {meta.seq})"
+        what = what or f"{Collective(meta.coll).label} (sequence number {meta.seq})"
         detail = str(exc)
         if isinstance(exc, CollectiveTimeout):
             detail += f" (timeout {st.transport.timeout:g} s); {self._silence_report()}"
@@ -303,7 +303,7 @@ class ProcessGroup(MoreCollectives):
 
     def _hosts(self) -> Topology | None:
         """The topology when the group spans several hosts (the two-level algorithms apply), else None."""
-        topo = getattr(self.transport, "topology", None)
+        topo = self.transport.topology
         return topo if topo is not None and topo.n_hosts > 1 else None
 
     def _fits_board(self, flat: np.ndarray) -> bool:
@@ -338,7 +338,7 @@ class ProcessGroup(MoreCollectives):
     def _debug(self, event: str, meta: Meta, start: float) -> None:
         if self._st.tuning.debug:
             took = f" in {1e6 * (time.monotonic() - start):.1f} us" if event == "end" else ""
-            print(f"[shmcoll rank {self.rank}] {event} {COLLECTIVE_NAMES[meta.coll]} seq={meta.seq} "
+            print(f"[shmcoll rank {self.rank}] {event} {Collective(meta.coll).label} seq={meta.seq} "
                   f"count={meta.count}{took}", file=sys.stderr, flush=True)
 
 

@@ -26,9 +26,9 @@ from .algorithms.call import Call
 from .algorithms.hier_reduce import hier_reduce, hier_reduce_scatter, stage_for_reduce_scatter
 from .errors import CollectiveMismatch, InvalidArgument
 from .transport import sub
-from .transport.frame import ALL_GATHER_V, ALL_TO_ALL, GATHER, REDUCE, REDUCE_SCATTER, ROOTS_DTYPE, SCATTER
+from .transport.frame import ROOTS_DTYPE
 from .plan import Plan
-from .types import ReduceKind
+from .types import Collective, ReduceKind
 from .worker import CollectiveHandle
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class MoreCollectives:
         else:
             work = flat.copy()
             run = lambda c: sg.reduce_scatter(c, work, mine, kind)
-        return Plan(REDUCE_SCATTER, wire.code, flat.size, lambda c: (run(c), out)[1], op=kind)
+        return Plan(Collective.REDUCE_SCATTER, wire.code, flat.size, lambda c: (run(c), out)[1], op=kind)
 
     def reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM):
         """In place on root; every rank's data is scratch space (hence writable everywhere)."""
@@ -91,7 +91,7 @@ class MoreCollectives:
             run = lambda c: hier_reduce(c, topo, root, flat, kind)
         else:
             run = lambda c: sg.reduce_to_root(c, root, flat, kind)
-        return Plan(REDUCE, wire.code, flat.size, lambda c: (run(c), data)[1], op=kind, root=root)
+        return Plan(Collective.REDUCE, wire.code, flat.size, lambda c: (run(c), data)[1], op=kind, root=root)
 
     # ---- data movement ----
     def gather(self, root: int, local) -> np.ndarray | None:
@@ -117,7 +117,7 @@ class MoreCollectives:
             run = lambda c: board_all_gather(c, flat_in, flat_out)
         else:
             run = lambda c: sg.gather_to_root(c, root, flat_in, flat_out, topo)
-        return Plan(GATHER, wire.code, flat_in.size, lambda c: (run(c), result)[1], root=root)
+        return Plan(Collective.GATHER, wire.code, flat_in.size, lambda c: (run(c), result)[1], root=root)
 
     def scatter(self, root: int, data=None) -> np.ndarray:
         """Root's data split along axis 0 into world_size equal blocks; rank i gets block i (a new
@@ -147,7 +147,7 @@ class MoreCollectives:
             got = sg.scatter_from_root(c, root, blocks, code, topo)
             return got.view(user) if user is not None else got  # the root's comes back as storage
 
-        return Plan(SCATTER, ROOTS_DTYPE, 0, body, root=root)
+        return Plan(Collective.SCATTER, ROOTS_DTYPE, 0, body, root=root)
 
     def all_to_all(self, data) -> np.ndarray:
         """Block j (of world_size equal blocks along axis 0) goes to rank j; the result holds the
@@ -168,7 +168,7 @@ class MoreCollectives:
         out = np.empty(arr.shape, dtype=arr.dtype)
         flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
         exchange = board_all_to_all if self._fits_board(flat_in) else sg.all_to_all
-        return Plan(ALL_TO_ALL, wire.code, flat_in.size, lambda c: (exchange(c, flat_in, flat_out), out)[1])
+        return Plan(Collective.ALL_TO_ALL, wire.code, flat_in.size, lambda c: (exchange(c, flat_in, flat_out), out)[1])
 
     def all_gather_v(self, local) -> tuple[np.ndarray, list[int]]:
         """all_gather where each rank's length along axis 0 may differ (trailing dimensions and dtype
@@ -202,7 +202,7 @@ class MoreCollectives:
             sg.all_gather_v(c, flat_in, flat_out, lengths, row, topo)
             return out, lengths
 
-        return Plan(ALL_GATHER_V, wire.code, row, body)
+        return Plan(Collective.ALL_GATHER_V, wire.code, row, body)
 
     # ---- Python objects (pickled; trusted ranks only) ----
     def broadcast_object(self, root: int, obj=None):

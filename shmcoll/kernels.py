@@ -40,7 +40,6 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from shmcoll.halfbits import reference_reduce, reference_scale  # noqa: F401  (re-exported)
 from shmcoll.types import WIRE_TYPES, ReduceKind
 
 _jit = numba.njit(nogil=True, cache=True)

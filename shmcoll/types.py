@@ -1,4 +1,4 @@
-"""Public enums (ReduceKind, DType), the reserved tag base, and the wire dtype table.
+"""Public enums (ReduceKind, DType), collective codes, the reserved tag base, and the wire dtype table.
 
 Every element type that can cross the wire has a one-byte code. Reductions work on the
 *storage* array of a type: float16 and bfloat16 travel and are reduced as uint16 bit patterns,
@@ -21,6 +21,29 @@ except ImportError:  # pragma: no cover - exercised only without ml_dtypes
 
 #: Tags at or above this value belong to collectives; user tags must be below it.
 TAG_RESERVED_BASE = 1 << 30
+
+
+class Collective(enum.IntEnum):
+    """What a frame says its sender called (Meta.coll on the wire), so ranks can name each side's call.
+    P2P (0) marks point-to-point frames, which belong to no collective."""
+
+    P2P = 0
+    BARRIER = 1
+    ALL_REDUCE = 2
+    ALL_GATHER = 3
+    BROADCAST = 4
+    FEDERATED_AVERAGE = 5
+    REDUCE_SCATTER = 6
+    REDUCE = 7
+    ALL_TO_ALL = 8
+    GATHER = 9
+    SCATTER = 10
+    ALL_GATHER_V = 11
+
+    @property
+    def label(self) -> str:
+        """The call as the user wrote it: "all_reduce", or "send" for point-to-point."""
+        return "send" if self is Collective.P2P else self.name.lower()
 
 
 class ReduceKind(enum.IntEnum):

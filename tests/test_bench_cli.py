@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcoll.config import RANK_VARS, WORLD_SIZE_VARS
+from shmcoll.rendezvous.launchers import RANK_VARS, WORLD_SIZE_VARS
 from shmcoll.launch import bench_buffers, bench_cli, bench_core
 from shmcoll.launch.bench_buffers import MAX_COLD_BUFFERS, Plan, plan, read_llc, rotating
 from shmcoll.launch.bench_core import (Spec, UsageError, bus_factor, check_once, choose_iters, layout, make_row,

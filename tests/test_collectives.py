@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from shmcoll import DType, ReduceKind
-from shmcoll.kernels import reference_reduce
 from shmcoll.types import BFLOAT16, wire_type_of
 
+from kernel_reference import reference_reduce
 from harness import run_ranks
 
 pytestmark = pytest.mark.usefixtures("layout")  # over tcp, shm and every simulated multi-host layout

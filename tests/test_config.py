@@ -1,4 +1,4 @@
-"""shmcoll.config: environment fallbacks, explicit arguments and validation, with plain dicts."""
+"""shmcoll.config and rendezvous.launchers: environment fallbacks, explicit arguments and validation, with plain dicts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import socket
 import pytest
 
 from shmcoll import config as cfg
-from shmcoll.config import Config, default_host_id, load_config
+from shmcoll.config import Config, load_config
 from shmcoll.errors import InvalidArgument
+from shmcoll.rendezvous import host_id
+from shmcoll.rendezvous import launchers as lch
+from shmcoll.rendezvous.host_id import default_host_id
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -30,9 +33,9 @@ def without(*names: str, **kw: str) -> dict[str, str]:
 # --- fallbacks in priority order -------------------------------------------------------------
 
 FALLBACKS = [
-    ("rank", cfg.RANK_VARS, {"SHMCOLL_WORLD_SIZE": "99"}),
-    ("world_size", cfg.WORLD_SIZE_VARS, {"SHMCOLL_RANK": "0"}),
-    ("local_rank", cfg.LOCAL_RANK_VARS, {"SHMCOLL_RANK": "0", "SHMCOLL_WORLD_SIZE": "99"}),
+    ("rank", lch.RANK_VARS, {"SHMCOLL_WORLD_SIZE": "99"}),
+    ("world_size", lch.WORLD_SIZE_VARS, {"SHMCOLL_RANK": "0"}),
+    ("local_rank", lch.LOCAL_RANK_VARS, {"SHMCOLL_RANK": "0", "SHMCOLL_WORLD_SIZE": "99"}),
 ]
 
 
@@ -83,7 +86,7 @@ def test_explicit_arguments_alone_suffice():
 
 
 def test_defaults_to_os_environ(monkeypatch):
-    for n in (*cfg.RANK_VARS, *cfg.WORLD_SIZE_VARS, *cfg.MASTER_ADDR_VARS, *cfg.MASTER_PORT_VARS):
+    for n in (*lch.RANK_VARS, *lch.WORLD_SIZE_VARS, *lch.MASTER_ADDR_VARS, *lch.MASTER_PORT_VARS):
         monkeypatch.delenv(n, raising=False)
     monkeypatch.setenv("SHMCOLL_RANK", "0")
     monkeypatch.setenv("SHMCOLL_WORLD_SIZE", "1")
@@ -108,13 +111,13 @@ def raises(environ=None, **kw) -> str:
 
 def test_missing_rank_names_variables():
     msg = raises(without("SHMCOLL_RANK"))
-    for n in cfg.RANK_VARS:
+    for n in lch.RANK_VARS:
         assert n in msg
 
 
 def test_missing_world_size_names_variables():
     msg = raises(without("SHMCOLL_WORLD_SIZE"))
-    for n in cfg.WORLD_SIZE_VARS:
+    for n in lch.WORLD_SIZE_VARS:
         assert n in msg
     assert "SHMCOLL_RANK" not in msg
 
@@ -227,7 +230,7 @@ def test_default_host_id_shape():
     hid = default_host_id()
     host = socket.gethostname()
     try:
-        with open(cfg.BOOT_ID_PATH) as f:
+        with open(host_id.BOOT_ID_PATH) as f:
             boot = f.read().strip()
     except OSError:
         boot = None
@@ -236,7 +239,7 @@ def test_default_host_id_shape():
 
 
 def test_default_host_id_without_boot_id(monkeypatch, tmp_path):
-    monkeypatch.setattr(cfg, "BOOT_ID_PATH", str(tmp_path / "missing"))
+    monkeypatch.setattr(host_id, "BOOT_ID_PATH", str(tmp_path / "missing"))
     assert default_host_id() == socket.gethostname()
 
 
@@ -382,7 +385,7 @@ def test_explicit_arguments_carry_no_launcher_identity():
     (tests and users compute it with derive_job_id(addr, port, world))."""
     c = load_config(rank=0, world_size=2, master_addr="127.0.0.1", master_port=5000, environ=srun_env(0))
     assert c.job_id == cfg.derive_job_id("127.0.0.1", 5000, 2)
-    assert c.launcher == cfg.ARGUMENTS.name
+    assert c.launcher == lch.ARGUMENTS.name
 
 
 # --- precedence: explicit argument > SHMCOLL_* > generic > launcher-specific --------------------
@@ -415,13 +418,13 @@ def test_precedence_of_layers(top):
                                         ("65535", 65533), ("0", 2)])
 def test_torchrun_takes_the_port_two_after_master_port(given, port):
     c = load_config(environ={**torchrun_env(0), "MASTER_PORT": given})
-    assert c.master_port == port == cfg.torchrun_port(int(given))
+    assert c.master_port == port == lch.torchrun_port(int(given))
     assert "torchrun" in c.master_port_from and "SHMCOLL_MASTER_PORT" in c.master_port_from
 
 
-@pytest.mark.parametrize("marker", cfg.TORCHRUN_VARS)
+@pytest.mark.parametrize("marker", lch.TORCHRUN_VARS)
 def test_torchrun_is_recognised_by_either_variable(marker):
-    e = {k: v for k, v in torchrun_env(0).items() if k not in cfg.TORCHRUN_VARS}
+    e = {k: v for k, v in torchrun_env(0).items() if k not in lch.TORCHRUN_VARS}
     assert load_config(environ=e).master_port == 39271
     assert load_config(environ={**e, marker: "x"}).master_port == 39273
 

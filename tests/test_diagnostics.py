@@ -13,7 +13,8 @@ import pytest
 
 from harness import CTX, attempt, run_ranks
 from shmcoll.recorder import FlightRecorder, heard_from
-from shmcoll.transport.frame import ALL_REDUCE, BARRIER, Meta
+from shmcoll.transport.frame import Meta
+from shmcoll.types import Collective
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,7 +71,7 @@ def test_a_mismatch_names_both_calls_and_the_history(transport):
 def test_the_recorder_keeps_the_last_few_in_order():
     rec = FlightRecorder(size=2)
     assert rec.recent() == "none"
-    for seq, coll in enumerate((ALL_REDUCE, BARRIER, ALL_REDUCE)):
+    for seq, coll in enumerate((Collective.ALL_REDUCE, Collective.BARRIER, Collective.ALL_REDUCE)):
         rec.completed(Meta(seq=seq, coll=coll, dtype=3, count=seq), 2e-6 * (seq + 1))
     assert re.fullmatch(r"#1 barrier\(.*\) in 4 us, #2 all_reduce\(.*count=2.*\) in 6 us", rec.recent())
 

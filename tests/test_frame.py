@@ -19,7 +19,7 @@ from shmcoll.transport import frame
 from shmcoll.transport.frame import (ABORT, DATA, GOODBYE, HEADER_SIZE, MAX_CONTROL_PAYLOAD, MAX_NDIM, MAX_PAYLOAD,
                                      FrameError, Header, Meta)
 from shmcoll.transport.mailbox import AbortReason, Mailbox, Message
-from shmcoll.types import WIRE_TYPES
+from shmcoll.types import WIRE_TYPES, Collective
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -136,10 +136,10 @@ def test_frame_error_is_a_value_error():
 # ---------------------------------------------------------------- describe_mismatch
 
 def test_describe_mismatch():
-    want = Meta(seq=4, coll=frame.ALL_REDUCE, dtype=3, count=10, op=0, root=0)
+    want = Meta(seq=4, coll=Collective.ALL_REDUCE, dtype=3, count=10, op=0, root=0)
     assert frame.describe_mismatch(want, want, 1) is None
     assert frame.describe_mismatch(want._replace(), want, 1) is None
-    got = Meta(seq=4, coll=frame.BROADCAST, dtype=4, count=11, op=0, root=2)
+    got = Meta(seq=4, coll=Collective.BROADCAST, dtype=4, count=11, op=0, root=2)
     text = frame.describe_mismatch(got, want, 3)
     assert isinstance(text, str)
     assert "rank 3" in text and "broadcast(" in text and "all_reduce(" in text
@@ -351,20 +351,20 @@ def test_abort_wakes_every_waiter_with_its_class(kind, cls):
 def test_retire_below_drops_stale_collective_frames():
     mb = Mailbox(0, 3)
     for seq in (3, 4, 5):
-        mb.put(msg(1, 1000 + seq, seq, seq=seq, coll=frame.FEDERATED_AVERAGE))
-    mb.put(msg(2, 1003, 33, seq=3, coll=frame.ALL_REDUCE))
-    mb.put(msg(1, 7, 1, seq=0, coll=frame.P2P))  # point-to-point frames carry no sequence number
+        mb.put(msg(1, 1000 + seq, seq, seq=seq, coll=Collective.FEDERATED_AVERAGE))
+    mb.put(msg(2, 1003, 33, seq=3, coll=Collective.ALL_REDUCE))
+    mb.put(msg(1, 7, 1, seq=0, coll=Collective.P2P))  # point-to-point frames carry no sequence number
     mb.retire_below(5)
     for src, tag in ((1, 1003), (1, 1004), (2, 1003)):
         with pytest.raises(CollectiveTimeout):
             mb.take(src, tag, soon(0.02))
     assert int(mb.take(1, 1005, soon()).payload[0]) == 5
-    mb.put(msg(2, 1004, 4, seq=4, coll=frame.FEDERATED_AVERAGE))  # a straggler's late vector
+    mb.put(msg(2, 1004, 4, seq=4, coll=Collective.FEDERATED_AVERAGE))  # a straggler's late vector
     mb.retire_below(2)  # never goes back
     with pytest.raises(CollectiveTimeout):
         mb.take(2, 1004, soon(0.02))
-    mb.put(msg(2, 1006, 6, seq=6, coll=frame.FEDERATED_AVERAGE))
-    mb.put(msg(2, 8, 8, seq=0, coll=frame.P2P))
+    mb.put(msg(2, 1006, 6, seq=6, coll=Collective.FEDERATED_AVERAGE))
+    mb.put(msg(2, 8, 8, seq=0, coll=Collective.P2P))
     assert int(mb.take(2, 1006, soon()).payload[0]) == 6
     assert int(mb.take(1, 7, soon()).payload[0]) == 1
     assert int(mb.take(2, 8, soon()).payload[0]) == 8

@@ -37,12 +37,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmcoll
-from shmcoll.gate import Gate
-from shmcoll.handshake import HandshakeDropped, client_handshake, server_handshake
+from shmcoll.net.gate import Gate
+from shmcoll.net.handshake import HandshakeDropped, client_handshake, server_handshake
 from shmcoll.transport import frame
 from shmcoll.transport.mailbox import Mailbox
-from shmcoll.transport.mesh import _purpose as mesh_purpose
-from shmcoll.transport.mesh import connect_mesh, open_listener
+from shmcoll.net.mesh import _purpose as mesh_purpose
+from shmcoll.net.mesh import connect_mesh, open_listener
 from shmcoll.transport.tcp import NetTransport
 from shmcoll.types import WIRE_TYPES
 from harness import CTX, run_ranks

@@ -1,8 +1,9 @@
 """Kernels against numpy: exhaustive 16-bit conversions, rounding at every midpoint, every (code, op).
 
 References: numpy's float16 casts (float64 -> float16 is direct and correctly rounded); for
-bfloat16 a nearest-value table search (shmcoll.halfbits), itself checked with exact fractions,
-because ml_dtypes' float64 -> bfloat16 cast rounds twice (through float32).
+bfloat16 a nearest-value table search (kernel_reference.py), itself checked with exact fractions,
+so the reference depends on no third party's cast (some ml_dtypes releases rounded float64 ->
+bfloat16 twice, through float32).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shmcoll import halfbits, kernels
+import kernel_reference as ref
+from shmcoll import kernels
 from shmcoll.types import WIRE_TYPES, ReduceKind
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint16)
@@ -36,9 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 def widen(storage: np.ndarray, code: int) -> np.ndarray:
     """Reference widening of a storage array to float64 (numpy only)."""
     if code == 1:
-        return halfbits.f16_bits_to_f64_np(storage)
+        return ref.f16_bits_to_f64_np(storage)
     if code == 2:
-        return halfbits.bf16_bits_to_f64_np(storage)
+        return ref.bf16_bits_to_f64_np(storage)
     with np.errstate(invalid="ignore"):
         return np.asarray(storage, dtype=np.float64)
 
@@ -126,12 +128,12 @@ def test_table_rounding_reference_agrees_with_numpy_for_f16():
     values = midpoints_and_neighbours(ALL_BITS[:0x7C01].view(np.float16).astype(np.float64), 65536.0)
     with np.errstate(over="ignore"):
         expected = values.astype(np.float16).view(np.uint16)
-    assert_same(halfbits.f64_to_f16_bits_by_table(values), expected, 1)
+    assert_same(ref.f64_to_f16_bits_by_table(values), expected, 1)
 
 
 @functools.cache
 def exact_bf16_magnitudes() -> list[Fraction]:
-    table = [Fraction(float(v)) for v in halfbits.bf16_bits_to_f64_np(np.arange(0x7F80, dtype=np.uint16))]
+    table = [Fraction(float(v)) for v in ref.bf16_bits_to_f64_np(np.arange(0x7F80, dtype=np.uint16))]
     return table + [Fraction(2) ** 128]  # inf sits where the next value would be
 
 
@@ -152,35 +154,26 @@ def exact_nearest_bf16(x: float) -> int:
 
 @pytest.fixture(scope="module")
 def bf16_midpoints():
-    return midpoints_and_neighbours(halfbits.bf16_bits_to_f64_np(ALL_BITS[:0x7F81]), 2.0**128)
+    return midpoints_and_neighbours(ref.bf16_bits_to_f64_np(ALL_BITS[:0x7F81]), 2.0**128)
 
 
 def test_bf16_table_reference_matches_exact_arithmetic(bf16_midpoints):
     rng = np.random.default_rng(2)
     edges = [2.0**128 - 2.0**119, 1 + 2.0**-8 + 2.0**-40, 2.0**-134, 2.0**-134 * (1 + 2**-40), -0.0]
     sample = np.concatenate([rng.choice(bf16_midpoints, 300), edges])
-    table_bits = halfbits.f64_to_bf16_bits_np(sample)
+    table_bits = ref.f64_to_bf16_bits_np(sample)
     exact_bits = [exact_nearest_bf16(float(v)) for v in sample]
     assert table_bits.tolist() == exact_bits
 
 
 def test_f64_to_bf16_is_correctly_rounded_at_every_midpoint_where_float32_first_is_not(bf16_midpoints):
     values = np.concatenate([bf16_midpoints, wide_random_values(np.random.default_rng(3))])
-    expected = halfbits.f64_to_bf16_bits_np(values)
+    expected = ref.f64_to_bf16_bits_np(values)
     assert_same(kernels.f64_to_bf16_bits(values), expected, 2)
     with np.errstate(over="ignore"):
-        via_float32 = halfbits.f64_to_bf16_bits_np(values.astype(np.float32).astype(np.float64))
+        via_float32 = ref.f64_to_bf16_bits_np(values.astype(np.float32).astype(np.float64))
     assert np.count_nonzero(via_float32 != expected) > 1000, "these values would not catch double rounding"
     assert int(kernels.f64_to_bf16_bits(np.array([1 + 2.0**-8 + 2.0**-40]))[0]) == 0x3F81
-
-
-def test_ml_dtypes_double_rounds_so_it_is_not_our_reference():
-    """Documents why halfbits builds its own bfloat16 reference; fails if ml_dtypes changes."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-
-    x = np.array([1 + 2.0**-8 + 2.0**-40])  # just above the midpoint of 1.0 and 1 + 2^-7
-    assert int(x.astype(ml_dtypes.bfloat16).view(np.uint16)[0]) == 0x3F80
-    assert int(halfbits.f64_to_bf16_bits_np(x)[0]) == 0x3F81
 
 
 def test_soft_half_converters_match_numpy():
@@ -213,7 +206,7 @@ def storage_of(values: np.ndarray, code: int) -> np.ndarray:
         if code == 1:
             return values.astype(np.float16).view(np.uint16)
         if code == 2:
-            return halfbits.f64_to_bf16_bits_np(values)
+            return ref.f64_to_bf16_bits_np(values)
         return values.astype(WIRE_TYPES[code].storage)
 
 
@@ -252,7 +245,7 @@ def test_reduce_into_matches_reference(code, op):
         kernels.reduce_into(dst, other, code, op)
     if op == ReduceKind.AVG:
         kernels.scale_into(dst, code, len(arrays))
-    expected = kernels.reference_reduce(arrays, code, op)
+    expected = ref.reference_reduce(arrays, code, op)
     assert_same(dst, expected, code)
     if code in (1, 2):
         assert_nans_quiet(dst, code)
@@ -267,7 +260,7 @@ def test_16bit_sum_and_prod_of_every_pattern_with_many_others(code, op):
     partners = np.concatenate([special_values(code), rng.integers(0, 1 << 16, 96 - special_values(code).size)])
     dst = np.tile(ALL_BITS, partners.size)
     src = np.repeat(partners.astype(np.uint16), ALL_BITS.size)
-    expected = kernels.reference_reduce([dst, src], code, op)
+    expected = ref.reference_reduce([dst, src], code, op)
     kernels.reduce_into(dst, src, code, op)
     assert_same(dst, expected, code)
 
@@ -281,7 +274,7 @@ def test_bf16_sum_with_any_alignment_and_odd_length(offsets):
     dst, src = dst_buf[offsets[0]:offsets[0] + 1001], src_buf[offsets[1]:offsets[1] + 1001]
     dst[:], src[:] = a, b
     kernels.reduce_into(dst, src, code, ReduceKind.SUM)
-    assert_same(dst, kernels.reference_reduce([a, b], code, ReduceKind.SUM), code)
+    assert_same(dst, ref.reference_reduce([a, b], code, ReduceKind.SUM), code)
 
 
 @pytest.mark.parametrize("code", FLOAT_CODES + INT_CODES)
@@ -292,7 +285,7 @@ def test_read_only_src_works(code):
     assert not src.flags.writeable
     dst = a.copy()
     kernels.reduce_into(dst, src, code, ReduceKind.SUM)
-    assert_same(dst, kernels.reference_reduce([a, b], code, ReduceKind.SUM), code)
+    assert_same(dst, ref.reference_reduce([a, b], code, ReduceKind.SUM), code)
 
 
 @pytest.mark.parametrize("code", INT_CODES)
@@ -343,7 +336,7 @@ def test_scale_into_matches_float64_divided_and_rounded_once(code, divisor):
     data = random_operands(code, 1, 5000, np.random.default_rng(divisor % 1000 + code))[0]
     dst = data.copy()
     kernels.scale_into(dst, code, divisor)
-    assert_same(dst, halfbits.reference_scale(data, code, divisor), code)
+    assert_same(dst, ref.reference_scale(data, code, divisor), code)
     if divisor > 1:
         assert not np.array_equal(dst, data)
 
@@ -352,11 +345,11 @@ def test_scale_into_matches_float64_divided_and_rounded_once(code, divisor):
                                        (7.951717924627799e-28, 558623007822)])
 def test_bf16_scale_rounds_once_from_float64_where_float32_first_would_not(x, divisor):
     """Witnesses found by search: x / divisor rounded to float32 lands on a bfloat16 midpoint."""
-    bits = halfbits.f64_to_bf16_bits_np(np.array([x]))
-    assert halfbits.bf16_bits_to_f64_np(bits)[0] == x
+    bits = ref.f64_to_bf16_bits_np(np.array([x]))
+    assert ref.bf16_bits_to_f64_np(bits)[0] == x
     quotient = np.array([x / divisor])
-    correct = halfbits.f64_to_bf16_bits_np(quotient)
-    via_float32 = halfbits.f64_to_bf16_bits_np(quotient.astype(np.float32).astype(np.float64))
+    correct = ref.f64_to_bf16_bits_np(quotient)
+    via_float32 = ref.f64_to_bf16_bits_np(quotient.astype(np.float32).astype(np.float64))
     assert correct[0] != via_float32[0]
     dst = bits.copy()
     kernels.scale_into(dst, 2, divisor)
@@ -452,6 +445,7 @@ def test_cpu_without_half_conversions_uses_the_software_path(tmp_path):
     be chosen and give the same answers."""
     script = textwrap.dedent("""
         import numpy as np
+        import kernel_reference as ref
         from shmcoll import kernels
         from shmcoll.types import ReduceKind
         assert kernels._f16_to_f32 is kernels._f16_to_f32_soft
@@ -460,13 +454,14 @@ def test_cpu_without_half_conversions_uses_the_software_path(tmp_path):
         for op in (ReduceKind.SUM, ReduceKind.MAX):
             dst = a.copy()
             kernels.reduce_into(dst, b, 1, op)
-            want = kernels.reference_reduce([a, b], 1, op)
+            want = ref.reference_reduce([a, b], 1, op)
             nan = np.isnan(want.view(np.float16))
             assert np.array_equal(np.isnan(dst.view(np.float16)), nan)
             assert np.array_equal(dst[~nan], want[~nan])
         print("ok")
     """)
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="x86-64",
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="x86-64", 
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
                NUMBA_CPU_FEATURES="+64bit,+cx8,+fxsr,+mmx,+sse,+sse2")
     result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
                             timeout=120)
@@ -487,7 +482,7 @@ def test_16bit_reduction_is_commutative_and_matches_reference(code, op, data):
     kernels.reduce_into(ab, b, code, op)
     kernels.reduce_into(ba, a, code, op)
     reference_op = ReduceKind.SUM if op == ReduceKind.AVG else op  # reduce_into leaves AVG's division out
-    assert_same(ab, kernels.reference_reduce([a, b], code, reference_op), code)
+    assert_same(ab, ref.reference_reduce([a, b], code, reference_op), code)
     assert_same(ab, ba, code)
 
 
@@ -495,7 +490,7 @@ def test_16bit_reduction_is_commutative_and_matches_reference(code, op, data):
 @given(st.floats(allow_nan=True, allow_infinity=True, width=64))
 def test_16bit_rounding_picks_a_nearest_value(x):
     values = np.array([x])
-    assert_same(kernels.f64_to_bf16_bits(values), halfbits.f64_to_bf16_bits_np(values), 2)
+    assert_same(kernels.f64_to_bf16_bits(values), ref.f64_to_bf16_bits_np(values), 2)
     with np.errstate(over="ignore"):
         assert_same(kernels.f64_to_f16_bits(values), values.astype(np.float16).view(np.uint16), 1)
     if np.isfinite(x) and abs(x) < 3e38:

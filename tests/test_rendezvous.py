@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmcoll import gate
-from shmcoll.handshake import (ACCEPT, HandshakeDropped, HandshakeError, ServerHandshake, client_handshake,
+from shmcoll.net import gate
+from shmcoll.net.handshake import (ACCEPT, HandshakeDropped, HandshakeError, ServerHandshake, client_handshake,
                                server_handshake)
 from shmcoll.rendezvous.store import StoreClient, StoreServer
 

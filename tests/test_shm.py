@@ -21,12 +21,12 @@ import pytest
 import shmcoll
 from shmcoll import CollectiveError, ReduceKind
 from shmcoll.config import derive_job_id
-from shmcoll.kernels import reference_reduce
 from shmcoll.transport import shm_segment
-from shmcoll.transport.ring import Layout
+from shmcoll.transport.shm_layout import Layout
 from shmcoll.transport.shm_segment import pid_alive
 from shmcoll.types import wire_type_of
 
+from kernel_reference import reference_reduce
 from harness import CTX, Died, attempt, finish_together, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,7 +19,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from shmcoll.config import RANK_VARS, TRANSPORTS, load_config
+from shmcoll.config import TRANSPORTS, load_config
+from shmcoll.rendezvous.launchers import RANK_VARS
 from shmcoll.errors import InvalidArgument
 
 from .argtypes import int_in, number_above

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shmcoll.config import LOCAL_RANK_VARS, RANK_VARS, WORLD_SIZE_VARS
+from shmcoll.rendezvous.launchers import LOCAL_RANK_VARS, RANK_VARS, WORLD_SIZE_VARS
 
 from .bench_peers import GLOO, MISSING, OPENMPI, unsupported
 

@@ -13,9 +13,9 @@ import struct
 import threading
 import time
 
-from ..gate import Gate
-from ..handshake import HandshakeDropped, client_handshake
-from ..netio import Deadline, connect_with_retry, recv_exact, send_all
+from ..net.gate import Gate
+from ..net.handshake import HandshakeDropped, client_handshake
+from ..net.sockets import Deadline, connect_with_retry, recv_exact, send_all
 
 _LEN = struct.Struct("<I")
 MAX_REQUEST = 1 << 20

@@ -1,8 +1,14 @@
-"""The Transport interface: move arrays to and from one peer at a time. Knows nothing of collectives.
+"""The Transport contract: everything an algorithm or a ProcessGroup may ask of a transport.
 
-Algorithms call `send` and `recv_into`; `recv_into` either copies a message into the destination or
-reduces it into it (op given), so a transport that can read in place (shared memory) needs no extra
-copy. Every wait takes an absolute deadline (time.monotonic() seconds).
+A transport moves arrays to and from one peer at a time and knows nothing of collectives. Algorithms
+call `send` and `recv_into`; `recv_into` either copies a message into the destination or reduces it
+into it (op given), so a transport that can read in place (shared memory) needs no extra copy. Every
+wait takes an absolute deadline (time.monotonic() seconds). A transport that has a shared-memory
+board (one-step small collectives, algorithms/board.py) also offers the guard its waits run.
+
+Implementations: ShmTransport (shm.py, ranks on one host), NetTransport (tcp.py, TCP), the
+HierarchicalTransport over both (hierarchical.py) and SubTransport (sub.py, a split group's view of
+its parent's transport).
 """
 
 from __future__ import annotations
@@ -10,23 +16,40 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveMismatch
-from ..types import ReduceKind
+from ..types import TAG_RESERVED_BASE, ReduceKind
 from . import frame
 from .frame import DATA, Meta, describe_mismatch
 from .mailbox import AbortReason, Mailbox, Message
+from .topology import Topology
+
+if TYPE_CHECKING:
+    from .shm_board import Board
+
+#: What a board wait runs between looks at the board: raises when waiting can no longer succeed
+#: (the argument is the rank waited for, or None).
+BoardGuard = Callable[[int | None], None]
 
 
 class Transport(ABC):
+    """Point-to-point messages between the ranks of one group, each wait bounded by a deadline."""
+
+    name: ClassVar[str]  # "shm", "tcp", "hier", "sub": how benchmarks and messages name it
     rank: int
     world_size: int
     timeout: float  # seconds a group built on this transport gives each call
-    board = None  # shared-memory transports offer a Board for one-step small collectives
+    board: Board | None = None  # the shared-memory board, where every rank of the group shares one host
+    topology: Topology | None = None  # which ranks share a host, where the group spans hosts
+
+    def tag_of(self, seq: int) -> int:
+        """The tag of the group's collective number seq: the root group's range is
+        [TAG_RESERVED_BASE, 2 * TAG_RESERVED_BASE); a sub-group's transport has its own range."""
+        return TAG_RESERVED_BASE + seq % TAG_RESERVED_BASE
 
     @abstractmethod
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
@@ -36,9 +59,24 @@ class Transport(ABC):
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         """Next message from src with tag (see Mailbox.take for `strict`)."""
 
+    def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
+                  want: Meta | None = None, op: ReduceKind | None = None, strict: bool = True) -> None:
+        """Receive into `out` (a 1-D storage array): copy, or reduce with op. Checks the sender's call."""
+        msg = self.recv(src, tag, deadline, strict)
+        place(msg, out, code, want, op)
+
     @abstractmethod
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
         """First message with tag from any of srcs, skipping lost peers; None once the deadline passes."""
+
+    @abstractmethod
+    def check_health(self, strict: bool = True) -> None:
+        """Raise if the group is aborted or (strict) a peer was lost; not strict is for waits that
+        outlive lost peers (a federated round)."""
+
+    def board_guard(self, tag: int, want: Meta) -> BoardGuard:
+        """The guard a board wait of the call `want` (on `tag`) runs; only transports with a board."""
+        raise NotImplementedError(f"the {self.name} transport has no shared-memory board")
 
     @abstractmethod
     def abort(self, reason: AbortReason) -> None:
@@ -69,12 +107,6 @@ class Transport(ABC):
         end = time.monotonic() + timeout
         for thread in self.__dict__.get("_background", []):
             thread.join(max(0.0, end - time.monotonic()))
-
-    def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
-                  want: Meta | None = None, op: ReduceKind | None = None, strict: bool = True) -> None:
-        """Receive into `out` (a 1-D storage array): copy, or reduce with op. Checks the sender's call."""
-        msg = self.recv(src, tag, deadline, strict)
-        place(msg, out, code, want, op)
 
 
 class LinkTransport(Transport):

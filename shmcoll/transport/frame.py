@@ -10,7 +10,7 @@ import math
 import struct
 from typing import NamedTuple
 
-from ..types import WIRE_TYPES, ReduceKind
+from ..types import WIRE_TYPES, Collective, ReduceKind
 
 MAGIC = b"SHMC"
 VERSION = 1
@@ -29,16 +29,6 @@ _STRUCT = struct.Struct("<4s6BH4I3Q8Q")
 HEADER_SIZE = _STRUCT.size
 SRC_FIELD = (12, 16)  # byte range of the source rank in a packed header
 
-
-#: Collective codes carried in every collective frame (Meta.coll), so ranks can name what each side called.
-(P2P, BARRIER, ALL_REDUCE, ALL_GATHER, BROADCAST, FEDERATED_AVERAGE,
- REDUCE_SCATTER, REDUCE, ALL_TO_ALL, GATHER, SCATTER, ALL_GATHER_V) = range(12)
-COLLECTIVE_NAMES = {
-    P2P: "send", BARRIER: "barrier", ALL_REDUCE: "all_reduce", ALL_GATHER: "all_gather",
-    BROADCAST: "broadcast", FEDERATED_AVERAGE: "federated_average",
-    REDUCE_SCATTER: "reduce_scatter", REDUCE: "reduce", ALL_TO_ALL: "all_to_all", GATHER: "gather",
-    SCATTER: "scatter", ALL_GATHER_V: "all_gather_v",
-}
 #: Meta.dtype of calls whose dtype only one rank knows (scatter: the root's data decides).
 ROOTS_DTYPE = 0
 
@@ -52,7 +42,7 @@ class Meta(NamedTuple):
     (Named tuples: built for every frame, so cheaper than dataclasses on the hot path.)"""
 
     seq: int = 0
-    coll: int = 0  # collective code (0: point-to-point)
+    coll: int = 0  # a types.Collective (0: point-to-point)
     dtype: int = 0
     count: int = 0  # elements of the whole collective call (not of this chunk)
     op: int = 0
@@ -138,4 +128,5 @@ def describe_call(m: Meta) -> str:
     else:
         dtype = "root's" if m.dtype == ROOTS_DTYPE else f"dtype#{m.dtype}"
     op = ReduceKind(m.op).name if m.op in ReduceKind._value2member_map_ else f"op#{m.op}"
-    return f"{COLLECTIVE_NAMES.get(m.coll, f'collective#{m.coll}')}(dtype={dtype}, count={m.count}, op={op}, root={m.root})"
+    coll = Collective(m.coll).label if m.coll in Collective._value2member_map_ else f"collective#{m.coll}"
+    return f"{coll}(dtype={dtype}, count={m.count}, op={op}, root={m.root})"

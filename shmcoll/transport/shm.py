@@ -14,7 +14,6 @@ every local rank sees within one wait slice; a dead peer is noticed from its pid
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import numpy as np
 import posix_ipc
@@ -22,10 +21,10 @@ import posix_ipc
 from .. import kernels
 from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
 from . import frame
-from .base import LinkTransport, place
+from .base import BoardGuard, LinkTransport, place
 from .frame import HEADER_SIZE, Meta
 from .mailbox import AbortReason, Mailbox, Message
-from .ring import (ABORT_TEXT_BYTES, ABORT_TEXT_OFFSET, CHUNK, SLOT_HEADER_BYTES, STATE_DEPARTED, W_ABORT,
+from .shm_layout import (ABORT_TEXT_BYTES, ABORT_TEXT_OFFSET, CHUNK, SLOT_HEADER_BYTES, STATE_DEPARTED, W_ABORT,
                    W_ABORT_LEN, W_PIDS, W_STATES)
 from .shm_board import Board
 from .shm_channel import WAIT_SLICE, Channel, has_token, take_token
@@ -45,6 +44,8 @@ class _Assembly:
 
 
 class ShmTransport(LinkTransport):
+    name = "shm"
+
     def __init__(self, segment: Segment, local_of: dict[int, int], rank: int, world_size: int, *,
                  timeout: float = 300.0, spin_s: float = DEFAULT_SPIN_S, mailbox: Mailbox | None = None):
         """mailbox: shared with a NetTransport under a HierarchicalTransport, so aborts and lost
@@ -232,7 +233,7 @@ class ShmTransport(LinkTransport):
         return peer == self.rank or (self._peer_alive(peer) and not self._departed(peer))
 
     # ---- liveness and aborts ----
-    def board_guard(self, tag: int, want: Meta) -> Callable[[int | None], None]:
+    def board_guard(self, tag: int, want: Meta) -> BoardGuard:
         """What a board wait runs between looks: fail on abort or death, and on a peer that called
         another collective at this sequence number (its ring frames for our tag, or its board entry)."""
         def guard(src: int | None = None) -> None:
@@ -265,9 +266,8 @@ class ShmTransport(LinkTransport):
             raise PeerLost(f"rank {src} closed its group while this rank still expected a message from it", src)
 
     def check_health(self, strict: bool = True) -> None:
-        """Raise if the group is aborted or (strict) any peer was lost. A HierarchicalTransport calls
-        it while waiting on TCP, since TCP alone cannot see local deaths or this host's abort flag;
-        not strict is for waits that outlive lost peers (federated rounds)."""
+        """As Transport.check_health; a HierarchicalTransport also calls it while waiting on TCP,
+        since TCP alone cannot see local deaths or this host's abort flag."""
         if strict:
             self._check(None, True)
         else:

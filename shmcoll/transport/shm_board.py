@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from . import frame
 from .frame import HEADER_SIZE, Meta
-from .ring import BOARD_HEADER_OFFSET, SLOT_HEADER_BYTES, W_DONE, Layout
+from .shm_layout import BOARD_HEADER_OFFSET, SLOT_HEADER_BYTES, W_DONE, Layout
 
 _MAX_SLEEP = 1e-3  # longest nap between looks once spinning has not paid off
 _SRC_START, _SRC_END = frame.SRC_FIELD  # the one header field that differs between ranks' entries

@@ -18,7 +18,7 @@ from typing import Callable
 import posix_ipc
 
 from ..errors import CollectiveTimeout
-from .ring import Layout
+from .shm_layout import Layout
 
 #: Longest single block in the kernel before the waiter looks at aborts, dead peers and the deadline.
 WAIT_SLICE = 0.02

@@ -17,7 +17,7 @@ import posix_ipc
 
 from ..errors import ShmSetupError
 
-from .ring import (HOST_HEADER_BYTES, MAGIC, W_MAGIC, W_N_LOCAL, W_N_SLOTS, W_PIDS, W_SLOT_BYTES,
+from .shm_layout import (HOST_HEADER_BYTES, MAGIC, W_MAGIC, W_N_LOCAL, W_N_SLOTS, W_PIDS, W_SLOT_BYTES,
                    W_STATES, STATE_ATTACHED, Layout)
 
 SHM_DIR = "/dev/shm"

@@ -96,6 +96,7 @@ def _member_topology(root_topology: Topology | None, ranks: tuple[int, ...]) -> 
 class SubTransport(Transport):
     """A view of `root` restricted to `ranks` (root ranks, in the sub-group's rank order)."""
 
+    name = "sub"
     board = None  # the shared-memory board is per host and belongs to the root group's sequence numbers
 
     def __init__(self, root: Transport, ranks: list[int], slot: int):
@@ -104,13 +105,13 @@ class SubTransport(Transport):
         self.rank = self._sub_of[root.rank]
         self.world_size = len(self.ranks)
         self.timeout = root.timeout
-        self.topology = _member_topology(getattr(root, "topology", None), self.ranks)
+        self.topology = _member_topology(root.topology, self.ranks)
         self._closed = False
         with _slots_lock:
             _slots.setdefault(root, set()).add(slot)
 
     def tag_of(self, seq: int) -> int:
-        """The tag of this group's collective number seq (group.py asks the transport)."""
+        """The tag of this group's collective number seq: its slot's range."""
         return SUB_TAG_BASE + self.slot * SLOT_SPAN + seq % SLOT_SPAN
 
     # ---- translation ----
@@ -153,6 +154,9 @@ class SubTransport(Transport):
                                      f"here are the parent's): {text}") from None
 
     # ---- state ----
+    def check_health(self, strict: bool = True) -> None:
+        self.root.check_health(strict)
+
     def abort(self, reason: AbortReason) -> None:
         """Aborts the root: every group over it breaks (peers must not wait on a rank that gave up)."""
         self.root.abort(reason)

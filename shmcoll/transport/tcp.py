@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from . import frame
-from .base import LinkTransport
+from .base import LinkTransport, Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -28,15 +28,19 @@ HEARTBEAT_SECONDS = 0.5
 
 
 class NetTransport(LinkTransport):
+    name = "tcp"
+
     def __init__(self, rank: int, world_size: int, socks: dict[int, socket.socket], *,
-                 timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD, mailbox: Mailbox | None = None):
+                 timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD, mailbox: Mailbox | None = None,
+                 local: Transport | None = None):
         """socks: one connected socket per peer this transport reaches (every other rank, or only
-        the remote ones under a HierarchicalTransport, which passes the mailbox it shares)."""
+        the remote ones under a HierarchicalTransport, which passes the mailbox it shares and this
+        host's shared-memory transport as `local`: its abort flag ends a blocked send here too)."""
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._max_payload = max_payload
         self._mailbox = mailbox or Mailbox(rank, world_size)
+        self._local = local
         self.bytes_to = [0] * world_size  # payload bytes sent to each rank (what the hierarchy moves where)
-        self.health_check = None  # optional callable raising while a send waits (a hierarchy's local state)
         self._socks = socks
         self._send_locks = {peer: threading.Lock() for peer in socks}
         self._closing = False
@@ -77,11 +81,8 @@ class NetTransport(LinkTransport):
             parts = _advance(parts, sent)
 
     def _check_can_send(self, to: int, deadline: float | None, control: bool = False) -> None:
-        reason = self._mailbox.aborted
-        if reason is not None and not control:
-            raise reason.error()
-        if self.health_check is not None and not control:
-            self.health_check()
+        if not control:
+            self.check_health(strict=False)
         lost = self._mailbox.lost_peers()
         if to in lost:
             raise PeerLost(f"rank {to} was lost: {lost[to]}", to)
@@ -161,6 +162,17 @@ class NetTransport(LinkTransport):
                 pass
 
     # ---- state ----
+    def check_health(self, strict: bool = True) -> None:
+        reason = self._mailbox.aborted
+        if reason is not None:
+            raise reason.error()
+        if self._local is not None:
+            self._local.check_health(strict=False)
+        lost = self._mailbox.lost_peers() if strict else None
+        if lost:
+            peer, why = next(iter(lost.items()))
+            raise PeerLost(f"rank {peer} was lost: {why}", peer)
+
     def abort(self, reason: AbortReason) -> None:
         """Record the abort (the first one wins) and tell every peer, once. A rank aborted by a
         peer relays it too: frames on one connection arrive in order, so each peer reads this

@@ -5,9 +5,9 @@ compare the two can catch a mistake in either. No numba here (see kernels.py for
 function lives in that one file).
 
 float16 uses numpy's own casts: numpy converts float64 -> float16 directly and correctly rounded.
-bfloat16 cannot use ml_dtypes' float64 -> bfloat16 cast: it goes through float32 and so rounds
-twice (1 + 2^-8 + 2^-40 becomes 1.0 instead of 1 + 2^-7). Instead ``nearest_bits`` picks the
-nearest entry of the sorted table of every non-negative 16-bit value, ties to the even pattern.
+bfloat16 relies on no third party's cast (some ml_dtypes releases rounded float64 -> bfloat16
+twice, through float32): ``nearest_bits`` picks the nearest entry of the sorted table of every
+non-negative 16-bit value, ties to the even pattern.
 """
 
 from __future__ import annotations

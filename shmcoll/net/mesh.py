@@ -15,9 +15,9 @@ import time
 from typing import Callable
 
 from ..errors import CollectiveTimeout
-from ..gate import Gate
-from ..handshake import HandshakeDropped, client_handshake
-from ..netio import Deadline, connect_with_retry
+from .gate import Gate
+from .handshake import HandshakeDropped, client_handshake
+from .sockets import Deadline, connect_with_retry
 
 #: Listen backlog: room for a burst of hostile connections before the gate starts draining it.
 _BACKLOG = 1024

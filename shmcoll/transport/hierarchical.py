@@ -27,12 +27,14 @@ _ANY_SLICE = WAIT_SLICE / 4  # recv_any looks at the shared-memory rings this of
 
 
 class HierarchicalTransport(Transport):
+    name = "hier"
+
     def __init__(self, shm: ShmTransport, net: NetTransport, topology: Topology, mailbox: Mailbox):
-        """shm and net must have been built with `mailbox`; net reaches exactly the remote ranks."""
+        """shm and net must have been built with `mailbox` (and net with `local=shm`, so a blocked
+        TCP send ends on this host's abort flag); net reaches exactly the remote ranks."""
         self.rank, self.world_size, self.timeout = shm.rank, shm.world_size, shm.timeout
         self.shm, self.net, self.topology, self._mailbox = shm, net, topology, mailbox
         self._local = frozenset(topology.local_ranks(self.rank))
-        net.health_check = lambda: shm.check_health(strict=False)  # a blocked send ends on an abort
 
     def _route(self, peer: int) -> Transport:
         return self.shm if peer in self._local else self.net
@@ -84,6 +86,11 @@ class HierarchicalTransport(Transport):
             self.shm.check_health(strict=False)
 
     # ---- state ----
+    def check_health(self, strict: bool = True) -> None:
+        """The shared-memory side sees both: its host's abort flag and local deaths, and (through the
+        shared mailbox) aborts and lost peers reported over TCP."""
+        self.shm.check_health(strict)
+
     def abort(self, reason: AbortReason) -> None:
         """Local ranks learn it from the host's abort flag, remote ones from ABORT frames. Both are
         written even when the abort came from elsewhere (the shared mailbox already holds it), so

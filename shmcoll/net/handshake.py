@@ -19,8 +19,8 @@ import os
 import socket
 import struct
 
-from .errors import CollectiveError
-from .netio import recv_exact, send_all
+from ..errors import CollectiveError
+from .sockets import recv_exact, send_all
 
 _HELLO = struct.Struct("<4sB32sI16s")  # magic, version, purpose digest, client id, client nonce
 _MAGIC = b"SHMH"
