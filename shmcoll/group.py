@@ -1,94 +1,70 @@
-"""ProcessGroup: validates every call, numbers collectives, orders them, and turns failures into
-the contract's errors. The algorithms and the transport below it know nothing of users.
+"""ProcessGroup: the public API of API.md, one section per concern, as the contract lists them.
 
-A group's state lives in one shared object, so `copy.copy(pg)` is a cheap handle on the same group
-(same transport, same sequence numbers), like the Arc clone of the original design.
+Every call validates its arguments first (validate.py: InvalidArgument before anything is sent),
+then hands a Plan (plans.py: the algorithm select.py picks, and its body) to the group's Runner
+(runner.py), which numbers it, runs it in call order with a deadline, and turns failures into the
+contract's errors. A spawn_* call builds the same Plan and runs it on the ordered worker instead.
+The algorithms and transports below know nothing of users.
 
-This file holds that machinery and the original design's calls; the later ones (reduce-scatter,
-gather, all-to-all, objects, split, ...) come from the MoreCollectives mixin in group_more.py.
+`copy.copy(pg)` is a cheap handle on the same group (same transport, same sequence numbers).
 """
 
 from __future__ import annotations
 
-import sys
-import threading
+import pickle
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
 
 import numpy as np
 
+from . import plans
 from . import validate as v
 from .algorithms.barrier import dissemination_barrier
-from .algorithms.board import board_all_gather, board_all_reduce, board_barrier, board_broadcast
-from .algorithms.broadcast import chain_broadcast
-from .algorithms.call import Call
-from .algorithms.federated import federated_average
-from .algorithms.hier import hier_all_gather, hier_barrier, hier_broadcast, small_all_reduce, two_level_all_reduce
-from .algorithms.ring import one_shot_all_reduce, ring_all_gather, ring_all_reduce
 from .config import Tuning
-from .recorder import FlightRecorder, diagnosis
-from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
+from .errors import CollectiveMismatch, InvalidArgument
+from .runner import Runner
+from .transport import sub
 from .transport.base import Transport
 from .transport.frame import Meta
-from .transport.mailbox import AbortReason
-from .transport.topology import Topology
-from .types import TAG_RESERVED_BASE, U8, WIRE_TYPES, Collective, ReduceKind
-from .group_more import MoreCollectives
-from .plan import Plan
-from .worker import CollectiveHandle, OrderedWorker
-
-#: A rank not heard from (data or heartbeat) for this many seconds counts as silent in timeout reports.
-SILENT_AFTER = 2.0
-#: The root group's collective tags: [2**30, 2**31). Sub-groups (split) use [2**31, 2**32 - 1), see transport/sub.py.
-_TAG_SPAN = TAG_RESERVED_BASE
-_STARTUP_TAG = (1 << 32) - 1  # above every sequence number's tag
-_STARTUP_SEQ = 1 << 62  # a sequence number no user collective reaches
+from .types import WIRE_TYPES, ReduceKind
+from .worker import CollectiveHandle
 
 
-def _root_tag(seq: int) -> int:
-    return TAG_RESERVED_BASE + seq % _TAG_SPAN
+class ProcessGroup:
+    """A group of ranks and the collectives among them (API.md, "ProcessGroup")."""
 
-
-@dataclass
-class _State:
-    transport: Transport
-    tuning: Tuning
-    on_close: list[Callable[[], None]]
-    seq: int = 0
-    broken: CollectiveError | None = None
-    closed: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    worker: OrderedWorker = field(default_factory=OrderedWorker)
-    recorder: FlightRecorder = field(default_factory=FlightRecorder)
-
-
-class ProcessGroup(MoreCollectives):
     def __init__(self, transport: Transport, *, tuning: Tuning | None = None,
                  on_close: list[Callable[[], None]] | None = None):
-        self._st = _State(transport, tuning or Tuning(), list(on_close or []))
+        """Wrap a transport (init() builds one; so may a user). on_close: called once by close()."""
+        tuning = tuning or Tuning()
+        self._runner = Runner(transport, tuning, list(on_close or []))
+        self._where = plans.Where.of(transport, tuning)
 
     # ---- identity ----
     @property
     def rank(self) -> int:
-        return self._st.transport.rank
+        """This process's rank, 0 <= rank < world_size."""
+        return self.transport.rank
 
     @property
     def world_size(self) -> int:
-        return self._st.transport.world_size
+        """The number of ranks in the group."""
+        return self.transport.world_size
 
     @property
     def is_leader(self) -> bool:
+        """True on rank 0 only."""
         return self.rank == 0
 
     @property
     def transport(self) -> Transport:
-        return self._st.transport
+        """The transport this group runs on (shared by copies of the group)."""
+        return self._runner.transport
 
     def __repr__(self) -> str:
-        return f"ProcessGroup(rank={self.rank}, world_size={self.world_size}, transport={type(self.transport).__name__})"
+        return f"ProcessGroup(rank={self.rank}, world_size={self.world_size}, transport={self.transport.name})"
 
-    def __enter__(self) -> "ProcessGroup":
+    def __enter__(self) -> ProcessGroup:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -96,255 +72,277 @@ class ProcessGroup(MoreCollectives):
 
     # ---- point to point ----
     def send(self, to: int, tag: int, data) -> None:
+        """Send an array to rank `to` under a user tag (0 <= tag < TAG_RESERVED_BASE)."""
         to, tag = v.rank_arg(to, self.world_size, "to"), v.tag_arg(tag)
         arr = v.as_array(data, "data", writable=False)
         wire = v.wire_of(arr, "data")
-        self._p2p(f"send to rank {to}", lambda d: self.transport.send(to, tag, arr.view(wire.storage), wire.code, Meta(), d))
+        self._runner.point_to_point(
+            f"send to rank {to}", lambda d: self.transport.send(to, tag, arr.view(wire.storage), wire.code, Meta(), d))
 
     def recv(self, src: int, tag: int) -> np.ndarray:
+        """The next message from `src` with `tag`, as a new array; dtype, shape and length come from
+        the wire. Messages of one (src, tag) arrive in send order; other tags never block it."""
         src, tag = v.rank_arg(src, self.world_size, "src"), v.tag_arg(tag)
-        msg = self._p2p(f"recv from rank {src}", lambda d: self.transport.recv(src, tag, d, strict=False))
+        msg = self._runner.point_to_point(f"recv from rank {src}",
+                                          lambda d: self.transport.recv(src, tag, d, strict=False))
         wire = WIRE_TYPES[msg.header.dtype]
         return msg.payload.view(wire.user if wire.user is not None else wire.storage).reshape(msg.header.shape)
 
     def send_f32(self, to: int, tag: int, data) -> None:
+        """send(), restricted to float32 data."""
         arr = v.as_array(data, "data", writable=False)
         if arr.dtype != np.float32:
             raise InvalidArgument(f"send_f32 takes float32 data, not {arr.dtype}; use send() for other dtypes")
         self.send(to, tag, arr)
 
     def recv_f32(self, src: int, tag: int) -> np.ndarray:
+        """recv(); CollectiveMismatch when the message is not float32."""
         out = self.recv(src, tag)
         if out.dtype != np.float32:
             raise CollectiveMismatch(f"recv_f32: rank {src} sent {out.dtype} on tag {tag}, not float32 (use recv())")
         return out
 
-    # ---- collectives ----
-    def barrier(self) -> None:
-        topo = self._hosts()
-        if topo is not None:
-            body = lambda c: hier_barrier(c, topo)
-        else:
-            body = board_barrier if self.transport.board is not None else dissemination_barrier
-        self._collective(Collective.BARRIER, U8.code, 0, body)  # empty uint8 frames
-
-    def _startup_barrier(self) -> None:
-        """init()'s last step, on a tag of its own: the first user collective is still number 0."""
-        self._check_usable()
-        meta = Meta(seq=_STARTUP_SEQ, coll=Collective.BARRIER, dtype=U8.code)
-        self._execute(meta, dissemination_barrier, tag=_STARTUP_TAG)
-
+    # ---- reductions ----
     def all_reduce(self, data, op: ReduceKind = ReduceKind.SUM):
-        arr = v.as_array(data, "data", writable=True)
-        wire, kind = v.reducible_wire(arr, op, "data")
-        flat = v.storage_view(arr, wire)
-        self._collective(Collective.ALL_REDUCE, wire.code, flat.size, self._all_reduce_body(flat, kind), op=kind)
+        """In place: every rank ends with op over every rank's data, bitwise identical everywhere.
+        Returns data."""
+        self._runner.run(self._all_reduce_plan(data, op))
         return data
 
-    def all_reduce_typed(self, buf, dtype, op: ReduceKind = ReduceKind.SUM):
-        flat, wire = v.typed_buffer(buf, dtype)
-        kind = v.reduce_kind(op)
-        self._collective(Collective.ALL_REDUCE, wire.code, flat.size, self._all_reduce_body(flat, kind), op=kind)
-        return buf
-
     def spawn_all_reduce(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
+        """Non-blocking all_reduce on the ordered worker; join() returns the reduced array. Leave
+        data alone until then."""
+        return self._runner.spawn(self._all_reduce_plan(data, op))
+
+    def _all_reduce_plan(self, data, op) -> plans.Plan:
         arr = v.as_array(data, "data", writable=True)
         wire, kind = v.reducible_wire(arr, op, "data")
-        flat = v.storage_view(arr, wire)
-        meta = self._next_meta(Collective.ALL_REDUCE, wire.code, flat.size, op=kind)
-        body = self._all_reduce_body(flat, kind)
-        return self._st.worker.submit("all_reduce", lambda: (self._execute(meta, body), arr)[1])
+        return plans.all_reduce(self._where, v.storage_view(arr, wire), wire.code, kind, arr)
 
-    def all_gather(self, local) -> np.ndarray:
-        return self._run(self._all_gather_plan(local))
+    def all_reduce_typed(self, buf, dtype, op: ReduceKind = ReduceKind.SUM):
+        """all_reduce over raw little-endian bytes (bytearray, writable memoryview, uint8 array)
+        holding `dtype` (a DType) elements. Returns buf."""
+        flat, wire = v.typed_buffer(buf, dtype)
+        self._runner.run(plans.all_reduce(self._where, flat, wire.code, v.reduce_kind(op), buf))
+        return buf
 
-    def spawn_all_gather(self, local) -> CollectiveHandle:
-        """Non-blocking all_gather (in call order on the worker); join() returns the new array.
-        `local` must stay unchanged until then."""
-        return self._spawn("all_gather", self._all_gather_plan(local))
+    def reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> np.ndarray:
+        """Rank i gets slice i (along axis 0, whose length world_size divides) of op over every
+        rank's data, as a new array; data is only read."""
+        return self._runner.run(self._reduce_scatter_plan(data, op))
 
-    def _all_gather_plan(self, local) -> Plan:
-        arr = v.as_array(local, "local", writable=False)
-        wire = v.wire_of(arr, "local")
-        out = v.gathered_like(arr, self.world_size)
-        flat_in, flat_out = v.storage_view(arr, wire), v.storage_view(out, wire)
-        topo = self._hosts()
-        if topo is not None:
-            gather = lambda c, i, o: hier_all_gather(c, topo, i, o)
-        else:
-            gather = board_all_gather if self._fits_board(flat_in) else ring_all_gather
-        return Plan(Collective.ALL_GATHER, wire.code, flat_in.size, lambda c: (gather(c, flat_in, flat_out), out)[1])
+    def spawn_reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
+        """Non-blocking reduce_scatter; data is copied now, so it may change at once; join() returns
+        the new array."""
+        return self._runner.spawn(self._reduce_scatter_plan(data, op))
 
-    def broadcast(self, root: int, data):
-        return self._run(self._broadcast_plan(root, data))
+    def _reduce_scatter_plan(self, data, op) -> plans.Plan:
+        arr = v.as_array(data, "data", writable=False)
+        wire, kind = v.reducible_wire(arr, op, "data")
+        v.equal_blocks(arr, self.world_size, "data", "reduce_scatter")
+        return plans.reduce_scatter(self._where, arr, wire, kind)
 
-    def spawn_broadcast(self, root: int, data) -> CollectiveHandle:
-        """Non-blocking broadcast (in call order on the worker); join() returns `data`, which must
-        not be touched until then (non-roots receive into it in the background)."""
-        return self._spawn("broadcast", self._broadcast_plan(root, data))
+    def reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM):
+        """In place on root: op over every rank's data. Every rank's data is scratch space (so it
+        must be writable everywhere); on other ranks it is left unspecified. Returns data."""
+        return self._runner.run(self._reduce_plan(root, data, op))
 
-    def _broadcast_plan(self, root: int, data) -> Plan:
+    def spawn_reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
+        """Non-blocking reduce; join() returns data, which must not be touched until then."""
+        return self._runner.spawn(self._reduce_plan(root, data, op))
+
+    def _reduce_plan(self, root: int, data, op) -> plans.Plan:
         root = v.rank_arg(root, self.world_size, "root")
-        arr = v.as_array(data, "data", writable=root != self.rank)
-        wire = v.wire_of(arr, "data")
-        flat = v.storage_view(arr, wire)
-        topo = self._hosts()
-        if topo is not None:
-            cast = lambda c, r, d: hier_broadcast(c, topo, r, d)
-        else:
-            cast = board_broadcast if self._fits_board(flat) else chain_broadcast
-        return Plan(Collective.BROADCAST, wire.code, flat.size, lambda c: (cast(c, root, flat), data)[1], root=root)
+        arr = v.as_array(data, "data", writable=True)
+        wire, kind = v.reducible_wire(arr, op, "data")
+        return plans.reduce(self._where, root, v.storage_view(arr, wire), wire.code, kind, data)
 
     def federated_average(self, data, deadline) -> int:
+        """Rank 0 averages the data of every rank that arrives within `deadline` (seconds or a
+        timedelta, from rank 0's call; its own data always counts) and every rank's data becomes
+        that average. Returns the participant count on rank 0, 0 elsewhere. Stragglers never stall
+        rank 0, and a late vector never leaks into a later round."""
         arr = v.as_array(data, "data", writable=True)
         wire = v.wire_of(arr, "data")
         if not wire.is_float:
             raise InvalidArgument(f"federated_average averages floating-point data, not {arr.dtype}")
         window = v.seconds_arg(deadline, "deadline")
-        flat = v.storage_view(arr, wire)
-        return self._collective(Collective.FEDERATED_AVERAGE, wire.code, flat.size,
-                                lambda c: federated_average(c, flat, window))
+        return self._runner.run(plans.federated(v.storage_view(arr, wire), wire.code, window))
+
+    # ---- data movement ----
+    def barrier(self) -> None:
+        """Returns on every rank only after every rank has entered it."""
+        self._runner.run(plans.barrier(self._where))
+
+    def broadcast(self, root: int, data):
+        """In place: every rank ends with root's data (same dtype and length everywhere). Returns data."""
+        return self._runner.run(self._broadcast_plan(root, data))
+
+    def spawn_broadcast(self, root: int, data) -> CollectiveHandle:
+        """Non-blocking broadcast; join() returns data, which must not be touched until then
+        (non-roots receive into it in the background)."""
+        return self._runner.spawn(self._broadcast_plan(root, data))
+
+    def _broadcast_plan(self, root: int, data) -> plans.Plan:
+        root = v.rank_arg(root, self.world_size, "root")
+        arr = v.as_array(data, "data", writable=root != self.rank)
+        wire = v.wire_of(arr, "data")
+        return plans.broadcast(self._where, root, v.storage_view(arr, wire), wire.code, data)
+
+    def all_gather(self, local) -> np.ndarray:
+        """Every rank's local concatenated along axis 0 in rank order, as a new array (a 1-D input
+        of length L gives world_size * L; a 0-d input counts as one row)."""
+        return self._runner.run(self._all_gather_plan(local))
+
+    def spawn_all_gather(self, local) -> CollectiveHandle:
+        """Non-blocking all_gather; join() returns the new array. Leave local alone until then."""
+        return self._runner.spawn(self._all_gather_plan(local))
+
+    def _all_gather_plan(self, local) -> plans.Plan:
+        arr = v.as_array(local, "local", writable=False)
+        return plans.all_gather(self._where, arr, v.wire_of(arr, "local"))
+
+    def all_gather_v(self, local) -> tuple[np.ndarray, list[int]]:
+        """all_gather where each rank's length along axis 0 may differ (trailing dimensions and
+        dtype may not): the concatenation in rank order and every rank's length."""
+        return self._runner.run(self._all_gather_v_plan(local))
+
+    def spawn_all_gather_v(self, local) -> CollectiveHandle:
+        """Non-blocking all_gather_v; join() returns (array, lengths). Leave local alone until then."""
+        return self._runner.spawn(self._all_gather_v_plan(local))
+
+    def _all_gather_v_plan(self, local) -> plans.Plan:
+        arr = v.as_array(local, "local", writable=False)
+        return plans.all_gather_v(self._where, arr, v.wire_of(arr, "local"))
+
+    def gather(self, root: int, local) -> np.ndarray | None:
+        """On root, every rank's local concatenated along axis 0 in rank order (as all_gather);
+        None elsewhere."""
+        return self._runner.run(self._gather_plan(root, local))
+
+    def spawn_gather(self, root: int, local) -> CollectiveHandle:
+        """Non-blocking gather; join() returns what gather returns. Leave local alone until then."""
+        return self._runner.spawn(self._gather_plan(root, local))
+
+    def _gather_plan(self, root: int, local) -> plans.Plan:
+        root = v.rank_arg(root, self.world_size, "root")
+        arr = v.as_array(local, "local", writable=False)
+        return plans.gather(self._where, root, arr, v.wire_of(arr, "local"))
+
+    def scatter(self, root: int, data=None) -> np.ndarray:
+        """Root's data split along axis 0 into world_size equal blocks; rank i gets block i as a new
+        array. Only the root's data is looked at (others pass None)."""
+        return self._runner.run(self._scatter_plan(root, data))
+
+    def spawn_scatter(self, root: int, data=None) -> CollectiveHandle:
+        """Non-blocking scatter; join() returns this rank's block. The root leaves data alone until then."""
+        return self._runner.spawn(self._scatter_plan(root, data))
+
+    def _scatter_plan(self, root: int, data) -> plans.Plan:
+        root = v.rank_arg(root, self.world_size, "root")
+        if self.rank != root:
+            return plans.scatter(self._where, root, None, None)
+        if data is None:
+            raise InvalidArgument("scatter: the root must pass the array to split (only other ranks pass None)")
+        arr = v.as_array(data, "data", writable=False)
+        wire = v.wire_of(arr, "data")
+        v.equal_blocks(arr, self.world_size, "data", "scatter")
+        return plans.scatter(self._where, root, arr, wire)
+
+    def all_to_all(self, data) -> np.ndarray:
+        """Axis 0 of data split into world_size equal blocks; block j goes to rank j. Returns the
+        blocks received, in source-rank order, as a new array of data's shape."""
+        return self._runner.run(self._all_to_all_plan(data))
+
+    def spawn_all_to_all(self, data) -> CollectiveHandle:
+        """Non-blocking all_to_all (say, overlapping an expert layer's exchange with compute);
+        join() returns the new array. Leave data alone until then."""
+        return self._runner.spawn(self._all_to_all_plan(data))
+
+    def _all_to_all_plan(self, data) -> plans.Plan:
+        arr = v.as_array(data, "data", writable=False)
+        wire = v.wire_of(arr, "data")
+        v.equal_blocks(arr, self.world_size, "data", "all_to_all")
+        return plans.all_to_all(self._where, arr, wire)
+
+    # ---- Python objects (pickled: between trusted ranks only) ----
+    def broadcast_object(self, root: int, obj=None):
+        """Root's obj on every rank (the root gets obj itself, others an unpickled copy).
+
+        Security: non-roots unpickle what the root sent, and unpickling can run arbitrary code, so
+        use this only between ranks you trust (the job secret keeps strangers off the wire)."""
+        root = v.rank_arg(root, self.world_size, "root")
+        payload = _pickled(obj) if self.rank == root else None
+        size = np.array([payload.size if payload is not None else 0], dtype=np.int64)
+        self.broadcast(root, size)  # first the size, so non-roots can allocate
+        buf = payload if payload is not None else np.empty(int(size[0]), dtype=np.uint8)
+        self.broadcast(root, buf)
+        if self.rank == root:
+            _raise_if_unpicklable(buf, root)  # the root keeps obj itself: no need to unpickle its copy
+            return obj
+        return _unpickled(buf, root)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's obj, in rank order (unpickled copies, this rank's too).
+
+        Security: this unpickles what every peer sent, and unpickling can run arbitrary code, so
+        use it only between ranks you trust (the job secret keeps strangers off the wire)."""
+        data, lengths = self.all_gather_v(_pickled(obj))
+        bounds = np.cumsum([0, *lengths])
+        return [_unpickled(data[bounds[r]:bounds[r + 1]], r) for r in range(self.world_size)]
+
+    # ---- sub-groups ----
+    def split(self, ranks) -> ProcessGroup | None:
+        """A group over the listed ranks, renumbered in list order; None on ranks not listed.
+
+        A collective on this group: every rank calls it with the same list (checked: a
+        disagreement raises CollectiveMismatch on every rank). The sub-group has its own sequence
+        numbers, tag range and worker, so it may run concurrently with this group (another
+        thread); it uses the two-level algorithms when its members span hosts, never the
+        shared-memory board (that belongs to the root group's sequence numbers). A failure
+        in either breaks both: they share one transport. Close sub-groups you no longer need (they
+        hold one of a few thousand tag slots). Do not call split on two groups of the same process
+        at once from different threads (slot choices would race)."""
+        members = sub.check_ranks(ranks, self.world_size)
+        t = self.transport
+        root = t.root if isinstance(t, sub.SubTransport) else t
+        views = self.all_gather_object((members, sub.used_slots(root)))
+        for r, (theirs, _) in enumerate(views):
+            if theirs != members:
+                raise self._runner.fail(CollectiveMismatch(f"split: rank {r} passed ranks {theirs}, this rank "
+                                                           f"{members}"), None, time.monotonic(), "split")
+        if self.rank not in members:
+            return None
+        slot = sub.pick_slot(views[m][1] for m in members)
+        root_ranks = [t.ranks[m] for m in members] if isinstance(t, sub.SubTransport) else members
+        return type(self)(sub.SubTransport(root, root_ranks, slot), tuning=self._runner.tuning)
 
     # ---- life cycle ----
     def close(self) -> None:
-        st = self._st
-        with st.lock:
-            if st.closed:
-                return
-            st.closed = True
-        st.worker.stop(timeout=st.transport.timeout)
-        st.transport.close()
-        for hook in st.on_close:
-            hook()
+        """Release sockets, shared memory and threads; idempotent."""
+        self._runner.close()
 
-    # ---- machinery ----
-    def _check_usable(self) -> None:
-        st = self._st
-        if st.closed:
-            raise InvalidArgument("this ProcessGroup is closed")
-        if st.broken is not None:
-            raise _same_kind(st.broken, f"this group is broken by an earlier failure and cannot be used: {st.broken}")
-
-    def _next_meta(self, coll: int, code: int, count: int, *, op: int = 0, root: int = 0) -> Meta:
-        self._check_usable()
-        with self._st.lock:
-            seq = self._st.seq
-            self._st.seq += 1
-        return Meta(seq=seq, coll=coll, dtype=code, count=count, op=int(op), root=root)
-
-    def _run(self, plan: Plan):
-        return self._collective(plan.coll, plan.code, plan.count, plan.body, op=plan.op, root=plan.root)
-
-    def _spawn(self, name: str, plan: Plan) -> CollectiveHandle:
-        """Number the call now (call order is what matches ranks), run it on the ordered worker."""
-        meta = self._next_meta(plan.coll, plan.code, plan.count, op=plan.op, root=plan.root)
-        return self._st.worker.submit(name, lambda: self._execute(meta, plan.body))
-
-    def _collective(self, coll: int, code: int, count: int, body: Callable[[Call], Any], *, op: int = 0, root: int = 0):
-        meta = self._next_meta(coll, code, count, op=op, root=root)
-        if not self._st.worker.wait_idle(self._st.transport.timeout):
-            raise self._fail(CollectiveTimeout("spawned collectives issued before it did not finish"), meta, time.monotonic())
-        self._check_usable()  # a spawned collective may have failed meanwhile
-        return self._execute(meta, body)
-
-    def _execute(self, meta: Meta, body: Callable[[Call], Any], tag: int | None = None):
-        t = self._st.transport
-        start = time.monotonic()
-        tag = t.tag_of(meta.seq) if tag is None else tag
-        call = Call(t, tag, meta, meta.dtype, start + t.timeout, self._st.tuning.chunk_bytes)
-        self._debug("start", meta, start)
-        try:
-            result = body(call)
-        except CollectiveError as exc:
-            raise self._fail(exc, meta, start) from exc
-        except BaseException as exc:  # Ctrl-C or a bug mid-call: peers must not wait for us
-            self._fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
-            raise
-        if time.monotonic() > call.deadline:  # e.g. a stopped process resumed: its peers gave up on this call
-            raise self._fail(CollectiveTimeout("it finished only after its deadline, when the other ranks had "
-                                               "already given up on it (was this process stopped or starved?)"),
-                             meta, start)
-        if meta.seq != _STARTUP_SEQ:
-            self._st.recorder.completed(meta, time.monotonic() - start)
-        self._debug("end", meta, start)
-        return result
-
-    def _p2p(self, what: str, action: Callable[[float], Any]):
-        self._check_usable()
-        start = time.monotonic()
-        try:
-            return action(start + self._st.transport.timeout)
-        except (CollectiveTimeout, PeerLost) as exc:
-            raise self._fail(exc, None, start, what) from exc
-
-    def _fail(self, exc: CollectiveError, meta: Meta | None, start: float, what: str | None = None) -> CollectiveError:
-        """Describe the failure, break the group, and tell every peer so nobody waits for us."""
-        st = self._st
-        what = what or f"{Collective(meta.coll).label} (sequence number {meta.seq})"
-        detail = str(exc)
-        if isinstance(exc, CollectiveTimeout):
-            detail += f" (timeout {st.transport.timeout:g} s); {self._silence_report()}"
-        if isinstance(exc, (CollectiveTimeout, CollectiveMismatch)):
-            detail += f"; {diagnosis(st.recorder, st.transport.last_heard(), self.rank, start)}"
-        error = _same_kind(exc, f"rank {self.rank}: {what} failed: {detail}")
-        if st.broken is None:
-            st.broken = error
-        st.transport.abort(AbortReason(type(error).__name__, str(error), getattr(error, "peer", None)))
-        return error
-
-    def _silence_report(self) -> str:
-        """Which ranks went quiet: not even a heartbeat for a while (stopped, hung or cut off)."""
-        now, heard = time.monotonic(), self._st.transport.last_heard()
-        silent = [r for r, t in enumerate(heard) if r != self.rank and t < now - SILENT_AFTER]
-        if not silent:
-            return "every rank was still sending heartbeats (a live rank is stuck elsewhere, or called another collective)"
-        how_long = ", ".join(f"rank {r} for {now - heard[r]:.1f} s" if heard[r] else f"rank {r} never" for r in silent)
-        return f"silent ranks: {silent} (not heard from: {how_long})"
-
-    def _hosts(self) -> Topology | None:
-        """The topology when the group spans several hosts (the two-level algorithms apply), else None."""
-        topo = self.transport.topology
-        return topo if topo is not None and topo.n_hosts > 1 else None
-
-    def _fits_board(self, flat: np.ndarray) -> bool:
-        """Small enough for the shared-memory board (every rank decides alike: by size alone)."""
-        board = self.transport.board
-        return board is not None and flat.nbytes <= board.capacity
-
-    def _all_reduce_body(self, flat: np.ndarray, kind: ReduceKind) -> Callable[[Call], None]:
-        algorithm = self._all_reduce_algorithm(flat, kind)
-        return lambda c: algorithm(c, flat)
-
-    def _all_reduce_algorithm(self, flat: np.ndarray, kind: ReduceKind,
-                              small_only: bool = False) -> Callable[[Call, np.ndarray], None] | None:
-        """The shared-memory board or a one-shot (one step) for small arrays, the bandwidth-optimal
-        ring for large ones; across hosts the two-level versions of the latter two. Every rank picks
-        the same: the choice depends on the size (and the topology every rank shares) alone.
-        small_only: None instead of a bandwidth-optimal algorithm (for reduce and reduce_scatter,
-        which reuse the one-step paths on small arrays)."""
-        topo, one_shot = self._hosts(), self._st.tuning.one_shot_bytes
-        if topo is not None:
-            if flat.nbytes <= one_shot:
-                return lambda c, d: small_all_reduce(c, topo, d, kind)
-            large = lambda c, d: two_level_all_reduce(c, topo, d, kind, one_shot)
-        elif self._fits_board(flat):
-            return lambda c, d: board_all_reduce(c, d, kind)
-        elif flat.nbytes <= one_shot:
-            return lambda c, d: one_shot_all_reduce(c, d, kind)
-        else:
-            large = lambda c, d: ring_all_reduce(c, d, kind)
-        return None if small_only else large
-
-    def _debug(self, event: str, meta: Meta, start: float) -> None:
-        if self._st.tuning.debug:
-            took = f" in {1e6 * (time.monotonic() - start):.1f} us" if event == "end" else ""
-            print(f"[shmcoll rank {self.rank}] {event} {Collective(meta.coll).label} seq={meta.seq} "
-                  f"count={meta.count}{took}", file=sys.stderr, flush=True)
+    def _startup_barrier(self) -> None:
+        """init()'s last step: one barrier over the new transport, on a tag of its own."""
+        self._runner.startup_barrier(dissemination_barrier)
 
 
-def _same_kind(exc: CollectiveError, message: str) -> CollectiveError:
-    """A new error of exc's class (PeerLost keeps its peer) with a fuller message."""
-    if isinstance(exc, PeerLost):
-        return PeerLost(message, exc.peer)
-    return type(exc)(message)
+def _pickled(obj) -> np.ndarray:
+    """uint8 bytes: a 0 byte then the pickle, or a lone 1 byte when obj cannot be pickled, so the
+    peers learn of it (and raise too) instead of waiting for a collective that never comes."""
+    try:
+        raw = b"\0" + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # any pickling failure; reported on every rank by _unpickled
+        raw = b"\1"
+    return np.frombuffer(raw, dtype=np.uint8)
 
+
+def _raise_if_unpicklable(buf: np.ndarray, sender: int) -> None:
+    """The flag byte _pickled wrote: every rank raises alike when the sender's object had no pickle."""
+    if buf[:1].tobytes() != b"\0":
+        raise InvalidArgument(f"the object of rank {sender} could not be pickled")
+
+
+def _unpickled(buf: np.ndarray, sender: int):
+    _raise_if_unpicklable(buf, sender)
+    return pickle.loads(buf[1:].tobytes())

@@ -22,17 +22,11 @@ from ..errors import CollectiveError
 from ..transport.frame import MAX_NDIM
 from ..types import U8, WIRE_TYPES
 from .call import Call
-from .scatter_gather import lengths_from
+from .direct import lengths_from
 
 _SIGNAL_CODE = U8.code  # the entries are raw bytes: the call's dtype is in its description
 _HEAD = 3 + MAX_NDIM  # int64 words: [fits, dtype code, ndim, dim0, dim1, ...]
-_HEAD_BYTES = 8 * _HEAD
-
-
-def has_room_for_heads(board) -> bool:
-    """Whether a transport's board (or None) has room for at least the head (every rank has the
-    same board layout, so every rank answers alike)."""
-    return board is not None and board.capacity >= _HEAD_BYTES
+HEAD_BYTES = 8 * _HEAD  # a board entry smaller than this cannot run all_gather_v (select.py)
 
 
 def _head(fits: bool, code: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -44,20 +38,20 @@ def _head(fits: bool, code: int, shape: tuple[int, ...]) -> np.ndarray:
 
 def _parse(entry: np.ndarray, src: int) -> tuple[bool, int, tuple[int, ...], np.ndarray]:
     """(fits, dtype code, shape, data bytes) of a rank's entry; a malformed head is a protocol error."""
-    if len(entry) < _HEAD_BYTES:
+    if len(entry) < HEAD_BYTES:
         raise CollectiveError(f"rank {src} published a board entry too short for its head ({len(entry)} bytes)")
-    head = np.frombuffer(entry[:_HEAD_BYTES].tobytes(), dtype=np.int64)
+    head = np.frombuffer(entry[:HEAD_BYTES].tobytes(), dtype=np.int64)
     fits, code, ndim = int(head[0]), int(head[1]), int(head[2])
     shape = tuple(int(d) for d in head[3:3 + ndim]) if 0 <= ndim <= MAX_NDIM else None
     if shape is None or min(shape, default=0) < 0 or code not in WIRE_TYPES:
         raise CollectiveError(f"rank {src} published a malformed board entry (dtype code {code}, ndim {ndim})")
-    return bool(fits), code, shape, entry[_HEAD_BYTES:]
+    return bool(fits), code, shape, entry[HEAD_BYTES:]
 
 
 def _publish(c: Call, code: int, shape: tuple[int, ...], data: np.ndarray) -> None:
     """Our entry: the head, and the data when it fits."""
     board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
-    fits = _HEAD_BYTES + data.nbytes <= board.capacity
+    fits = HEAD_BYTES + data.nbytes <= board.capacity
     head = _head(fits, code, shape).view(np.uint8)
     entry = np.concatenate([head, data.reshape(-1).view(np.uint8)]) if fits else head
     board.publish(c.meta, _SIGNAL_CODE, entry, c.deadline, guard)

@@ -9,7 +9,7 @@ and the tail tells everyone the data reached the end (so no rank returns before 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

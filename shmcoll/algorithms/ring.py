@@ -11,7 +11,7 @@ hierarchical algorithms run one inside each host and one across hosts), and `own
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -106,6 +106,23 @@ def one_shot_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequ
 
 def ring_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:
     """out (1-D, n * len(local)) receives every rank's block in rank order."""
-    n, r, block = c.size, c.rank, len(local)
-    out[r * block:(r + 1) * block] = local
-    ring_all_gather_owned(c, out, range(n), [(i * block, (i + 1) * block) for i in range(n)])
+    ring_all_gather_v(c, local, out, [len(local)] * c.size)
+
+
+def ring_all_gather_v(c: Call, local: np.ndarray, out: np.ndarray, sizes: Sequence[int]) -> None:
+    """out (1-D) receives every rank's `local` in rank order; rank r contributes sizes[r] elements
+    (pieces of different, even zero, length are fine)."""
+    starts = np.cumsum([0, *sizes]).tolist()
+    owned = [(starts[i], starts[i + 1]) for i in range(c.size)]
+    a, b = owned[c.rank]
+    out[a:b] = local
+    ring_all_gather_owned(c, out, range(c.size), owned)
+
+
+def ring_reduce_scatter_blocks(c: Call, work: np.ndarray, out: np.ndarray, op: ReduceKind) -> None:
+    """out = op over every rank's block c.rank of `work` (a 1-D scratch copy of the input, n equal
+    blocks; it ends holding partial results). Each block is folded once, along the ring, in a fixed
+    order, so the result does not depend on timing."""
+    block = len(work) // c.size
+    ring_reduce_scatter_op(c, work, op, range(c.size), [(i * block, (i + 1) * block) for i in range(c.size)])
+    out[:] = work[c.rank * block:(c.rank + 1) * block]

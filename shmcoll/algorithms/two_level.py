@@ -10,10 +10,12 @@ Uneven hosts: K = the smallest host's rank count. A large all-reduce is cut into
 rank j < K of every host owns slice j and all-reduces it across hosts with its peers of the same
 local rank (K rings busy at once); a larger host's extra ranks only take part inside their host.
 All-gather and barrier go through one leader per host (its lowest rank); broadcast is one chain
-that visits the hosts one after another.
+that visits the hosts one after another. Reduce-scatter and reduce are in two_level_reduce.py.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -22,8 +24,8 @@ from ..types import ReduceKind
 from .barrier import dissemination_barrier
 from .broadcast import chain_broadcast
 from .call import Call, segment_bounds
-from .ring import (one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg,
-                   summed)
+from .direct import INT64_CODE, SIGNAL_CODE, shape_header, shapes_to_lengths
+from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
 
 
 def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int) -> None:
@@ -48,7 +50,7 @@ def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], 
         ring_all_reduce(c, piece, op, ranks)
 
 
-def small_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
+def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
     """Latency first: one-shot in the host, one-shot among host leaders, leader fans out."""
     host = topo.local_ranks(c.rank)
     one_shot_all_reduce(c, data, summed(op), host)
@@ -62,12 +64,12 @@ def small_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) 
     scale_if_avg(c, data, op, c.size)
 
 
-def hier_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:
-    """out receives every rank's equal-sized block in rank order (see hier_all_gather_v)."""
-    hier_all_gather_v(c, topo, local, out, [len(local)] * c.size)
+def two_level_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:
+    """out receives every rank's equal-sized block in rank order (see two_level_all_gather_v)."""
+    two_level_all_gather_v(c, topo, local, out, [len(local)] * c.size)
 
 
-def hier_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray, sizes: list[int]) -> None:
+def two_level_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray, sizes: list[int]) -> None:
     """Gather in the host, exchange whole hosts' blocks among leaders, leaders hand the rest out.
     Rank r contributes sizes[r] elements (any, even zero); out holds them in rank order.
 
@@ -92,7 +94,7 @@ def hier_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.ndarra
             out[starts[r]:starts[r] + sizes[r]] = staged[at[r]:at[r] + sizes[r]]
 
 
-def hier_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
+def two_level_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
     """One pipelined chain through the root's host first, then host after host: the data crosses
     each host boundary once, and the chain's arrival and completion signals keep every rank from
     returning before the last one has the data (so disagreement fails everywhere)."""
@@ -102,10 +104,26 @@ def hier_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None
     chain_broadcast(c, root, data, order=order)
 
 
-def hier_barrier(c: Call, topo: Topology) -> None:
+def two_level_barrier(c: Call, topo: Topology) -> None:
     """Host barrier, leaders' barrier, host barrier: nobody leaves before the leaders all met."""
     host = topo.local_ranks(c.rank)
     dissemination_barrier(c, host)
     if c.rank == host[0]:
         dissemination_barrier(c, topo.leaders())
     dissemination_barrier(c, host)
+
+
+def two_level_agree(c: Call, topo: Topology) -> None:
+    """The agreement step of rooted calls (direct.agree) across hosts: the hierarchy's barrier. Every
+    frame carries the call's description and a rank leaves only after hearing, through the leaders,
+    from every rank, with one message per host pair instead of one per rank pair."""
+    two_level_barrier(replace(c, code=SIGNAL_CODE), topo)
+
+
+def two_level_exchange_shapes(c: Call, topo: Topology, shape: tuple[int, ...]) -> list[int]:
+    """direct.exchange_shapes across hosts: the headers travel by the two-level all-gather (one frame
+    per host pair, not per rank pair)."""
+    mine = shape_header(shape)
+    gathered = np.empty(c.size * len(mine), dtype=np.int64)
+    two_level_all_gather(replace(c, code=INT64_CODE), topo, mine, gathered)
+    return shapes_to_lengths(list(gathered.reshape(c.size, len(mine))), shape)

@@ -8,7 +8,7 @@ every rank folds the other hosts' partial sums into its own, in host order. Each
 (hosts - 1) host boundaries, once per other host: (hosts - 1) * S bytes in all for S bytes per
 rank, against a flat ring's (n - 1) / n * S per boundary it crosses.
 
-Reduce. As the large all-reduce (hier.py): K = min_local slices, reduce-scattered inside each host;
+Reduce. As the large all-reduce (two_level.py): K = min_local slices, reduce-scattered inside each host;
 local rank j of every host sends slice j to local rank j of the root's host, which folds them in
 host order and passes the finished slice to the root. A rooted call has senders that hear from
 nobody outside their host, so it starts with the hierarchy's barrier: a rank that disagrees about
@@ -22,8 +22,9 @@ import numpy as np
 from ..transport.topology import Topology
 from ..types import ReduceKind
 from .call import Call, segment_bounds
+from .direct import recv_stream, send_stream
 from .ring import ring_reduce_scatter, scale_if_avg, summed
-from .scatter_gather import agree, recv_stream, send_stream
+from .two_level import two_level_agree
 
 
 def staging_order(topo: Topology, rank: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -38,12 +39,12 @@ def staging_order(topo: Topology, rank: int) -> tuple[list[int], list[tuple[int,
 
 def stage_for_reduce_scatter(topo: Topology, rank: int, data: np.ndarray) -> np.ndarray:
     """A copy of data (n equal blocks, in rank order) with its blocks in staging order: the scratch
-    array hier_reduce_scatter works in (made up front, so the caller's data may change at once)."""
+    array two_level_reduce_scatter works in (made up front, so the caller's data may change at once)."""
     order, _ = staging_order(topo, rank)
     return data.reshape(topo.world_size, -1)[order].reshape(-1)
 
 
-def hier_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.ndarray, op: ReduceKind) -> None:
+def two_level_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.ndarray, op: ReduceKind) -> None:
     """out = op over every rank's block c.rank; staged comes from stage_for_reduce_scatter."""
     host, block = topo.local_ranks(c.rank), len(staged) // c.size
     order, owned = staging_order(topo, c.rank)
@@ -62,9 +63,9 @@ def hier_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.nda
     out[:] = mine
 
 
-def hier_reduce(c: Call, topo: Topology, root: int, data: np.ndarray, op: ReduceKind) -> None:
+def two_level_reduce(c: Call, topo: Topology, root: int, data: np.ndarray, op: ReduceKind) -> None:
     """In place on root; every rank's data is scratch."""
-    agree(c, topo)
+    two_level_agree(c, topo)
     host, k = topo.local_ranks(c.rank), topo.min_local
     slices = segment_bounds(len(data), k)
     ring_reduce_scatter(c, data, summed(op), host, slices + [(len(data), len(data))] * (len(host) - k))

@@ -1,0 +1,115 @@
+"""Which algorithm runs a collective call: one pure function of the call and where the group runs.
+
+Every rank of a group must run the same algorithm, or ranks would wait for frames that never come.
+So the choice depends only on facts every rank shares: the collective, its per-rank byte count
+(equal on every rank for the calls that use it), the hosts the group spans, whether its transport
+has a shared-memory board and how large a board entry is, and the tuning threshold for one-step
+all-reduces (config.Tuning, SHMCOLL_ONE_SHOT_BYTES). No I/O: the table below is unit-tested alone.
+
+| call | one host, small | one host, large | across hosts |
+|---|---|---|---|
+| all_reduce | BOARD, else ONE_SHOT up to one_shot_bytes | RING | TWO_LEVEL_ONE_SHOT, else TWO_LEVEL |
+| reduce_scatter, reduce | as all_reduce (the one-step result, each rank keeps its part) | RING | TWO_LEVEL |
+| all_gather | BOARD | RING | TWO_LEVEL |
+| broadcast | BOARD | CHAIN | TWO_LEVEL |
+| barrier | BOARD | DISSEMINATION | TWO_LEVEL |
+| gather | BOARD | DIRECT | TWO_LEVEL_DIRECT |
+| scatter | DIRECT | DIRECT | TWO_LEVEL_DIRECT |
+| all_to_all | BOARD | PAIRWISE | PAIRWISE |
+| all_gather_v | BOARD_OR_RING (decided on the board) | BOARD_OR_RING | TWO_LEVEL |
+| federated_average | DEADLINE | DEADLINE | DEADLINE |
+
+"One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). A group
+with no board (TCP only, or a sub-group) takes the large column's algorithm, except all_reduce's
+ONE_SHOT. all_gather_v's pieces differ in size, so no rank can choose by size alone: on a board
+every rank publishes a head saying whether its piece fits, and all decide alike from the heads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..types import Collective
+from .board_v import HEAD_BYTES
+
+
+class Algorithm(enum.Enum):
+    """The algorithms, by the module that holds them."""
+
+    BOARD = "board"  # board.py: every rank publishes once on the shared-memory board, every rank reads all
+    BOARD_OR_RING = "board or ring"  # board_v.py: one board step if every piece fits its entry, else RING
+    ONE_SHOT = "one-shot"  # ring.py: every rank sends its whole input to every other, all fold alike
+    RING = "ring"  # ring.py: reduce-scatter and all-gather around a ring, bandwidth-optimal
+    CHAIN = "chain"  # broadcast.py: pipelined chain from the root
+    DISSEMINATION = "dissemination"  # barrier.py: ceil(log2 n) rounds of signals
+    DIRECT = "direct"  # direct.py: an agreement step, then each block straight to its destination
+    PAIRWISE = "pairwise"  # direct.py: all_to_all's exchange, every rank with every rank
+    DEADLINE = "deadline"  # federated.py: rank 0 averages what arrives before the deadline
+    TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level.py: one-shot in each host, among leaders, fan out
+    TWO_LEVEL = "two-level"  # two_level*.py: inside each host, across hosts, inside again
+    TWO_LEVEL_DIRECT = "two-level direct"  # DIRECT with the hierarchy's barrier as its agreement step
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything besides the call that decides, alike on every rank of a group."""
+
+    hosts: int = 1  # hosts the group spans (a group over TCP alone counts as one: it has no shared memory)
+    board_bytes: int | None = None  # payload bytes of one board entry; None without a board
+    one_shot_bytes: int = 16 << 10  # config.Tuning.one_shot_bytes
+
+    def fits_board(self, nbytes: int) -> bool:
+        return self.board_bytes is not None and nbytes <= self.board_bytes
+
+
+def select(coll: Collective, nbytes: int, where: Setting) -> Algorithm:
+    """The algorithm for one call of `coll` with `nbytes` per rank (the whole input of a reduction,
+    a gather's block, the root's array of a broadcast; ignored by barrier, scatter, all_gather_v
+    and federated_average)."""
+    if coll in _SMALL_REDUCTIONS:
+        small = _one_step_all_reduce(nbytes, where)
+        if small is not None:
+            return small
+    return _CHOOSERS[coll](nbytes, where)
+
+
+def _one_step_all_reduce(nbytes: int, where: Setting) -> Algorithm | None:
+    """The all-reduce that finishes in one step for a small array, or None when the array is large."""
+    if where.hosts > 1:
+        return Algorithm.TWO_LEVEL_ONE_SHOT if nbytes <= where.one_shot_bytes else None
+    if where.fits_board(nbytes):
+        return Algorithm.BOARD
+    return Algorithm.ONE_SHOT if nbytes <= where.one_shot_bytes else None
+
+
+def _flat(large: Algorithm, small: Algorithm | None = Algorithm.BOARD, across: Algorithm = Algorithm.TWO_LEVEL):
+    """A chooser: `across` when the group spans hosts, `small` when the call fits the board, else `large`."""
+    def choose(nbytes: int, where: Setting) -> Algorithm:
+        if where.hosts > 1:
+            return across
+        return small if small is not None and where.fits_board(nbytes) else large
+    return choose
+
+
+def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:
+    if where.hosts > 1:
+        return Algorithm.TWO_LEVEL
+    has_room = where.board_bytes is not None and where.board_bytes >= HEAD_BYTES
+    return Algorithm.BOARD_OR_RING if has_room else Algorithm.RING
+
+
+_SMALL_REDUCTIONS = (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE)
+_CHOOSERS = {
+    Collective.ALL_REDUCE: _flat(Algorithm.RING, small=None),
+    Collective.REDUCE_SCATTER: _flat(Algorithm.RING, small=None),
+    Collective.REDUCE: _flat(Algorithm.RING, small=None),
+    Collective.ALL_GATHER: _flat(Algorithm.RING),
+    Collective.BROADCAST: _flat(Algorithm.CHAIN),
+    Collective.BARRIER: _flat(Algorithm.DISSEMINATION),
+    Collective.GATHER: _flat(Algorithm.DIRECT, across=Algorithm.TWO_LEVEL_DIRECT),
+    Collective.SCATTER: _flat(Algorithm.DIRECT, small=None, across=Algorithm.TWO_LEVEL_DIRECT),
+    Collective.ALL_TO_ALL: _flat(Algorithm.PAIRWISE, across=Algorithm.PAIRWISE),
+    Collective.ALL_GATHER_V: _all_gather_v,
+    Collective.FEDERATED_AVERAGE: lambda nbytes, where: Algorithm.DEADLINE,
+}

@@ -1,0 +1,262 @@
+"""From a validated call to a Plan: the algorithm algorithms/select.py picks, and the body that runs it.
+
+One function per collective. Each takes arrays the ProcessGroup has already validated, allocates
+what the call returns, asks `select` which algorithm runs (a choice every rank makes alike), and
+returns a Plan whose body runs that algorithm and returns the call's result. Blocking calls and
+their spawn_* twins share these, so both run the same algorithm on the same validated arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .algorithms.barrier import dissemination_barrier
+from .algorithms.board import board_all_gather, board_all_reduce, board_all_to_all, board_barrier, board_broadcast
+from .algorithms.board_v import board_all_gather_v
+from .algorithms.broadcast import chain_broadcast
+from .algorithms.call import Call
+from .algorithms.direct import (
+    Agreement,
+    agree,
+    all_to_all_pairwise,
+    exchange_shapes,
+    gather_to_root,
+    reduce_to_root,
+    scatter_from_root,
+)
+from .algorithms.federated import federated_average
+from .algorithms.ring import (
+    one_shot_all_reduce,
+    ring_all_gather,
+    ring_all_gather_v,
+    ring_all_reduce,
+    ring_reduce_scatter_blocks,
+)
+from .algorithms.select import Algorithm, Setting, select
+from .algorithms.two_level import (
+    two_level_agree,
+    two_level_all_gather,
+    two_level_all_gather_v,
+    two_level_all_reduce,
+    two_level_barrier,
+    two_level_broadcast,
+    two_level_exchange_shapes,
+    two_level_one_shot_all_reduce,
+)
+from .algorithms.two_level_reduce import stage_for_reduce_scatter, two_level_reduce, two_level_reduce_scatter
+from .config import Tuning
+from .runner import Plan
+from .transport.base import Transport
+from .transport.frame import ROOTS_DTYPE
+from .transport.topology import Topology
+from .types import U8, Collective, ReduceKind, WireType
+from .validate import gathered_like, storage_view
+
+#: The all-reduces that finish in one step; reduce and reduce_scatter reuse them for small arrays.
+ONE_STEP = (Algorithm.BOARD, Algorithm.ONE_SHOT, Algorithm.TWO_LEVEL_ONE_SHOT)
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a plan needs to know of its group: this rank, the group's size, its hosts (the topology,
+    only when the group spans several, so the two-level algorithms apply) and the selection setting."""
+
+    rank: int
+    size: int
+    topology: Topology | None
+    setting: Setting
+
+    @classmethod
+    def of(cls, t: Transport, tuning: Tuning) -> Where:
+        topo = t.topology if t.topology is not None and t.topology.n_hosts > 1 else None
+        setting = Setting(hosts=topo.n_hosts if topo is not None else 1,
+                          board_bytes=t.board.capacity if t.board is not None else None,
+                          one_shot_bytes=tuning.one_shot_bytes)
+        return cls(t.rank, t.world_size, topo, setting)
+
+    @property
+    def hosts(self) -> Topology:
+        """The topology, for the two-level algorithms (select picks them only when there is one)."""
+        assert self.topology is not None
+        return self.topology
+
+
+# ---- reductions ----
+
+def all_reduce(w: Where, flat: np.ndarray, code: int, kind: ReduceKind, result: object) -> Plan:
+    """In place over `flat` (the storage view of the caller's array); the body returns `result`."""
+    reduce = _all_reduce(w, select(Collective.ALL_REDUCE, flat.nbytes, w.setting), kind)
+    return Plan(Collective.ALL_REDUCE, code, flat.size, lambda c: (reduce(c, flat), result)[1], op=kind)
+
+
+def _all_reduce(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[Call, np.ndarray], None]:
+    """The all-reduce `algorithm` as a function of (call, data), data reduced in place."""
+    match algorithm:
+        case Algorithm.BOARD:
+            return lambda c, d: board_all_reduce(c, d, kind)
+        case Algorithm.ONE_SHOT:
+            return lambda c, d: one_shot_all_reduce(c, d, kind)
+        case Algorithm.TWO_LEVEL_ONE_SHOT:
+            return lambda c, d: two_level_one_shot_all_reduce(c, w.hosts, d, kind)
+        case Algorithm.TWO_LEVEL:
+            return lambda c, d: two_level_all_reduce(c, w.hosts, d, kind, w.setting.one_shot_bytes)
+    return lambda c, d: ring_all_reduce(c, d, kind)
+
+
+def reduce_scatter(w: Where, arr: np.ndarray, wire: WireType, kind: ReduceKind) -> Plan:
+    """Rank i gets slice i (along axis 0) of the reduction as a new array; the algorithms work on a
+    copy of the input, made now, so the caller may change it at once."""
+    flat = storage_view(arr, wire)
+    out = np.empty((arr.shape[0] // w.size, *arr.shape[1:]), dtype=arr.dtype)
+    mine = storage_view(out, wire)
+    algorithm = select(Collective.REDUCE_SCATTER, flat.nbytes, w.setting)
+    if algorithm in ONE_STEP:
+        reduce, work, at = _all_reduce(w, algorithm, kind), flat.copy(), w.rank * mine.size
+
+        def run(c: Call) -> None:  # reduce everything in one step, keep our slice
+            reduce(c, work)
+            mine[:] = work[at:at + mine.size]
+    elif algorithm is Algorithm.TWO_LEVEL:
+        staged = stage_for_reduce_scatter(w.hosts, w.rank, flat)
+        run = lambda c: two_level_reduce_scatter(c, w.hosts, staged, mine, kind)
+    else:
+        work = flat.copy()
+        run = lambda c: ring_reduce_scatter_blocks(c, work, mine, kind)
+    return Plan(Collective.REDUCE_SCATTER, wire.code, flat.size, lambda c: (run(c), out)[1], op=kind)
+
+
+def reduce(w: Where, root: int, flat: np.ndarray, code: int, kind: ReduceKind, result: object) -> Plan:
+    """In place on root; every rank's `flat` is scratch space. A one-step all-reduce leaves the
+    answer everywhere, the root's copy included."""
+    algorithm = select(Collective.REDUCE, flat.nbytes, w.setting)
+    if algorithm in ONE_STEP:
+        all_reduce_in_place = _all_reduce(w, algorithm, kind)
+        run = lambda c: all_reduce_in_place(c, flat)
+    elif algorithm is Algorithm.TWO_LEVEL:
+        run = lambda c: two_level_reduce(c, w.hosts, root, flat, kind)
+    else:
+        run = lambda c: reduce_to_root(c, root, flat, kind)
+    return Plan(Collective.REDUCE, code, flat.size, lambda c: (run(c), result)[1], op=kind, root=root)
+
+
+def federated(flat: np.ndarray, code: int, window: float) -> Plan:
+    """Rank 0 averages what arrives within `window` seconds; the body returns the participant count."""
+    return Plan(Collective.FEDERATED_AVERAGE, code, flat.size, lambda c: federated_average(c, flat, window))
+
+
+# ---- data movement ----
+
+def barrier(w: Where) -> Plan:
+    algorithm = select(Collective.BARRIER, 0, w.setting)
+    if algorithm is Algorithm.TWO_LEVEL:
+        body: Callable[[Call], None] = lambda c: two_level_barrier(c, w.hosts)
+    else:
+        body = board_barrier if algorithm is Algorithm.BOARD else dissemination_barrier
+    return Plan(Collective.BARRIER, U8.code, 0, body)  # empty uint8 frames
+
+
+def broadcast(w: Where, root: int, flat: np.ndarray, code: int, result: object) -> Plan:
+    algorithm = select(Collective.BROADCAST, flat.nbytes, w.setting)
+    if algorithm is Algorithm.TWO_LEVEL:
+        cast = lambda c: two_level_broadcast(c, w.hosts, root, flat)
+    elif algorithm is Algorithm.BOARD:
+        cast = lambda c: board_broadcast(c, root, flat)
+    else:
+        cast = lambda c: chain_broadcast(c, root, flat)
+    return Plan(Collective.BROADCAST, code, flat.size, lambda c: (cast(c), result)[1], root=root)
+
+
+def all_gather(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
+    out = gathered_like(arr, w.size)
+    flat_in, flat_out = storage_view(arr, wire), storage_view(out, wire)
+    algorithm = select(Collective.ALL_GATHER, flat_in.nbytes, w.setting)
+    if algorithm is Algorithm.TWO_LEVEL:
+        gather = lambda c: two_level_all_gather(c, w.hosts, flat_in, flat_out)
+    elif algorithm is Algorithm.BOARD:
+        gather = lambda c: board_all_gather(c, flat_in, flat_out)
+    else:
+        gather = lambda c: ring_all_gather(c, flat_in, flat_out)
+    return Plan(Collective.ALL_GATHER, wire.code, flat_in.size, lambda c: (gather(c), out)[1])
+
+
+def gather(w: Where, root: int, arr: np.ndarray, wire: WireType) -> Plan:
+    """The concatenation on root, None elsewhere (on the board every rank gets it, as scratch)."""
+    flat_in = storage_view(arr, wire)
+    algorithm = select(Collective.GATHER, flat_in.nbytes, w.setting)
+    out = gathered_like(arr, w.size) if w.rank == root or algorithm is Algorithm.BOARD else None
+    flat_out = storage_view(out, wire) if out is not None else None
+    result = out if w.rank == root else None
+    if algorithm is Algorithm.BOARD:
+        run = lambda c: board_all_gather(c, flat_in, flat_out)
+    else:
+        agreement = _agreement(w, algorithm)
+        run = lambda c: gather_to_root(c, root, flat_in, flat_out, agreement)
+    return Plan(Collective.GATHER, wire.code, flat_in.size, lambda c: (run(c), result)[1], root=root)
+
+
+def scatter(w: Where, root: int, arr: np.ndarray | None, wire: WireType | None) -> Plan:
+    """Rank i gets block i of the root's `arr` (only the root passes it, with its wire type): the
+    others learn dtype and shape from the frames they receive, so the call carries neither."""
+    blocks, code, user = None, ROOTS_DTYPE, None
+    if arr is not None and wire is not None:
+        rows, store = arr.shape[0] // w.size, arr.view(wire.storage)
+        blocks = [store[j * rows:(j + 1) * rows] for j in range(w.size)]
+        code, user = wire.code, arr.dtype
+    agreement = _agreement(w, select(Collective.SCATTER, 0, w.setting))
+
+    def body(c: Call) -> np.ndarray:
+        got = scatter_from_root(c, root, blocks, code, agreement)
+        return got.view(user) if user is not None else got  # the root's comes back as storage
+
+    return Plan(Collective.SCATTER, ROOTS_DTYPE, 0, body, root=root)
+
+
+def all_to_all(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
+    out = np.empty(arr.shape, dtype=arr.dtype)
+    flat_in, flat_out = storage_view(arr, wire), storage_view(out, wire)
+    algorithm = select(Collective.ALL_TO_ALL, flat_in.nbytes, w.setting)
+    exchange = board_all_to_all if algorithm is Algorithm.BOARD else all_to_all_pairwise
+    return Plan(Collective.ALL_TO_ALL, wire.code, flat_in.size, lambda c: (exchange(c, flat_in, flat_out), out)[1])
+
+
+def all_gather_v(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
+    """(concatenation, every rank's length); the call carries the elements per row, which every
+    rank knows; the lengths are exchanged first (on the board: with the data when all fits)."""
+    shape = arr.shape if arr.ndim else (1,)
+    row = int(np.prod(shape[1:], dtype=np.int64))
+    flat_in = storage_view(arr, wire)
+    algorithm = select(Collective.ALL_GATHER_V, flat_in.nbytes, w.setting)
+
+    def make_out(lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        out = np.empty((sum(lengths), *shape[1:]), dtype=arr.dtype)
+        return out, storage_view(out, wire)
+
+    def body(c: Call) -> tuple[np.ndarray, list[int]]:
+        if algorithm is Algorithm.BOARD_OR_RING:
+            lengths, done = board_all_gather_v(c, wire.code, shape, flat_in, make_out)
+            if done is not None:
+                return done, lengths
+        elif algorithm is Algorithm.TWO_LEVEL:
+            lengths = two_level_exchange_shapes(c, w.hosts, shape)
+        else:
+            lengths = exchange_shapes(c, shape)
+        out, flat_out = make_out(lengths)
+        sizes = [n * row for n in lengths]
+        if algorithm is Algorithm.TWO_LEVEL:
+            two_level_all_gather_v(c, w.hosts, flat_in, flat_out, sizes)
+        else:
+            ring_all_gather_v(c, flat_in, flat_out, sizes)
+        return out, lengths
+
+    return Plan(Collective.ALL_GATHER_V, wire.code, row, body)
+
+
+def _agreement(w: Where, algorithm: Algorithm) -> Agreement:
+    """The agreement step of DIRECT (every rank with every rank) or TWO_LEVEL_DIRECT (the hierarchy's barrier)."""
+    if algorithm is Algorithm.TWO_LEVEL_DIRECT:
+        return lambda c: two_level_agree(c, w.hosts)
+    return agree
+

@@ -1,0 +1,175 @@
+"""The machinery under a ProcessGroup: numbers every collective, runs it in call order with a
+deadline, and turns a failure into the contract's error, breaking the group and aborting every peer.
+
+A group's state lives in one Runner shared by cheap copies of the group (`copy.copy(pg)`), like the
+Arc clone of the original design: same transport, same sequence numbers. Blocking calls run on the
+caller's thread once the ordered worker (worker.py) is idle; spawned ones run on the worker.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from .algorithms.call import Call
+from .config import Tuning
+from .errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, InvalidArgument, PeerLost
+from .recorder import FlightRecorder, diagnosis
+from .transport.base import Transport
+from .transport.frame import Meta
+from .transport.mailbox import AbortReason
+from .types import U8, Collective
+from .worker import CollectiveHandle, OrderedWorker
+
+#: A rank not heard from (data or heartbeat) for this many seconds counts as silent in timeout reports.
+SILENT_AFTER = 2.0
+#: init()'s closing barrier runs on a tag and sequence number of its own, above every user call's,
+#: so the first user collective is still number 0.
+STARTUP_TAG = (1 << 32) - 1
+STARTUP_SEQ = 1 << 62
+
+
+class Plan(NamedTuple):
+    """A validated call, ready to run now (blocking) or later on the ordered worker (spawned): its
+    description (collective, dtype code, count, op, root) and its body, which runs the algorithm
+    and returns the call's result."""
+
+    coll: Collective
+    code: int
+    count: int
+    body: Callable[[Call], Any]
+    op: int = 0
+    root: int = 0
+
+
+class Runner:
+    """One group's sequence numbers, worker, flight recorder and failure state."""
+
+    def __init__(self, transport: Transport, tuning: Tuning, on_close: list[Callable[[], None]]):
+        self.transport, self.tuning, self._on_close = transport, tuning, on_close
+        self._seq = 0
+        self._broken: CollectiveError | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._worker = OrderedWorker()
+        self._recorder = FlightRecorder()
+
+    # ---- running calls ----
+    def run(self, plan: Plan) -> Any:
+        """A blocking collective: numbered now, run on this thread after every spawned one before it."""
+        meta = self._next_meta(plan)
+        if not self._worker.wait_idle(self.transport.timeout):
+            raise self.fail(CollectiveTimeout("spawned collectives issued before it did not finish"), meta,
+                            time.monotonic())
+        self.check_usable()  # a spawned collective may have failed meanwhile
+        return self._execute(meta, plan.body)
+
+    def spawn(self, plan: Plan) -> CollectiveHandle:
+        """A non-blocking collective: numbered now (call order is what matches ranks), run on the
+        ordered worker; the handle's join() returns the body's result."""
+        meta = self._next_meta(plan)
+        return self._worker.submit(plan.coll.label, lambda: self._execute(meta, plan.body))
+
+    def startup_barrier(self, body: Callable[[Call], Any]) -> None:
+        """init()'s last step, on the tag and sequence number of its own."""
+        self.check_usable()
+        self._execute(Meta(seq=STARTUP_SEQ, coll=Collective.BARRIER, dtype=U8.code), body, tag=STARTUP_TAG)
+
+    def point_to_point(self, what: str, action: Callable[[float], Any]) -> Any:
+        """send/recv: action(deadline); a lost peer or a timeout breaks the group as a collective's would."""
+        self.check_usable()
+        start = time.monotonic()
+        try:
+            return action(start + self.transport.timeout)
+        except (CollectiveTimeout, PeerLost) as exc:
+            raise self.fail(exc, None, start, what) from exc
+
+    def _next_meta(self, plan: Plan) -> Meta:
+        self.check_usable()
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+        return Meta(seq=seq, coll=plan.coll, dtype=plan.code, count=plan.count, op=int(plan.op), root=plan.root)
+
+    def _execute(self, meta: Meta, body: Callable[[Call], Any], tag: int | None = None) -> Any:
+        t = self.transport
+        start = time.monotonic()
+        tag = t.tag_of(meta.seq) if tag is None else tag
+        call = Call(t, tag, meta, meta.dtype, start + t.timeout, self.tuning.chunk_bytes)
+        self._debug("start", meta, start)
+        try:
+            result = body(call)
+        except CollectiveError as exc:
+            raise self.fail(exc, meta, start) from exc
+        except BaseException as exc:  # Ctrl-C or a bug mid-call: peers must not wait for us
+            self.fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
+            raise
+        if time.monotonic() > call.deadline:  # e.g. a stopped process resumed: its peers gave up on this call
+            raise self.fail(CollectiveTimeout("it finished only after its deadline, when the other ranks had "
+                                              "already given up on it (was this process stopped or starved?)"),
+                            meta, start)
+        if meta.seq != STARTUP_SEQ:
+            self._recorder.completed(meta, time.monotonic() - start)
+        self._debug("end", meta, start)
+        return result
+
+    # ---- failures ----
+    def check_usable(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this ProcessGroup is closed")
+        if self._broken is not None:
+            raise same_kind(self._broken, f"this group is broken by an earlier failure and cannot be used: "
+                                          f"{self._broken}")
+
+    def fail(self, exc: CollectiveError, meta: Meta | None, start: float, what: str | None = None) -> CollectiveError:
+        """Describe the failure, break the group, and tell every peer so nobody waits for us."""
+        t, rank = self.transport, self.transport.rank
+        if what is None:
+            what = f"{Collective(meta.coll).label} (sequence number {meta.seq})" if meta is not None else "call"
+        detail = str(exc)
+        if isinstance(exc, CollectiveTimeout):
+            detail += f" (timeout {t.timeout:g} s); {self._silence_report()}"
+        if isinstance(exc, (CollectiveTimeout, CollectiveMismatch)):
+            detail += f"; {diagnosis(self._recorder, t.last_heard(), rank, start)}"
+        error = same_kind(exc, f"rank {rank}: {what} failed: {detail}")
+        if self._broken is None:
+            self._broken = error
+        t.abort(AbortReason(type(error).__name__, str(error), getattr(error, "peer", None)))
+        return error
+
+    def _silence_report(self) -> str:
+        """Which ranks went quiet: not even a heartbeat for a while (stopped, hung or cut off)."""
+        now, heard, me = time.monotonic(), self.transport.last_heard(), self.transport.rank
+        silent = [r for r, t in enumerate(heard) if r != me and t < now - SILENT_AFTER]
+        if not silent:
+            return "every rank was still sending heartbeats (a live rank is stuck elsewhere, or called another collective)"
+        how_long = ", ".join(f"rank {r} for {now - heard[r]:.1f} s" if heard[r] else f"rank {r} never" for r in silent)
+        return f"silent ranks: {silent} (not heard from: {how_long})"
+
+    def _debug(self, event: str, meta: Meta, start: float) -> None:
+        if self.tuning.debug:
+            took = f" in {1e6 * (time.monotonic() - start):.1f} us" if event == "end" else ""
+            print(f"[shmcoll rank {self.transport.rank}] {event} {Collective(meta.coll).label} seq={meta.seq} "
+                  f"count={meta.count}{took}", file=sys.stderr, flush=True)
+
+    # ---- life cycle ----
+    def close(self) -> None:
+        """Stop the worker, release the transport, run the close hooks; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._worker.stop(timeout=self.transport.timeout)
+        self.transport.close()
+        for hook in self._on_close:
+            hook()
+
+
+def same_kind(exc: CollectiveError, message: str) -> CollectiveError:
+    """A new error of exc's class (PeerLost keeps its peer) with a fuller message."""
+    if isinstance(exc, PeerLost):
+        return PeerLost(message, exc.peer)
+    return type(exc)(message)

@@ -1,0 +1,97 @@
+"""algorithms/select.py: which algorithm runs each call, in one process, no I/O."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from shmcoll.algorithms.board_v import HEAD_BYTES
+from shmcoll.algorithms.select import Algorithm, Setting, select
+from shmcoll.config import Tuning
+from shmcoll.plans import Where
+from shmcoll.transport.tcp import NetTransport
+from shmcoll.types import Collective
+
+KIB = 1 << 10
+BOARD = 256 * KIB  # the default board entry (SHMCOLL_SHM_BOARD_BYTES)
+ONE_SHOT = 16 * KIB  # the default one-step threshold (SHMCOLL_ONE_SHOT_BYTES)
+SHM = Setting(hosts=1, board_bytes=BOARD, one_shot_bytes=ONE_SHOT)  # one host, shared memory
+TCP = Setting(hosts=1, board_bytes=None, one_shot_bytes=ONE_SHOT)  # TCP only, or a sub-group
+HOSTS = Setting(hosts=2, board_bytes=None, one_shot_bytes=ONE_SHOT)  # the hierarchy over two hosts
+
+A = Algorithm
+C = Collective
+
+CASES = [
+    # all_reduce: one step while small, then the bandwidth-optimal ring or its two-level form
+    (C.ALL_REDUCE, 8, SHM, A.BOARD), (C.ALL_REDUCE, BOARD, SHM, A.BOARD), (C.ALL_REDUCE, BOARD + 1, SHM, A.RING),
+    (C.ALL_REDUCE, ONE_SHOT, TCP, A.ONE_SHOT), (C.ALL_REDUCE, ONE_SHOT + 1, TCP, A.RING),
+    (C.ALL_REDUCE, ONE_SHOT, HOSTS, A.TWO_LEVEL_ONE_SHOT), (C.ALL_REDUCE, ONE_SHOT + 1, HOSTS, A.TWO_LEVEL),
+    # reduce_scatter and reduce reuse all_reduce's one-step paths for small arrays
+    (C.REDUCE_SCATTER, 8, SHM, A.BOARD), (C.REDUCE_SCATTER, BOARD + 1, SHM, A.RING),
+    (C.REDUCE_SCATTER, ONE_SHOT, TCP, A.ONE_SHOT), (C.REDUCE_SCATTER, ONE_SHOT + 1, TCP, A.RING),
+    (C.REDUCE_SCATTER, 8, HOSTS, A.TWO_LEVEL_ONE_SHOT), (C.REDUCE_SCATTER, 300 * KIB, HOSTS, A.TWO_LEVEL),
+    (C.REDUCE, 8, SHM, A.BOARD), (C.REDUCE, BOARD + 1, SHM, A.RING), (C.REDUCE, 8, TCP, A.ONE_SHOT),
+    (C.REDUCE, ONE_SHOT + 1, TCP, A.RING), (C.REDUCE, 8, HOSTS, A.TWO_LEVEL_ONE_SHOT),
+    (C.REDUCE, ONE_SHOT + 1, HOSTS, A.TWO_LEVEL),
+    # movement: the board when the call fits it, else the flat algorithm; two levels across hosts
+    (C.ALL_GATHER, BOARD, SHM, A.BOARD), (C.ALL_GATHER, BOARD + 1, SHM, A.RING), (C.ALL_GATHER, 8, TCP, A.RING),
+    (C.ALL_GATHER, 8, HOSTS, A.TWO_LEVEL),
+    (C.BROADCAST, 8, SHM, A.BOARD), (C.BROADCAST, BOARD + 1, SHM, A.CHAIN), (C.BROADCAST, 8, TCP, A.CHAIN),
+    (C.BROADCAST, 8, HOSTS, A.TWO_LEVEL),
+    (C.BARRIER, 0, SHM, A.BOARD), (C.BARRIER, 0, TCP, A.DISSEMINATION), (C.BARRIER, 0, HOSTS, A.TWO_LEVEL),
+    (C.GATHER, 8, SHM, A.BOARD), (C.GATHER, BOARD + 1, SHM, A.DIRECT), (C.GATHER, 8, TCP, A.DIRECT),
+    (C.GATHER, 8, HOSTS, A.TWO_LEVEL_DIRECT),
+    (C.SCATTER, 0, SHM, A.DIRECT), (C.SCATTER, 0, TCP, A.DIRECT), (C.SCATTER, 0, HOSTS, A.TWO_LEVEL_DIRECT),
+    (C.ALL_TO_ALL, 8, SHM, A.BOARD), (C.ALL_TO_ALL, BOARD + 1, SHM, A.PAIRWISE), (C.ALL_TO_ALL, 8, TCP, A.PAIRWISE),
+    (C.ALL_TO_ALL, 8, HOSTS, A.PAIRWISE),
+    (C.ALL_GATHER_V, 8, SHM, A.BOARD_OR_RING), (C.ALL_GATHER_V, 1 << 30, SHM, A.BOARD_OR_RING),
+    (C.ALL_GATHER_V, 8, TCP, A.RING), (C.ALL_GATHER_V, 8, HOSTS, A.TWO_LEVEL),
+    (C.FEDERATED_AVERAGE, 8, SHM, A.DEADLINE), (C.FEDERATED_AVERAGE, 8, HOSTS, A.DEADLINE),
+]
+
+
+@pytest.mark.parametrize("coll,nbytes,where,expected", CASES,
+                         ids=[f"{c.label}-{n}-{'shm' if w is SHM else 'tcp' if w is TCP else 'hosts'}"
+                              for c, n, w, _ in CASES])
+def test_the_table(coll, nbytes, where, expected):
+    assert select(coll, nbytes, where) is expected
+
+
+def test_every_collective_has_an_algorithm_everywhere():
+    """select is total over collectives, sizes and settings (point-to-point frames belong to none)."""
+    settings = [SHM, TCP, HOSTS, Setting(hosts=3, board_bytes=None, one_shot_bytes=0),
+                Setting(hosts=1, board_bytes=0, one_shot_bytes=0)]
+    for coll, nbytes, where in itertools.product(list(C)[1:], [0, 1, ONE_SHOT, BOARD, 1 << 40], settings):
+        assert isinstance(select(coll, nbytes, where), Algorithm), (coll, nbytes, where)
+
+
+@pytest.mark.parametrize("coll", list(C)[1:], ids=lambda c: c.label)
+def test_across_hosts_never_the_board(coll):
+    """A group spanning hosts has no board: nothing may choose one there, at any size."""
+    for nbytes in (0, 8, ONE_SHOT, BOARD):
+        assert select(coll, nbytes, HOSTS) not in (A.BOARD, A.BOARD_OR_RING)
+
+
+def test_one_shot_threshold_is_the_tuning_knob():
+    tuned = Setting(hosts=1, board_bytes=None, one_shot_bytes=1 * KIB)
+    assert select(C.ALL_REDUCE, KIB, tuned) is A.ONE_SHOT
+    assert select(C.ALL_REDUCE, KIB + 1, tuned) is A.RING
+    assert select(C.ALL_REDUCE, 8, Setting(hosts=1, board_bytes=None, one_shot_bytes=0)) is A.RING
+
+
+def test_a_board_too_small_for_all_gather_v_heads_is_not_used():
+    assert select(C.ALL_GATHER_V, 8, Setting(board_bytes=HEAD_BYTES)) is A.BOARD_OR_RING
+    assert select(C.ALL_GATHER_V, 8, Setting(board_bytes=HEAD_BYTES - 64)) is A.RING
+
+
+def test_where_of_a_tcp_group():
+    """A group over TCP alone: one 'host' as far as the algorithms go, no board, the tuning's threshold."""
+    t = NetTransport(0, 1, {})
+    try:
+        where = Where.of(t, Tuning(one_shot_bytes=123))
+    finally:
+        t.close()
+    assert (where.rank, where.size, where.topology) == (0, 1, None)
+    assert where.setting == Setting(hosts=1, board_bytes=None, one_shot_bytes=123)
