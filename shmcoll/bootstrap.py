@@ -20,19 +20,19 @@ import weakref
 from .config import Config, load_config
 from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLost, ShmSetupError, error_of_kind
 from .group import ProcessGroup
+from .net.mesh import connect_mesh, open_listener
 from .net.sockets import Deadline
 from .rendezvous.store import ABORT_KEY, StoreAbort, StoreClient, StoreServer
 from .transport.base import Transport
 from .transport.hierarchical import HierarchicalTransport
 from .transport.mailbox import Mailbox
-from .net.mesh import connect_mesh, open_listener
-from .transport.shm_layout import Layout, fit_layout
 from .transport.shm import ShmTransport
+from .transport.shm_layout import Layout, fit_layout
 from .transport.shm_segment import Segment, attach_segment, create_segment, free_bytes, name_prefix, unlink_names
 from .transport.tcp import NetTransport
 from .transport.topology import Topology
 
-_open_groups: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+_open_groups: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
 _LINGER_SECONDS = 3.0
 
 
@@ -88,7 +88,7 @@ def _rendezvous(cfg: Config, choice: str, deadline: float) -> ProcessGroup:
 
 def _publish_failure(cfg: Config, client: StoreClient, exc: BaseException) -> None:
     """Tell every rank still in the rendezvous why this one failed (unless it only relays another's)."""
-    if getattr(exc, "from_peer", False):
+    if isinstance(exc, CollectiveError) and exc.from_peer:
         return
     reason = json.dumps({"kind": type(exc).__name__, "rank": cfg.rank, "message": str(exc)})
     try:
@@ -236,7 +236,8 @@ def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pids
     is_leader, key = cfg.rank == local[0], f"shm/{cfg.host_id}"
     segment = None
     try:
-        segment = _create(cfg, client, key, len(local), deadline) if is_leader else _attach(cfg, client, key, len(local), deadline)
+        make = _create if is_leader else _attach
+        segment = make(cfg, client, key, len(local), deadline)
         if len(local) == 1:
             segment.unlink()  # nobody else will attach
         transport = ShmTransport(segment, {r: i for i, r in enumerate(local)}, cfg.rank, cfg.world_size,

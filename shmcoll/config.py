@@ -18,8 +18,17 @@ from dataclasses import dataclass
 
 from .errors import InvalidArgument
 from .rendezvous.host_id import default_host_id
-from .rendezvous.launchers import (Launcher, as_int, launcher_key, launcher_of, lookup, resolve_local_world,
-                                   resolve_master, resolve_ranks, torch_agent_store)
+from .rendezvous.launchers import (
+    Launcher,
+    as_int,
+    launcher_key,
+    launcher_of,
+    lookup,
+    resolve_local_world,
+    resolve_master,
+    resolve_ranks,
+    torch_agent_store,
+)
 
 HOST_ID_VAR = "SHMCOLL_HOST_ID"
 TIMEOUT_VAR = "SHMCOLL_TIMEOUT"
@@ -52,10 +61,9 @@ class Tuning:
     debug: bool = False  # SHMCOLL_DEBUG: log each collective's start and end to stderr
     shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
     shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each ring (one ring per ordered pair of local ranks)
-    spin_us: int = 200  # SHMCOLL_SPIN_US: microseconds a waiter spins (yielding) before sleeping;
-    # 200, not 50: a board wait that gives up sooner naps, oversleeps (60-100 us), and then its peer
-    # waits on it in turn; at 50, 2-rank 512 B all-reduces ran at 100 us in 2 of 3 runs, not 11
-    shm_board_bytes: int = 256 << 10  # SHMCOLL_SHM_BOARD_BYTES: smaller all-reduces, broadcasts, all-gathers use the board
+    spin_us: int = 200  # SHMCOLL_SPIN_US: microseconds a waiter spins (yielding) before sleeping; long
+    # enough that a board wait rarely naps: a nap oversleeps (60-100 us), and its peer then waits on it in turn
+    shm_board_bytes: int = 256 << 10  # SHMCOLL_SHM_BOARD_BYTES: calls up to this size use the board
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ from __future__ import annotations
 class CollectiveError(RuntimeError):
     """Base of every error raised by shmcoll."""
 
+    #: True on an error another rank reported and this one relays (start-up never publishes it again).
+    from_peer: bool = False
+
 
 class InvalidArgument(CollectiveError, ValueError):
     """Bad input, detected before anything was sent; the group stays usable."""

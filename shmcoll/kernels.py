@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import platform
+from typing import Any
 
 import numba
 import numpy as np
@@ -110,7 +111,7 @@ def _target_converts_half() -> bool:
         return True
     if machine not in ("x86_64", "amd64"):
         return False
-    features = numba.core.config.CPU_FEATURES
+    features = getattr(numba.core.config, "CPU_FEATURES", None)  # set at numba's import, from the environment
     if features is None:
         from numba.core.codegen import get_host_cpu_features
 
@@ -153,6 +154,8 @@ def _f32_to_f16_soft(x):
     return _f64_to_f16(np.float64(x))
 
 
+_f16_to_f32: Any
+_f32_to_f16: Any
 if _target_converts_half():
     _f16_to_f32, _f32_to_f16 = _f16_to_f32_native, _f32_to_f16_native
 else:  # pragma: no cover - exercised by a subprocess test with NUMBA_CPU_FEATURES lacking f16c

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -55,6 +56,8 @@ from .transport.topology import Topology
 from .types import U8, Collective, ReduceKind, WireType
 from .validate import gathered_like, storage_view
 
+T = TypeVar("T")
+
 #: The all-reduces that finish in one step; reduce and reduce_scatter reuse them for small arrays.
 ONE_STEP = (Algorithm.BOARD, Algorithm.ONE_SHOT, Algorithm.TWO_LEVEL_ONE_SHOT)
 
@@ -89,7 +92,7 @@ class Where:
 def all_reduce(w: Where, flat: np.ndarray, code: int, kind: ReduceKind, result: object) -> Plan:
     """In place over `flat` (the storage view of the caller's array); the body returns `result`."""
     reduce = _all_reduce(w, select(Collective.ALL_REDUCE, flat.nbytes, w.setting), kind)
-    return Plan(Collective.ALL_REDUCE, code, flat.size, lambda c: (reduce(c, flat), result)[1], op=kind)
+    return Plan(Collective.ALL_REDUCE, code, flat.size, _returning(result, reduce, flat), op=kind)
 
 
 def _all_reduce(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[Call, np.ndarray], None]:
@@ -125,7 +128,7 @@ def reduce_scatter(w: Where, arr: np.ndarray, wire: WireType, kind: ReduceKind) 
     else:
         work = flat.copy()
         run = lambda c: ring_reduce_scatter_blocks(c, work, mine, kind)
-    return Plan(Collective.REDUCE_SCATTER, wire.code, flat.size, lambda c: (run(c), out)[1], op=kind)
+    return Plan(Collective.REDUCE_SCATTER, wire.code, flat.size, _returning(out, run), op=kind)
 
 
 def reduce(w: Where, root: int, flat: np.ndarray, code: int, kind: ReduceKind, result: object) -> Plan:
@@ -139,7 +142,7 @@ def reduce(w: Where, root: int, flat: np.ndarray, code: int, kind: ReduceKind, r
         run = lambda c: two_level_reduce(c, w.hosts, root, flat, kind)
     else:
         run = lambda c: reduce_to_root(c, root, flat, kind)
-    return Plan(Collective.REDUCE, code, flat.size, lambda c: (run(c), result)[1], op=kind, root=root)
+    return Plan(Collective.REDUCE, code, flat.size, _returning(result, run), op=kind, root=root)
 
 
 def federated(flat: np.ndarray, code: int, window: float) -> Plan:
@@ -166,7 +169,7 @@ def broadcast(w: Where, root: int, flat: np.ndarray, code: int, result: object) 
         cast = lambda c: board_broadcast(c, root, flat)
     else:
         cast = lambda c: chain_broadcast(c, root, flat)
-    return Plan(Collective.BROADCAST, code, flat.size, lambda c: (cast(c), result)[1], root=root)
+    return Plan(Collective.BROADCAST, code, flat.size, _returning(result, cast), root=root)
 
 
 def all_gather(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
@@ -179,7 +182,7 @@ def all_gather(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
         gather = lambda c: board_all_gather(c, flat_in, flat_out)
     else:
         gather = lambda c: ring_all_gather(c, flat_in, flat_out)
-    return Plan(Collective.ALL_GATHER, wire.code, flat_in.size, lambda c: (gather(c), out)[1])
+    return Plan(Collective.ALL_GATHER, wire.code, flat_in.size, _returning(out, gather))
 
 
 def gather(w: Where, root: int, arr: np.ndarray, wire: WireType) -> Plan:
@@ -187,14 +190,13 @@ def gather(w: Where, root: int, arr: np.ndarray, wire: WireType) -> Plan:
     flat_in = storage_view(arr, wire)
     algorithm = select(Collective.GATHER, flat_in.nbytes, w.setting)
     out = gathered_like(arr, w.size) if w.rank == root or algorithm is Algorithm.BOARD else None
-    flat_out = storage_view(out, wire) if out is not None else None
     result = out if w.rank == root else None
-    if algorithm is Algorithm.BOARD:
-        run = lambda c: board_all_gather(c, flat_in, flat_out)
+    if out is not None and algorithm is Algorithm.BOARD:
+        run = _returning(None, board_all_gather, flat_in, storage_view(out, wire))
     else:
-        agreement = _agreement(w, algorithm)
+        agreement, flat_out = _agreement(w, algorithm), storage_view(out, wire) if out is not None else None
         run = lambda c: gather_to_root(c, root, flat_in, flat_out, agreement)
-    return Plan(Collective.GATHER, wire.code, flat_in.size, lambda c: (run(c), result)[1], root=root)
+    return Plan(Collective.GATHER, wire.code, flat_in.size, _returning(result, run), root=root)
 
 
 def scatter(w: Where, root: int, arr: np.ndarray | None, wire: WireType | None) -> Plan:
@@ -219,7 +221,7 @@ def all_to_all(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
     flat_in, flat_out = storage_view(arr, wire), storage_view(out, wire)
     algorithm = select(Collective.ALL_TO_ALL, flat_in.nbytes, w.setting)
     exchange = board_all_to_all if algorithm is Algorithm.BOARD else all_to_all_pairwise
-    return Plan(Collective.ALL_TO_ALL, wire.code, flat_in.size, lambda c: (exchange(c, flat_in, flat_out), out)[1])
+    return Plan(Collective.ALL_TO_ALL, wire.code, flat_in.size, _returning(out, exchange, flat_in, flat_out))
 
 
 def all_gather_v(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
@@ -252,6 +254,14 @@ def all_gather_v(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
         return out, lengths
 
     return Plan(Collective.ALL_GATHER_V, wire.code, row, body)
+
+
+def _returning(result: T, run: Callable[..., object], *args: object) -> Callable[[Call], T]:
+    """A plan's body: run(call, *args), then return `result` (the output allocated beforehand)."""
+    def body(c: Call) -> T:
+        run(c, *args)
+        return result
+    return body
 
 
 def _agreement(w: Where, algorithm: Algorithm) -> Agreement:

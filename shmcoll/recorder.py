@@ -44,4 +44,6 @@ def diagnosis(recorder: FlightRecorder, last_heard: list[float], me: int, since:
 
 
 def _human(seconds: float) -> str:
-    return f"{seconds * 1e6:.0f} us" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+    if seconds < 1e-2:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"

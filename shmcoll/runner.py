@@ -39,7 +39,7 @@ class Plan(NamedTuple):
 
     coll: Collective
     code: int
-    count: int
+    elements: int
     body: Callable[[Call], Any]
     op: int = 0
     root: int = 0
@@ -92,7 +92,7 @@ class Runner:
         with self._lock:
             seq = self._seq
             self._seq += 1
-        return Meta(seq=seq, coll=plan.coll, dtype=plan.code, count=plan.count, op=int(plan.op), root=plan.root)
+        return Meta(seq=seq, coll=plan.coll, dtype=plan.code, elements=plan.elements, op=int(plan.op), root=plan.root)
 
     def _execute(self, meta: Meta, body: Callable[[Call], Any], tag: int | None = None) -> Any:
         t = self.transport
@@ -145,7 +145,8 @@ class Runner:
         now, heard, me = time.monotonic(), self.transport.last_heard(), self.transport.rank
         silent = [r for r, t in enumerate(heard) if r != me and t < now - SILENT_AFTER]
         if not silent:
-            return "every rank was still sending heartbeats (a live rank is stuck elsewhere, or called another collective)"
+            return ("every rank was still sending heartbeats (a live rank is stuck elsewhere, or called another "
+                    "collective)")
         how_long = ", ".join(f"rank {r} for {now - heard[r]:.1f} s" if heard[r] else f"rank {r} never" for r in silent)
         return f"silent ranks: {silent} (not heard from: {how_long})"
 
@@ -153,7 +154,7 @@ class Runner:
         if self.tuning.debug:
             took = f" in {1e6 * (time.monotonic() - start):.1f} us" if event == "end" else ""
             print(f"[shmcoll rank {self.transport.rank}] {event} {Collective(meta.coll).label} seq={meta.seq} "
-                  f"count={meta.count}{took}", file=sys.stderr, flush=True)
+                  f"count={meta.elements}{took}", file=sys.stderr, flush=True)
 
     # ---- life cycle ----
     def close(self) -> None:

@@ -63,7 +63,8 @@ def _from_dlpack(tensor, what: str) -> np.ndarray:
 def wire_of(arr: np.ndarray, what: str) -> WireType:
     wire = wire_type_of(arr.dtype)
     if wire is None:
-        raise InvalidArgument(f"{what} has dtype {arr.dtype}, which cannot be sent; use a fixed-size numeric or bool dtype")
+        raise InvalidArgument(f"{what} has dtype {arr.dtype}, which cannot be sent; "
+                              "use a fixed-size numeric or bool dtype")
     return wire
 
 
@@ -104,13 +105,15 @@ def typed_buffer(buf, dtype) -> tuple[np.ndarray, WireType]:
     except BufferError:
         raise InvalidArgument("buf must be C-contiguous; pass a contiguous bytearray or uint8 array") from None
     except (TypeError, ValueError):
-        raise InvalidArgument(f"buf must be a bytearray, writable memoryview or uint8 array, not {type(buf).__name__}") from None
+        raise InvalidArgument(f"buf must be a bytearray, writable memoryview or uint8 array, "
+                              f"not {type(buf).__name__}") from None
     if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
         raise InvalidArgument("buf must be C-contiguous")
     if not raw.flags.writeable:
         raise InvalidArgument("buf is read-only; all_reduce_typed writes the result in place (use a bytearray)")
     if len(raw) % dtype.itemsize:
-        raise InvalidArgument(f"len(buf) = {len(raw)} is not a multiple of {dtype.name}'s element size {dtype.itemsize}")
+        raise InvalidArgument(f"len(buf) = {len(raw)} is not a multiple of {dtype.name}'s element size "
+                              f"{dtype.itemsize}")
     return raw.view(dtype.wire.storage), dtype.wire
 
 
@@ -124,7 +127,8 @@ def rank_arg(value, world_size: int, what: str) -> int:
 
 def tag_arg(tag) -> int:
     if isinstance(tag, bool) or not isinstance(tag, numbers.Integral) or not 0 <= int(tag) < TAG_RESERVED_BASE:
-        raise InvalidArgument(f"tag must be an int with 0 <= tag < TAG_RESERVED_BASE ({TAG_RESERVED_BASE}), not {tag!r}")
+        raise InvalidArgument(f"tag must be an int with 0 <= tag < TAG_RESERVED_BASE ({TAG_RESERVED_BASE}), "
+                              f"not {tag!r}")
     return int(tag)
 
 
@@ -133,7 +137,8 @@ def seconds_arg(value, what: str) -> float:
     if isinstance(value, datetime.timedelta):
         value = value.total_seconds()
     try:
-        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0
+        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value) \
+            and float(value) >= 0
     except OverflowError:  # an int too large for a float
         ok = False
     if not ok:

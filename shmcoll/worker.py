@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import CollectiveTimeout
 
@@ -33,7 +34,8 @@ class CollectiveHandle:
     def join(self, timeout: float | None = None):
         """Wait for the collective (it has its own deadline, so None never waits forever)."""
         if not self._event.wait(timeout):
-            raise CollectiveTimeout(f"join({timeout}) returned before the spawned {self._name} finished; it is still running")
+            raise CollectiveTimeout(f"join({timeout}) returned before the spawned {self._name} finished; "
+                                    "it is still running")
         if self._error is not None:
             raise self._error
         return self._result

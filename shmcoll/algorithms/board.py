@@ -18,7 +18,7 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 
 
 def board_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
-    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board, guard = c.board, c.board_guard()
     seq = c.meta.seq
     board.publish(c.meta, c.code, data, c.deadline, guard)
     if c.rank != 0:  # rank 0's own input is already in place
@@ -30,7 +30,7 @@ def board_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
 
 
 def board_barrier(c: Call) -> None:
-    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board, guard = c.board, c.board_guard()
     board.publish(c.meta, c.code, _EMPTY, c.deadline, guard)
     for src in range(c.size):
         board.read(src, c.meta.seq, c.meta, c.deadline, guard)
@@ -39,7 +39,7 @@ def board_barrier(c: Call) -> None:
 
 def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:
     """The root publishes its array, the others only their call; all check all, then copy the root's."""
-    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board, guard = c.board, c.board_guard()
     board.publish(c.meta, c.code, data, c.deadline, guard, with_payload=c.rank == root)
     for src in range(c.size):
         entry = board.read(src, c.meta.seq, c.meta, c.deadline, guard)
@@ -50,7 +50,7 @@ def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:
 
 def board_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:
     """Every rank publishes its block; every rank copies every block into place."""
-    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board, guard = c.board, c.board_guard()
     board.publish(c.meta, c.code, local, c.deadline, guard)
     block = len(local)
     for src in range(c.size):
@@ -61,7 +61,7 @@ def board_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:
 def board_all_to_all(c: Call, data: np.ndarray, out: np.ndarray) -> None:
     """Every rank publishes its whole input (n blocks); every rank copies block `rank` of every
     entry: a small all-to-all in one step instead of n - 1 pairwise exchanges."""
-    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board, guard = c.board, c.board_guard()
     board.publish(c.meta, c.code, data, c.deadline, guard)
     block, r = len(data) // c.size, c.rank
     for src in range(c.size):

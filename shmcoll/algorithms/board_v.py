@@ -50,7 +50,7 @@ def _parse(entry: np.ndarray, src: int) -> tuple[bool, int, tuple[int, ...], np.
 
 def _publish(c: Call, code: int, shape: tuple[int, ...], data: np.ndarray) -> None:
     """Our entry: the head, and the data when it fits."""
-    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board, guard = c.board, c.board_guard()
     fits = HEAD_BYTES + data.nbytes <= board.capacity
     head = _head(fits, code, shape).view(np.uint8)
     entry = np.concatenate([head, data.reshape(-1).view(np.uint8)]) if fits else head
@@ -58,15 +58,15 @@ def _publish(c: Call, code: int, shape: tuple[int, ...], data: np.ndarray) -> No
 
 
 def _entries(c: Call) -> list[tuple[bool, int, tuple[int, ...], np.ndarray]]:
-    board, guard = c.t.board, c.t.board_guard(c.tag, c.meta)
+    board, guard = c.board, c.board_guard()
     return [_parse(board.read_any_size(src, c.meta.seq, c.meta, c.deadline, guard), src) for src in range(c.size)]
 
 
 def _finish(c: Call, all_fit: bool) -> None:
     """Release our reading of the board; if the call goes on over the rings, wait for everyone."""
-    c.t.board.finish(c.meta.seq)
+    c.board.finish(c.meta.seq)
     if not all_fit:
-        c.t.board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
+        c.board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
 
 
 def board_all_gather_v(c: Call, code: int, shape: tuple[int, ...], local: np.ndarray, make_out):

@@ -39,7 +39,7 @@ def chain_broadcast(c: Call, root: int, data: np.ndarray, order: Sequence[int] |
     _expect(c, tail)
 
 
-def _stream(c: Call, data: np.ndarray, order: list[int], pos: int) -> None:
+def _stream(c: Call, data: np.ndarray, order: Sequence[int], pos: int) -> None:
     succ = order[pos + 1] if pos + 1 < len(order) else None
     for a, b in sub_bounds(0, len(data), chunk_count(len(data), data.itemsize, c.chunk_bytes)):
         if pos > 0:

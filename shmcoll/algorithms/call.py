@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..transport.base import Transport
+from ..errors import CollectiveError
+from ..transport.base import BoardGuard, Transport
 from ..transport.frame import Meta
+from ..transport.shm_board import Board
 
 #: Bytes per frame when a large array streams through a ring or chain (send and reduce overlap).
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -29,6 +31,18 @@ class Call:
     @property
     def size(self) -> int:
         return self.t.world_size
+
+    @property
+    def board(self) -> Board:
+        """The transport's shared-memory board (select.py picks a board algorithm only where there is one)."""
+        board = self.t.board
+        if board is None:
+            raise CollectiveError(f"a board algorithm ran on the {self.t.name} transport, which has no board")
+        return board
+
+    def board_guard(self) -> BoardGuard:
+        """What this call's board waits run between looks."""
+        return self.t.board_guard(self.tag, self.meta)
 
 
 def segment_bounds(length: int, parts: int) -> list[tuple[int, int]]:

@@ -99,6 +99,7 @@ def gather_to_root(c: Call, root: int, local: np.ndarray, out: np.ndarray | None
     if c.rank != root:
         send_stream(c, root, local)
         return
+    assert out is not None, "the root passes the output"
     block = len(local)
     for src in range(c.size):
         piece = out[src * block:(src + 1) * block]
@@ -116,6 +117,7 @@ def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code:
     the root in storage dtype, elsewhere as the wire's user dtype."""
     agreement(c)
     if c.rank == root:
+        assert blocks is not None, "the root passes its blocks"
         for k in range(1, c.size):
             j = (root + k) % c.size
             head = np.concatenate([[code], shape_header(blocks[j].shape)])

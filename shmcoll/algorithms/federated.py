@@ -73,7 +73,11 @@ def _share(c: Call, data: np.ndarray, arrived: set[int]) -> None:
     late = [peer for peer in range(1, c.size) if peer not in arrived]
     if late:
         result = data.copy()
-        c.t.start_background(lambda: [_send_quietly(c, p, result) for p in late], "shmcoll-federated-late")
+        def deliver_late() -> None:
+            for peer in late:
+                _send_quietly(c, peer, result)
+
+        c.t.start_background(deliver_late, "shmcoll-federated-late")
 
 
 def _send_quietly(c: Call, peer: int, data: np.ndarray) -> None:

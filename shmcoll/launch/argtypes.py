@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from collections.abc import Callable
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -32,7 +32,8 @@ def number_above(low: float, inclusive: bool) -> Callable[[str], float]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
-            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if inclusive else '>'} {low:g}, got {text}")
+            bound = f"{'>=' if inclusive else '>'} {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
 
     return convert

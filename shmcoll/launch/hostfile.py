@@ -100,7 +100,7 @@ def place_ranks(hosts: list[Host], n: int | None = None) -> list[Placement]:
         take = min(h.slots, left)
         counts.append((h.name, take))
         left -= take
-    placements = []
+    placements: list[Placement] = []
     for name, count in counts:
         for local in range(count):
             placements.append(Placement(len(placements), name, local, count))

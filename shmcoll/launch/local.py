@@ -128,7 +128,7 @@ class Rank:
 def popen_rank(argv: Sequence[str], env: Mapping[str, str], *, stdin, rank: int,
                mux: OutputMux | None = None) -> subprocess.Popen:
     """One process in its own session that dies with the launcher; its output through `mux` if any."""
-    pipes = (os.pipe(), os.pipe()) if mux is not None else ()
+    pipes: tuple[tuple[int, int], ...] = (os.pipe(), os.pipe()) if mux is not None else ()
     try:
         proc = subprocess.Popen(
             list(argv), env=dict(env), start_new_session=True, preexec_fn=death_signal_hook(), stdin=stdin,
@@ -138,7 +138,7 @@ def popen_rank(argv: Sequence[str], env: Mapping[str, str], *, stdin, rank: int,
             os.close(r)
             os.close(w)
         raise
-    for r, w in pipes:
+    for _, w in pipes:
         os.close(w)
     if mux is not None:
         mux.add(rank, pipes[0][0], pipes[1][0])

@@ -160,8 +160,8 @@ def start_remote(placements: Sequence[Placement], rsh: Sequence[str], specs: Seq
                 raise OSError(f"rank {p.rank} on {p.host} did not take its spec within {SPEC_WRITE_S:g} s")
     except BaseException:
         stop_ranks(ranks, grace=0.0)
-        for rank in ranks:
-            rank.close()
+        for started in ranks:
+            started.close()
         raise
     return ranks
 

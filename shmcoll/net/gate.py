@@ -15,7 +15,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .handshake import ACCEPT, HandshakeError, ServerHandshake
 
@@ -116,12 +116,12 @@ class Gate:
                 _send_now(conn, reply)
         except (BlockingIOError, InterruptedError):
             return
-        except Exception:  # noqa: BLE001 - EOF, reset, a failed proof: whatever it is, only this one goes
+        except Exception:  # EOF, reset, a failed proof: whatever it is, only this one goes
             self._drop(conn)
             return
         if state.proved:
             self._forget(conn)
-            self._hand_over(conn, state.client_id)
+            self._hand_over(conn, state.proven_id)
 
     def _hand_over(self, conn: socket.socket, client_id: int) -> None:
         try:
@@ -132,7 +132,7 @@ class Gate:
             conn.setblocking(True)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._deliver(client_id, conn)
-        except Exception:  # noqa: BLE001 - the gate must outlive any one connection
+        except Exception:  # the gate must outlive any one connection
             conn.close()
 
     def _expire(self) -> None:

@@ -93,6 +93,13 @@ class ServerHandshake:
         self.client_id: int | None = None
         self.proved = False
 
+    @property
+    def proven_id(self) -> int:
+        """The id of a client that proved the secret."""
+        if not self.proved or self.client_id is None:
+            raise HandshakeError("the client has not proved the job secret")
+        return self.client_id
+
     def wanted(self) -> int:
         """Bytes still missing for the current step (0 once proved)."""
         return 0 if self.proved else self._need - len(self._buf)
@@ -135,4 +142,4 @@ def server_handshake(sock: socket.socket, secret: bytes | None, purpose: str, de
         if reply:
             send_all(sock, reply, deadline)
     send_all(sock, ACCEPT, deadline)
-    return state.client_id
+    return state.proven_id

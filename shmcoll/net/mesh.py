@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import CollectiveTimeout
 from .gate import Gate

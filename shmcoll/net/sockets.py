@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class Deadline(TimeoutError):
@@ -32,7 +32,7 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float) -> N
         sock.settimeout(remaining(deadline))
         try:
             k = sock.recv_into(view[got:], n - got)
-        except socket.timeout:
+        except TimeoutError:
             continue  # remaining() raises once the deadline has passed
         if k == 0:
             raise EOFError("connection closed by peer")
@@ -43,7 +43,7 @@ def send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
     sock.settimeout(remaining(deadline))
     try:
         sock.sendall(data)
-    except socket.timeout as exc:
+    except TimeoutError as exc:
         raise Deadline("deadline passed while sending") from exc
 
 

@@ -180,6 +180,7 @@ def resolve_ranks(rank, world_size, environ) -> tuple[int, int, int | None, str 
     world, world_src = _resolve_int(world_size, environ, WORLD_SIZE_VARS, "world size")
     r, rank_src = _resolve_int(rank, environ, RANK_VARS, "rank")
     _missing_ranks(r, world, rank_src, world_src, environ)
+    assert r is not None and world is not None  # _missing_ranks raised otherwise
     _check_one_launcher(rank_src, world_src)
     if world < 1:
         raise InvalidArgument(f"world size must be >= 1, got {world}; set {hint(WORLD_SIZE_VARS)}")

@@ -16,7 +16,8 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 
@@ -31,9 +32,12 @@ from .topology import Topology
 if TYPE_CHECKING:
     from .shm_board import Board
 
-#: What a board wait runs between looks at the board: raises when waiting can no longer succeed
-#: (the argument is the rank waited for, or None).
-BoardGuard = Callable[[int | None], None]
+
+class BoardGuard(Protocol):
+    """What a board wait runs between looks at the board: raises when waiting can no longer succeed."""
+
+    def __call__(self, src: int | None = None) -> None:
+        """src: the rank waited for, or None (waiting for peers to finish reading)."""
 
 
 class Transport(ABC):

@@ -44,7 +44,7 @@ class Meta(NamedTuple):
     seq: int = 0
     coll: int = 0  # a types.Collective (0: point-to-point)
     dtype: int = 0
-    count: int = 0  # elements of the whole collective call (not of this chunk)
+    elements: int = 0  # elements of the whole collective call (not of this chunk)
     op: int = 0
     root: int = 0
 
@@ -73,7 +73,7 @@ def pack(kind: int, src: int, tag: int, meta: Meta, dtype: int, shape: tuple[int
     dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     return _STRUCT.pack(
         MAGIC, VERSION, kind, dtype, len(shape), meta.coll, meta.op, 0,
-        src, tag, meta.root, meta.dtype, meta.seq, meta.count, nbytes, *dims,
+        src, tag, meta.root, meta.dtype, meta.seq, meta.elements, nbytes, *dims,
     )
 
 
@@ -95,7 +95,7 @@ def unpack(raw: bytes | bytearray | memoryview, expected_src: int, max_payload: 
         raise FrameError(f"bad ndim {ndim}")
     shape = tuple(dims[:ndim])
     _check_payload(kind, dtype, shape, nbytes, max_payload)
-    meta = Meta(seq=seq, coll=coll, dtype=meta_dtype, count=count, op=op, root=root)
+    meta = Meta(seq=seq, coll=coll, dtype=meta_dtype, elements=count, op=op, root=root)
     return Header(kind, src, tag, meta, dtype, shape, nbytes)
 
 
@@ -129,4 +129,4 @@ def describe_call(m: Meta) -> str:
         dtype = "root's" if m.dtype == ROOTS_DTYPE else f"dtype#{m.dtype}"
     op = ReduceKind(m.op).name if m.op in ReduceKind._value2member_map_ else f"op#{m.op}"
     coll = Collective(m.coll).label if m.coll in Collective._value2member_map_ else f"collective#{m.coll}"
-    return f"{coll}(dtype={dtype}, count={m.count}, op={op}, root={m.root})"
+    return f"{coll}(dtype={dtype}, count={m.elements}, op={op}, root={m.root})"

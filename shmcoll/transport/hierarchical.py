@@ -9,7 +9,8 @@ abort flag), so a failure on either side reaches every wait within a slice.
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 

@@ -42,7 +42,7 @@ class AbortReason:
         return f"{self.kind}\n{'' if self.peer is None else self.peer}\n{self.message}".encode()[:60000]
 
     @classmethod
-    def decode(cls, raw: bytes, sender: int) -> "AbortReason":
+    def decode(cls, raw: bytes, sender: int) -> AbortReason:
         kind, peer, message = (raw.decode(errors="replace").split("\n", 2) + ["", ""])[:3]
         peer_rank = int(peer) if peer.isascii() and peer.isdigit() and len(peer) < 10 else None
         return cls(kind, f"rank {sender} aborted the group: {message}", peer_rank)

@@ -24,10 +24,19 @@ from . import frame
 from .base import BoardGuard, LinkTransport, place
 from .frame import HEADER_SIZE, Meta
 from .mailbox import AbortReason, Mailbox, Message
-from .shm_layout import (ABORT_TEXT_BYTES, ABORT_TEXT_OFFSET, CHUNK, SLOT_HEADER_BYTES, STATE_DEPARTED, W_ABORT,
-                   W_ABORT_LEN, W_PIDS, W_STATES)
 from .shm_board import Board
 from .shm_channel import WAIT_SLICE, Channel, has_token, take_token
+from .shm_layout import (
+    ABORT_TEXT_BYTES,
+    ABORT_TEXT_OFFSET,
+    CHUNK,
+    SLOT_HEADER_BYTES,
+    STATE_DEPARTED,
+    W_ABORT,
+    W_ABORT_LEN,
+    W_PIDS,
+    W_STATES,
+)
 from .shm_segment import Segment, pid_alive
 
 #: Default seconds a waiter spins (yielding) before blocking in the kernel (SHMCOLL_SPIN_US).
@@ -45,6 +54,7 @@ class _Assembly:
 
 class ShmTransport(LinkTransport):
     name = "shm"
+    board: Board
 
     def __init__(self, segment: Segment, local_of: dict[int, int], rank: int, world_size: int, *,
                  timeout: float = 300.0, spin_s: float = DEFAULT_SPIN_S, mailbox: Mailbox | None = None):
@@ -52,6 +62,7 @@ class ShmTransport(LinkTransport):
         remote peers reported by TCP end shared-memory waits too."""
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._seg, self._mem, self._layout = segment, segment.mem, segment.layout
+        self._bytes = segment.mem.data  # the same memory, for struct's pack_into and unpack_from
         self._local_of, self._me = dict(local_of), local_of[rank]
         self._spin_s = spin_s
         self._mailbox = mailbox or Mailbox(rank, world_size)
@@ -77,10 +88,11 @@ class ShmTransport(LinkTransport):
             offset = 0
             while True:
                 n = min(slot_bytes, buf.nbytes - offset)
-                take_token(ch.space, deadline, self._spin_s, lambda: self._check_send(to), f"rank {to} did not free a slot")
+                take_token(ch.space, deadline, self._spin_s, lambda: self._check_send(to),
+                           f"rank {to} did not free a slot")
                 at = ch.offset()
                 self._mem[at:at + HEADER_SIZE] = head
-                CHUNK.pack_into(self._mem, at + HEADER_SIZE, offset, n)
+                CHUNK.pack_into(self._bytes, at + HEADER_SIZE, offset, n)
                 self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + n] = raw[offset:offset + n]
                 ch.advance_writer()
                 offset += n
@@ -137,21 +149,23 @@ class ShmTransport(LinkTransport):
         finally:
             ch.lock.release()
 
-    def _next_slot(self, src: int, deadline: float, strict: bool, want: Meta | None = None) -> tuple[frame.Header, int, int]:
+    def _next_slot(self, src: int, deadline: float, strict: bool,
+                   want: Meta | None = None) -> tuple[frame.Header, int, int]:
         """Wait for the first slot of src's next message; its frame header, chunk offset and length."""
         at = self._wait_slot(src, deadline, strict, want)
         header = frame.unpack(self._mem[at:at + HEADER_SIZE].tobytes(), src)
-        chunk_at, n = CHUNK.unpack_from(self._mem, at + HEADER_SIZE)
+        chunk_at, n = CHUNK.unpack_from(self._bytes, at + HEADER_SIZE)
         return header, chunk_at, n
 
     def _next_chunk(self, src: int, deadline: float, strict: bool) -> tuple[int, int]:
         """Wait for a later slot of the message being read: the writer holds its ring for the whole
         message, so only the chunk's offset and length need reading."""
-        return CHUNK.unpack_from(self._mem, self._wait_slot(src, deadline, strict) + HEADER_SIZE)
+        return CHUNK.unpack_from(self._bytes, self._wait_slot(src, deadline, strict) + HEADER_SIZE)
 
     def _wait_slot(self, src: int, deadline: float, strict: bool, want: Meta | None = None) -> int:
         ch = self._in[src]
-        take_token(ch.data, deadline, self._spin_s, lambda: self._check(src, strict, want), f"no message from rank {src}")
+        take_token(ch.data, deadline, self._spin_s, lambda: self._check(src, strict, want),
+                   f"no message from rank {src}")
         return ch.offset()
 
     def _slot_payload(self, src: int, n: int) -> np.ndarray:

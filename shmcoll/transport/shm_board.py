@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -62,7 +62,8 @@ class Board:
             self._mismatch(raw, src, want)  # the same call makes the same header, but for the source rank
         return self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + self._nbytes]
 
-    def read_any_size(self, src: int, seq: int, want: Meta, deadline: float, check: Callable[[int], None]) -> np.ndarray:
+    def read_any_size(self, src: int, seq: int, want: Meta, deadline: float,
+                      check: Callable[[int], None]) -> np.ndarray:
         """As read, for calls whose ranks publish different amounts (all_gather_v, scatter): only the
         call's description must match; the payload is as long as src's entry says."""
         at, raw = self._published(src, seq, deadline, check)

@@ -3,8 +3,9 @@
 No I/O, so the arithmetic is unit-tested alone. One segment per host holds a host header (magic,
 geometry, the abort flag and reason, each local rank's pid and state), a board (two entries per
 local rank, alternating by sequence number, where small collectives publish their whole input for
-every peer to read) and one channel per ordered pair of local ranks. A channel is a ring of fixed-size slots; each slot is a 128-byte header (the
-wire frame header of the message, then the chunk's offset and length) followed by its payload.
+every peer to read) and one channel per ordered pair of local ranks. A channel is a ring of
+fixed-size slots; each slot is a 128-byte header (the wire frame header of the message, then the
+chunk's offset and length) followed by its payload.
 Which slot is next is counted privately by the one writer and the one reader of a channel; the two
 POSIX semaphores of the channel (slots filled, slots free) carry both the waiting and the ordering.
 """

@@ -16,9 +16,18 @@ import numpy as np
 import posix_ipc
 
 from ..errors import ShmSetupError
-
-from .shm_layout import (HOST_HEADER_BYTES, MAGIC, W_MAGIC, W_N_LOCAL, W_N_SLOTS, W_PIDS, W_SLOT_BYTES,
-                   W_STATES, STATE_ATTACHED, Layout)
+from .shm_layout import (
+    HOST_HEADER_BYTES,
+    MAGIC,
+    STATE_ATTACHED,
+    W_MAGIC,
+    W_N_LOCAL,
+    W_N_SLOTS,
+    W_PIDS,
+    W_SLOT_BYTES,
+    W_STATES,
+    Layout,
+)
 
 SHM_DIR = "/dev/shm"
 NAME_TAG = "shmcoll"
@@ -149,16 +158,18 @@ class Segment:
         self._names = []
 
     def close(self) -> None:
+        """Close the semaphores and the mapping (set-up may have stopped before either existed)."""
         for sem in list(getattr(self, "data", {}).values()) + list(getattr(self, "space", {}).values()):
             sem.close()
         self.data, self.space = {}, {}
-        if getattr(self, "_mmap", None) is not None:
-            self.mem = self.words = None
+        mapping = self.__dict__.pop("_mmap", None)
+        if mapping is not None:
+            for view in ("mem", "words"):  # our own views of the mapping, so that it can close
+                self.__dict__.pop(view, None)
             try:
-                self._mmap.close()
+                mapping.close()
             except BufferError:
                 pass  # a view is still alive somewhere; the mapping goes with the process
-            self._mmap = None
 
 
 def create_segment(job_id: str, layout: Layout) -> Segment:

@@ -31,7 +31,7 @@ import numbers
 import re
 import threading
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -48,7 +48,7 @@ SLOT_SPAN = 1 << 16
 N_SLOTS = ((1 << 32) - 1 - SUB_TAG_BASE) // SLOT_SPAN
 SEQ_OFFSET = 1 << 61  # below init()'s startup sequence number (2**62), above any real one
 
-_slots: "weakref.WeakKeyDictionary[Transport, set[int]]" = weakref.WeakKeyDictionary()
+_slots: weakref.WeakKeyDictionary[Transport, set[int]] = weakref.WeakKeyDictionary()
 _slots_lock = threading.Lock()
 
 
@@ -115,19 +115,15 @@ class SubTransport(Transport):
         return SUB_TAG_BASE + self.slot * SLOT_SPAN + seq % SLOT_SPAN
 
     # ---- translation ----
-    def _out(self, meta: Meta | None) -> Meta | None:
+    def _out(self, meta: Meta) -> Meta:
         """Collective frames: offset sequence numbers; point-to-point frames: this group's context."""
-        if meta is None:
-            return None
         return meta._replace(seq=meta.seq + SEQ_OFFSET) if meta.coll else meta._replace(seq=self.slot + 1)
 
     def _tag(self, tag: int) -> int:
         """The root mailbox's queue tag: user tags (below 2**30) get this group's context (see _out)."""
         return tag | ((self.slot + 1) << 32) if tag < TAG_RESERVED_BASE else tag
 
-    def _in(self, msg: Message | None) -> Message | None:
-        if msg is None:
-            return None
+    def _in(self, msg: Message) -> Message:
         h = msg.header
         meta = h.meta._replace(seq=h.meta.seq - SEQ_OFFSET) if h.meta.coll and h.meta.seq >= SEQ_OFFSET else h.meta
         return Message(h._replace(src=self._sub_of.get(h.src, h.src), meta=meta), msg.payload)
@@ -140,13 +136,15 @@ class SubTransport(Transport):
         return self._in(self.root.recv(self.ranks[src], self._tag(tag), deadline, strict))
 
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
-        return self._in(self.root.recv_any({self.ranks[s] for s in srcs}, self._tag(tag), deadline))
+        msg = self.root.recv_any({self.ranks[s] for s in srcs}, self._tag(tag), deadline)
+        return self._in(msg) if msg is not None else None
 
     def recv_into(self, src: int, tag: int, out: np.ndarray, code: int, deadline: float,
                   want: Meta | None = None, op=None, strict: bool = True) -> None:
         """The root's own recv_into (shared memory reduces in place), with the wire's numbering."""
         try:
-            self.root.recv_into(self.ranks[src], self._tag(tag), out, code, deadline, self._out(want), op, strict)
+            ours = self._out(want) if want is not None else None
+            self.root.recv_into(self.ranks[src], self._tag(tag), out, code, deadline, ours, op, strict)
         except CollectiveMismatch as exc:
             text = re.sub(r"\d{19,}", lambda m: str(int(m.group()) - SEQ_OFFSET) if int(m.group()) >= SEQ_OFFSET
                           else m.group(), str(exc))  # the sub-group's own sequence numbers

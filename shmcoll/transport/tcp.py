@@ -61,7 +61,7 @@ class NetTransport(LinkTransport):
 
     # ---- sending ----
     def _send_to(self, to: int, header: bytes, buf: np.ndarray, deadline: float) -> None:
-        self._send_frame(to, header, memoryview(buf).cast("B") if buf.nbytes else b"", deadline)
+        self._send_frame(to, header, buf.data.cast("B") if buf.nbytes else b"", deadline)
 
     def _send_frame(self, to: int, header: bytes, payload, deadline: float | None, control: bool = False) -> None:
         with self._send_locks[to]:
@@ -74,7 +74,7 @@ class NetTransport(LinkTransport):
             self._check_can_send(to, deadline, control)
             try:
                 sent = sock.sendmsg(parts)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 raise PeerLost(f"sending to rank {to} failed: {exc}", to) from exc
@@ -103,7 +103,7 @@ class NetTransport(LinkTransport):
                 header = frame.unpack(self._read(sock, HEADER_SIZE), peer, self._max_payload)
                 payload = _allocate(header.nbytes)
                 if header.nbytes:
-                    self._read_into(sock, memoryview(payload))
+                    self._read_into(sock, payload.data)
                 if header.kind == DATA:
                     self._mailbox.put(Message(header, payload))
                 elif header.kind == HEARTBEAT:
@@ -134,7 +134,7 @@ class NetTransport(LinkTransport):
                 raise EOFError("transport closing")
             try:
                 k = sock.recv_into(view[got:])
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if k == 0:
                 raise EOFError("connection closed by peer")

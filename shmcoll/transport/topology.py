@@ -7,8 +7,8 @@ its position on its host; the "column" j is local index j of every host that has
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class Topology:
     host_of: tuple[int, ...]  # host index of each rank
 
     @classmethod
-    def from_host_ids(cls, host_ids: Mapping[int, str]) -> "Topology":
+    def from_host_ids(cls, host_ids: Mapping[int, str]) -> Topology:
         """host_ids: rank -> host id string, for every rank 0..n-1."""
         order: dict[str, list[int]] = {}
         for rank in sorted(host_ids):
