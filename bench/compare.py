@@ -1,17 +1,17 @@
 """shmcoll against OpenMPI (mpi4py) and torch.distributed (gloo) on this host, in one run.
 
 Every peer does the same thing: a float32 SUM all-reduce, in place, over a buffer of ones
-(count = size / 4), at world size N, timed by one piece of code, bench_core.measure (the peers run
-it through the adapters of shmcoll/launch/bench_peers.py, as `shmcoll-bench --compare` does):
+(count = size / 4), at world size N, timed by one piece of code, shmcoll.bench.measure.measure (the
+peers run it through shmcoll/bench/peers.py and its adapters, as `shmcoll-bench --compare` does):
 --warmup untimed calls, then up to --iters timed calls, cut to about --max-time seconds (never
 below 3) when the fastest warmup call of the slowest rank says so; time per call = each rank's mean
 over the timed calls, the slowest rank's. The peers run one after the other, never at once:
 
-  shmcoll   python -m shmcoll.launch.bench_cli (shmcoll-bench) -n N --transport T --json ...,
+  shmcoll   python -m shmcoll.bench.cli (shmcoll-bench) -n N --transport T --json ...,
             once per transport asked for (--transports, default shm,tcp)
-  openmpi   mpirun --allow-run-as-root --oversubscribe -n N python -m shmcoll.launch.bench_peers openmpi ...
+  openmpi   mpirun --allow-run-as-root --oversubscribe -n N python -m shmcoll.bench.peers openmpi ...
             (comm.Allreduce(MPI.IN_PLACE, buf) on a numpy float32 array)
-  gloo      shmcoll-run -n N python -m shmcoll.launch.bench_peers gloo ...
+  gloo      shmcoll-run -n N python -m shmcoll.bench.peers gloo ...
             (dist.all_reduce(t) on a float32 CPU tensor)
 
 With --hosts H the shmcoll ranks pretend to be on H hosts (SHMCOLL_HOST_ID); `--transports hier,tcp`
@@ -38,13 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # a checkout works uninstalled too
+from compare_report import GLOO, MPI, PeerResult, compare, human, plot, ratio_table, times_table, write_json
 
-from compare_report import (GLOO, MPI, PeerResult, compare, human, plot, ratio_table,  # noqa: E402
-                            times_table, write_json)
-from shmcoll.launch.bench_compare import run_command, run_peer, tail  # noqa: E402
-from shmcoll.launch.bench_core import UsageError, layout, parse_size, sweep  # noqa: E402
+from shmcoll.bench.collectives import COLLECTIVES
+from shmcoll.bench.inputs import UsageError, parse_size, sweep
+from shmcoll.bench.peer_jobs import run_command, run_peer, tail
 
 DEFAULT_SIZES = "8,1K,64K,1M,16M,64M"
 PEER_NAMES = ("shmcoll", MPI, GLOO)
@@ -95,7 +93,7 @@ def run_shmcoll(transport: str, args, tmp: Path) -> PeerResult:
     transport_arg = transport
     for k, (group, factor) in enumerate(size_groups(args.sizes)):
         out = tmp / f"shmcoll-{transport}-{k}.json"
-        cmd = [sys.executable, "-m", "shmcoll.launch.bench_cli", "-n", str(args.n), "--transport", transport_arg,
+        cmd = [sys.executable, "-m", "shmcoll.bench.cli", "-n", str(args.n), "--transport", transport_arg,
                "-b", str(group[0]), "-e", str(group[-1]), "-f", repr(factor), *policy_args(args),
                "--json", str(out), *(["--hosts", str(args.hosts)] if args.hosts else [])]
         rc, err, rows, used = _bench(res, cmd, out, args.timeout)
@@ -242,7 +240,7 @@ def parse_args(argv) -> argparse.Namespace:
     if not args.sizes:
         p.error("--sizes is empty")
     # every peer reports count * 4 bytes (count = size // 4, at least 1): key the rows by that
-    args.sizes = sorted({layout("all_reduce", s, args.n, 4)[2] for s in args.sizes})
+    args.sizes = sorted({COLLECTIVES["all_reduce"].layout(s, args.n, 4)[2] for s in args.sizes})
     for path in (args.json_path, args.plot):
         if path and not Path(path).resolve().parent.is_dir():
             p.error(f"directory of {path!r} does not exist")

@@ -1,25 +1,30 @@
-"""The output half of bench/compare.py: issue 3's targets, the tables, the JSON document, the plot
-(drawn by shmcoll-bench's own --plot code, shmcoll/launch/bench_plot.py).
+"""The output half of bench/compare.py: the targets, the tables, the JSON document, the plot
+(drawn by shmcoll-bench's own --plot code, shmcoll/bench/plot.py).
 
 No process is started here; everything works on PeerResult objects, so it is testable alone.
 A ratio is always of time per call measured in the same run: shmcoll/OpenMPI (lower is better,
 the target is a ceiling) and gloo/shmcoll (shmcoll's speedup over gloo, the target is a floor).
+The targets are the all-reduce speeds shmcoll is held to on a 2-core host: with 2 ranks, at 8 B
+and 1 KiB at most 4x OpenMPI's time and at least 20x faster than gloo, at 64 KiB 2x and 20x, at 1,
+16 and 64 MiB as fast as OpenMPI and 3x faster than gloo; with 4 ranks on the 2 cores
+(oversubscribed), within 2x of OpenMPI at every size. Other world sizes and sizes have none.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shmcoll.launch import bench_plot
-from shmcoll.launch.bench_plot import human
+from shmcoll.bench import plot as bench_plot
+from shmcoll.bench.plot import human
 
 KIB, MIB = 1 << 10, 1 << 20
-# Issue 3, "Targets" (2 ranks on this 2-core machine): size -> (max shmcoll/OpenMPI, min gloo/shmcoll)
+# The targets with 2 ranks on a 2-core host: size -> (max shmcoll/OpenMPI time, min gloo/shmcoll time)
 TARGETS_N2 = {8: (4.0, 20.0), KIB: (4.0, 20.0), 64 * KIB: (2.0, 20.0),
               MIB: (1.0, 3.0), 16 * MIB: (1.0, 3.0), 64 * MIB: (1.0, 3.0)}
-OVERSUBSCRIBED_MPI_LIMIT = 2.0  # issue 3: at 4 ranks on 2 cores, within 2x of OpenMPI at every size
+OVERSUBSCRIBED_MPI_LIMIT = 2.0  # the target with 4 ranks on 2 cores: within 2x of OpenMPI at every size
 MPI, GLOO = "openmpi", "gloo"
 
 
@@ -38,7 +43,7 @@ class PeerResult:
     def ran(self) -> bool:
         return bool(self.rows)
 
-    def merge(self, rows: list[dict]) -> None:
+    def merge(self, rows: Iterable[dict]) -> None:
         """Keep, per size, the row with the lowest time (best of --rounds)."""
         for row in rows:
             old = self.rows.get(row["size"])
@@ -47,7 +52,7 @@ class PeerResult:
 
 
 def targets(n: int, size: int) -> tuple[float | None, float | None]:
-    """(max shmcoll/OpenMPI time, min gloo/shmcoll time) from issue 3; None where it states none."""
+    """(max shmcoll/OpenMPI time, min gloo/shmcoll time) for n ranks at `size`; None where there is no target."""
     if n == 2:
         return TARGETS_N2.get(size, (None, None))
     if n == 4:
@@ -103,10 +108,9 @@ def times_table(peers: list[PeerResult], sizes, n: int) -> list[str]:
 
 
 def ratio_table(records: list[dict], n: int) -> list[str]:
-    """One shmcoll transport against OpenMPI and gloo, with issue 3's targets."""
+    """One shmcoll transport against OpenMPI and gloo, with the targets."""
     name = records[0]["peer"]
-    scope = {2: "issue 3's targets for n=2", 4: "issue 3's target for 4 ranks on 2 cores"}.get(
-        n, f"no target in issue 3 for n={n}")
+    scope = {2: "the targets for n=2", 4: "the target for 4 ranks on 2 cores"}.get(n, f"no target for n={n}")
     lines = [f"# {name}: ratios of time per call in this run; {scope}",
              "#" + "size".rjust(11) + f"{'shmcoll/openmpi':>17}{'target':>9}{'met':>5}"
              f"{'gloo/shmcoll':>14}{'target':>9}{'met':>5}"]

@@ -71,7 +71,7 @@ def parse(lines) -> dict[str, dict[str, Cell]]:
 
 def markdown(table: dict[str, dict[str, Cell]]) -> str:
     labels = sorted({label for row in table.values() for label in row},
-                    key=lambda l: (_ORDER.index(l) if l in _ORDER else len(_ORDER), l))
+                    key=lambda label: (_ORDER.index(label) if label in _ORDER else len(_ORDER), label))
     head = ["scenario", "error", *labels]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for scenario, row in table.items():

@@ -9,13 +9,9 @@ best of several timed rounds, after a warm-up call, so it excludes compilation a
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from shmcoll import kernels
 from shmcoll.types import ReduceKind
@@ -40,12 +36,12 @@ def best_seconds(call, nbytes: int) -> float:
 def operands(code: int, storage, nbytes: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """Random values of moderate size, so a repeated SUM stays finite and normal for a while."""
     n = nbytes // np.dtype(storage).itemsize
-    values = [rng.uniform(-1.0, 1.0, n) for _ in range(2)]
+    first, second = (rng.uniform(-1.0, 1.0, n) for _ in range(2))
     if code == 1:
-        return tuple(kernels.f64_to_f16_bits(v) for v in values)
+        return kernels.f64_to_f16_bits(first), kernels.f64_to_f16_bits(second)
     if code == 2:
-        return tuple(kernels.f64_to_bf16_bits(v) for v in values)
-    return tuple(v.astype(storage) for v in values)
+        return kernels.f64_to_bf16_bits(first), kernels.f64_to_bf16_bits(second)
+    return first.astype(storage), second.astype(storage)
 
 
 def gbps(seconds: float, nbytes: int) -> float:

@@ -18,6 +18,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,8 +42,10 @@ def inputs(seed: int, call: int, rank: int, count: int, dtype, op) -> np.ndarray
 
 def expected_reduce(seed, call, n, count, dtype, op) -> np.ndarray:
     xs = [inputs(seed, call, r, count, dtype, op).astype(np.float64) for r in range(n)]
-    fold = {ReduceKind.SUM: np.sum, ReduceKind.AVG: np.sum, ReduceKind.PROD: np.prod,
-            ReduceKind.MIN: np.min, ReduceKind.MAX: np.max}[op](np.stack(xs), axis=0) if count else np.zeros(0)
+    folds: dict[ReduceKind, Callable[..., np.ndarray]] = {
+        ReduceKind.SUM: np.sum, ReduceKind.AVG: np.sum, ReduceKind.PROD: np.prod, ReduceKind.MIN: np.min,
+        ReduceKind.MAX: np.max}
+    fold = folds[op](np.stack(xs), axis=0) if count else np.zeros(0)
     if op is ReduceKind.AVG:
         fold = fold / n
     return fold.astype(dtype)
@@ -150,8 +153,8 @@ def main(argv=None) -> int:
         report = np.array([wrong, rss_warm or final, final, peak, *trend], np.int64)  # (under 500 calls: no baseline)
         every = pg.all_gather(report).reshape(pg.world_size, -1)
         if pg.rank == 0:
-            print(f"soak: {type(pg.transport).__name__}, {pg.world_size} ranks, {args.minutes:g} min, seed {args.seed}: "
-                  f"{call} collectives {counts}")
+            print(f"soak: {pg.transport.name} transport, {pg.world_size} ranks, {args.minutes:g} min, "
+                  f"seed {args.seed}: {call} collectives {counts}")
             for rank, (bad, warm, final, top, *samples) in enumerate(every):
                 print(f"  rank {rank}: wrong elements {bad}; resident {warm / 2**20:.0f} MiB after 500 calls, "
                       f"{final / 2**20:.0f} MiB at the end; peak {top / 2**20:.0f} MiB; resident MiB after N calls: "

@@ -4,8 +4,10 @@ and its pure parts in one (the peers' launching and ratio math: tests/test_bench
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,15 +16,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shmcoll.bench import buffers, cli, collectives, inputs, table
+from shmcoll.bench.adapters import GLOO, OPENMPI
+from shmcoll.bench.buffers import MAX_COLD_BUFFERS, Plan, plan, read_llc, rotating
+from shmcoll.bench.collectives import COLLECTIVES
+from shmcoll.bench.descriptor import Collective, Payload, Sizing
+from shmcoll.bench.inputs import (
+    UsageError,
+    block_values,
+    parse_size,
+    payload,
+    reduce_expected,
+    reduce_input,
+    sweep,
+    v_lengths,
+)
+from shmcoll.bench.measure import Spec, check_once, choose_iters, make_row, measure
+from shmcoll.bench.options import build_parser
+from shmcoll.bench.results import Row
 from shmcoll.rendezvous.launchers import RANK_VARS, WORLD_SIZE_VARS
-from shmcoll.launch import bench_buffers, bench_cli, bench_core
-from shmcoll.launch.bench_buffers import MAX_COLD_BUFFERS, Plan, plan, read_llc, rotating
-from shmcoll.launch.bench_core import (Spec, UsageError, bus_factor, check_once, choose_iters, layout, make_row,
-                                       measure, parse_size, reduce_expected, reduce_input, sweep)
 from shmcoll.types import ReduceKind
 
+from bounds import RUN_HANG_S, TEST_HANG_S
+
 REPO = Path(__file__).resolve().parents[1]
-RUN_S = 45  # one sweep of a few small sizes takes ~1-2 s (with both peers ~8 s); this is the hang guard
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLUMNS = ["size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
 SMALL = ["-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1"]
@@ -36,8 +53,8 @@ def clean_env() -> dict:
 
 
 def bench(*args: str, launcher: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [*launcher, sys.executable, "-m", "shmcoll.launch.bench_cli", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=RUN_S)
+    cmd = [*launcher, sys.executable, "-m", "shmcoll.bench.cli", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=RUN_HANG_S)
 
 
 def split_sections(stdout: str) -> dict[str, list[str]]:
@@ -109,7 +126,7 @@ def assert_sweep(proc, collective: str, n: int, dtype: str = "f32", op: str = "s
 
 # ---- real processes ----
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast", "barrier"])
 def test_sweep_with_check_and_json(tmp_path, n, collective):
@@ -132,19 +149,19 @@ def test_sweep_with_check_and_json(tmp_path, n, collective):
             assert row["busbw"] == pytest.approx(row["algbw"] * factor(collective, n), rel=1e-9)
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype,op,collective", [
     ("f16", "sum", "all_reduce"), ("bf16", "sum", "all_reduce"), ("f16", "avg", "all_reduce"),
     ("bf16", "avg", "all_reduce"), ("f16", "prod", "all_reduce"), ("bf16", "min", "all_reduce"),
     ("f16", "max", "all_reduce"),
     ("bf16", "sum", "all_gather"), ("f16", "sum", "broadcast"),
 ])
+@pytest.mark.multiprocess
 def test_half_types_and_ops_check(dtype, op, collective):
     proc = bench("-n", "3", "--collective", collective, "--dtype", dtype, "--op", op, *SMALL, "--check")
     assert_sweep(proc, collective, 3, dtype=dtype, op=op)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 def test_without_check_prints_na_and_runs_under_shmcoll_run():
     """Inside a job (started by shmcoll-run, no -n) it joins instead of spawning."""
     proc = bench("-c", "broadcast", *SMALL, launcher=(sys.executable, "-m", "shmcoll.launch.run_cli", "-n", "2"))
@@ -152,14 +169,16 @@ def test_without_check_prints_na_and_runs_under_shmcoll_run():
     assert "Out of bounds" not in proc.stdout
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 def test_n_conflicting_with_the_job_is_a_usage_error():
+    """Every rank says so (whichever exits first ends the job), prefixed with its rank."""
     proc = bench("-n", "3", *SMALL, launcher=(sys.executable, "-m", "shmcoll.launch.run_cli", "-n", "2"))
     assert proc.returncode == 2
-    assert "does not match this job's world size 2" in proc.stderr
+    assert re.search(r"shmcoll-bench: rank [01]: -n 3 does not match this job's world size 2 \(leave -n out",
+                     proc.stderr), proc.stderr
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 def test_bad_arguments_exit_2_from_the_command_line():
     proc = bench("-n", "2", "-f", "1")
     assert proc.returncode == 2
@@ -190,20 +209,20 @@ def test_bad_arguments_exit_2_from_the_command_line():
     (["-n", "2", "--bogus"], "unrecognized"),
 ])
 def test_usage_errors(capsys, args, message):
-    assert bench_cli.main(args) == 2
+    assert cli.main(args) == 2
     assert message in capsys.readouterr().err
 
 
 def test_outside_a_job_without_n_is_a_usage_error(capsys, monkeypatch):
     for name in RANK_VARS:
         monkeypatch.delenv(name, raising=False)
-    assert bench_cli.main(["-e", "1K"]) == 2
+    assert cli.main(["-e", "1K"]) == 2
     assert "give -n N" in capsys.readouterr().err
 
 
 def test_bf16_without_ml_dtypes_is_a_clear_usage_error(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # makes `import ml_dtypes` raise ImportError
-    assert bench_cli.main(["-n", "2", "--dtype", "bf16"]) == 2
+    assert cli.main(["-n", "2", "--dtype", "bf16"]) == 2
     assert "ml_dtypes" in capsys.readouterr().err
 
 
@@ -213,9 +232,9 @@ def test_wrong_results_are_counted_and_exit_1(capsys, monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SHMCOLL_RANK", "0")
     monkeypatch.setenv("SHMCOLL_WORLD_SIZE", "1")
-    monkeypatch.setattr(bench_core, "reduce_expected", lambda op, n, i: np.full(len(i), 1234.0))
+    monkeypatch.setattr(collectives, "reduce_expected", lambda op, n, i: np.full(len(i), 1234.0))
     out = tmp_path / "rows.json"
-    rc = bench_cli.main(["-b", "8", "-e", "64", "-f", "8", "--iters", "1", "--warmup", "0", "--check",
+    rc = cli.main(["-b", "8", "-e", "64", "-f", "8", "--iters", "1", "--warmup", "0", "--check",
                          "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 1, text
@@ -251,12 +270,12 @@ def test_sweep():
 
 
 def test_layout_follows_nccl_tests():
-    assert layout("all_reduce", 8, 3, 4) == (2, 2, 8)
-    assert layout("all_reduce", 3, 3, 4) == (1, 1, 4)  # at least one element
-    assert layout("all_gather", 4096, 3, 4) == (341, 1023, 4092)  # total output, per rank rounded down
-    assert layout("all_gather", 8, 3, 4) == (1, 3, 12)
-    assert layout("broadcast", 10, 2, 2) == (5, 5, 10)
-    assert layout("barrier", 1 << 20, 4, 4) == (0, 0, 0)
+    assert COLLECTIVES["all_reduce"].layout(8, 3, 4) == (2, 2, 8)
+    assert COLLECTIVES["all_reduce"].layout(3, 3, 4) == (1, 1, 4)  # at least one element
+    assert COLLECTIVES["all_gather"].layout(4096, 3, 4) == (341, 1023, 4092)  # total output, per rank rounded down
+    assert COLLECTIVES["all_gather"].layout(8, 3, 4) == (1, 3, 12)
+    assert COLLECTIVES["broadcast"].layout(10, 2, 2) == (5, 5, 10)
+    assert COLLECTIVES["barrier"].layout(1 << 20, 4, 4) == (0, 0, 0)
 
 
 def test_choose_iters():
@@ -307,34 +326,33 @@ class _FakeGroup:
 
     def all_gather(self, local):
         i = np.arange(len(local), dtype=np.int64)
-        blocks = [bench_core.block_values(r, i).astype(local.dtype) for r in range(self.world_size)]
+        blocks = [block_values(r, i).astype(local.dtype) for r in range(self.world_size)]
         return self._damage(np.concatenate(blocks))
 
     def broadcast(self, root, buf):
-        buf[...] = bench_core.block_values(root, np.arange(len(buf), dtype=np.int64)).astype(buf.dtype)
+        buf[...] = block_values(root, np.arange(len(buf), dtype=np.int64)).astype(buf.dtype)
         self._damage(buf)
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast"])
 @pytest.mark.parametrize("corrupt", [0, 5])
 def test_check_counts_damaged_elements(collective, corrupt, monkeypatch):
-    monkeypatch.setattr(bench_core, "CHECK_CHUNK", 7)  # exercise the sliced comparison
-    spec = Spec(collective, "f32", "prod", 1, 0, True, 0)
-    assert check_once(_FakeGroup(1, 3, corrupt), spec, np.dtype(np.float32), 50) == corrupt
+    monkeypatch.setattr(inputs, "CHECK_CHUNK", 7)  # exercise the sliced comparison
+    spec = Spec(COLLECTIVES[collective], "f32", "prod", 1, 0, True, 0)
+    count = 150 if collective == "all_gather" else 50
+    assert check_once(_FakeGroup(1, 3, corrupt), spec, np.empty(50, np.float32), count) == corrupt
 
 
 def test_row_format_is_right_aligned_under_the_header():
-    class Args:
-        collective, dtype, op, iters, warmup, max_time, check = "all_gather", "bf16", "sum", 3, 1, 2.0, False
-    header = bench_cli.format_header(Args, 4, "tcp")
+    header = table.format_header(Spec(COLLECTIVES["all_gather"], "bf16", "sum", 3, 1, False, 2.0), 4, "tcp")
     assert "world size 4" in header[0] and "transport tcp" in header[0] and "in-place no" in header[0]
     assert "dtype bf16" in header[0]
-    row = bench_core.Row(1024, 512, "bfloat16", "none", 12.345, 0.08294, 0.0622, None, 3)
-    line = bench_cli.format_row(row)
+    row = Row(1024, 512, "bfloat16", "none", 12.345, 0.08294, 0.0622, None, 3)
+    line = table.format_row(row)
     cells = ["1024", "512", "bfloat16", "none", "12.35", "0.08", "0.06", "N/A"]
     assert line.split() == cells and len(line) == len(header[-1])
     edge = 0
-    for (label, width), cell in zip(bench_cli.COLUMNS, cells):
+    for (label, width), cell in zip(table.COLUMNS, cells):
         edge += width
         assert line[edge - len(cell):edge] == cell and header[-1][edge - len(label):edge] == label
 
@@ -363,7 +381,7 @@ def assert_png(path: Path) -> None:
     assert data[:8] == PNG_SIGNATURE and len(data) > 8000, len(data)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast"])
 def test_cold_buffers_with_check(tmp_path, collective):
     """--cold rotates past the last-level cache and --check still finds every result right."""
@@ -379,7 +397,7 @@ def test_cold_buffers_with_check(tmp_path, collective):
         assert row["buffers"] == plan(per_rank, True, llc_bytes).count >= 2
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 def test_compare_and_plot_with_the_peers_installed(tmp_path):
     """OpenMPI and gloo rows with numbers, same sizes; ratios in the table and JSON; a drawn PNG."""
     missing = not_installed("mpirun", "mpi4py", "torch", "matplotlib")
@@ -399,7 +417,7 @@ def test_compare_and_plot_with_the_peers_installed(tmp_path):
         assert doc["peers"][peer]["status"] == "ok" and library in doc["peers"][peer]["library"]
         rows = table_rows(sections[peer])
         assert [r[:4] for r in rows] == [r[:4] for r in mine]  # size, count, type, redop
-        for size, count, typ, redop, time_us, algbw, busbw, wrong in rows:
+        for size, _count, _type, _redop, time_us, _algbw, _busbw, wrong in rows:
             row = by_peer[peer][int(size)]
             assert float(time_us) > 0 and wrong == "0" and f"{row['time_us']:.2f}" == time_us
             assert row["busbw"] == pytest.approx(row["algbw"] * 1.0)  # 2(n-1)/n = 1 at n=2
@@ -414,7 +432,7 @@ def test_compare_and_plot_with_the_peers_installed(tmp_path):
     assert_png(png)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 def test_compare_and_plot_with_the_peers_hidden(tmp_path):
     """Missing peers and matplotlib: skipped with the reason, a one-line plot message, exit 0."""
     out, png = tmp_path / "rows.json", tmp_path / "busbw.png"
@@ -437,12 +455,11 @@ def test_compare_inside_a_job_is_a_usage_error(capsys, monkeypatch):
     """Peers need jobs of their own (run after shmcoll's), which a rank of someone else's job cannot start."""
     monkeypatch.setenv("SHMCOLL_RANK", "0")
     monkeypatch.setenv("SHMCOLL_WORLD_SIZE", "1")
-    assert bench_cli.main(["-e", "8", "--compare"]) == 2
+    assert cli.main(["-e", "8", "--compare"]) == 2
     err = capsys.readouterr().err
     assert "--compare runs OpenMPI and gloo as jobs of their own" in err and "needs -n N" in err
 
 
-@pytest.mark.timeout(60)
 def test_plot_inside_a_job_is_drawn_by_rank_0(capsys, monkeypatch, tmp_path):
     if not_installed("matplotlib"):
         pytest.skip("matplotlib is not installed here")
@@ -451,48 +468,50 @@ def test_plot_inside_a_job_is_drawn_by_rank_0(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SHMCOLL_RANK", "0")
     monkeypatch.setenv("SHMCOLL_WORLD_SIZE", "1")
     png = tmp_path / "one.png"
-    assert bench_cli.main(["-c", "broadcast", "-b", "8", "-e", "64K", "-f", "8", "--iters", "1", "--warmup", "0",
+    assert cli.main(["-c", "broadcast", "-b", "8", "-e", "64K", "-f", "8", "--iters", "1", "--warmup", "0",
                           "--plot", str(png)]) == 0  # broadcast: busbw = algbw > 0 even at n=1
     assert f"# plot written to {png}" in capsys.readouterr().out
     assert_png(png)
 
 
-NEWER = ["reduce_scatter", "reduce", "all_to_all", "gather", "scatter"]
-NEWER_IN_PLACE = {"reduce_scatter": "no", "reduce": "yes", "all_to_all": "no", "gather": "no", "scatter": "no"}
+# typed-array collectives besides nccl-tests' first four: their data is split in rank blocks
+# (reduce_scatter, all_to_all, gather, scatter) or reduced onto a root (reduce)
+BLOCK_COLLECTIVES = ["reduce_scatter", "reduce", "all_to_all", "gather", "scatter"]
+BLOCK_IN_PLACE = {"reduce_scatter": "no", "reduce": "yes", "all_to_all": "no", "gather": "no", "scatter": "no"}
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("collective", NEWER)
-def test_newer_collectives_sweep_with_check_and_json(tmp_path, collective):
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("collective", BLOCK_COLLECTIVES)
+def test_block_collectives_sweep_with_check_and_json(tmp_path, collective):
     """2 ranks, a small sweep: every row checked against the float64 reference (0 wrong), JSON fields."""
     out = tmp_path / "rows.json"
     proc = bench("-n", "2", "--collective", collective, *SMALL, "--check", "--json", str(out))
     rows = assert_sweep(proc, collective, 2)
     first = proc.stdout.splitlines()[0]
-    assert f"in-place {NEWER_IN_PLACE[collective]}" in first
+    assert f"in-place {BLOCK_IN_PLACE[collective]}" in first
     assert f"op {'sum' if collective in ('reduce_scatter', 'reduce') else 'none'}" in first
     assert "# Out of bounds values : 0 OK" in proc.stdout
     data = json.loads(out.read_text())
     assert len(data) == len(rows) == len(SMALL_SIZES)
     for row, cells in zip(data, rows):
         assert row["collective"] == collective and row["world_size"] == 2 and row["dtype"] == "f32"
-        assert row["in_place"] == NEWER_IN_PLACE[collective] and row["wrong"] == 0 and row["iters"] == 3
+        assert row["in_place"] == BLOCK_IN_PLACE[collective] and row["wrong"] == 0 and row["iters"] == 3
         assert (row["size"], row["count"]) == (int(cells[0]), int(cells[1]))
         assert row["count"] % 2 == 0 or collective == "reduce"  # n equal blocks
         assert row["algbw"] == pytest.approx(row["size"] / row["time_us"] / 1e3, rel=1e-9)
         assert row["busbw"] == pytest.approx(row["algbw"] * factor(collective, 2), rel=1e-9)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("collective,op", [("reduce_scatter", "max"), ("reduce", "prod"), ("all_to_all", "sum")])
-def test_newer_collectives_at_3_ranks_cold_and_other_ops(collective, op):
+def test_block_collectives_at_3_ranks_cold_and_other_ops(collective, op):
     proc = bench("-n", "3", "--collective", collective, "--op", op, "--dtype", "f16", *SMALL, "--check", "--cold")
     assert_sweep(proc, collective, 3, dtype="f16", op=op)
     assert "buffers cold" in proc.stdout.splitlines()[1]
 
 
-class _BrokenNewer:
-    """A group whose newer collectives damage `corrupt` elements of their result (on rank 0 only)."""
+class _BrokenBlocks:
+    """A group whose block collectives damage `corrupt` elements of their result (on rank 0 only)."""
 
     def __init__(self, rank, n, corrupt):
         self.rank, self.world_size, self.corrupt = rank, n, corrupt
@@ -515,40 +534,40 @@ class _BrokenNewer:
     def all_to_all(self, buf):
         n, block = self.world_size, len(buf) // self.world_size
         i = np.arange(block) + self.rank * block
-        return self._bad(np.concatenate([bench_core.block_values(s, i) for s in range(n)]).astype(buf.dtype))
+        return self._bad(np.concatenate([block_values(s, i) for s in range(n)]).astype(buf.dtype))
 
     def gather(self, root, buf):
         if self.rank != root:
             return None
         i = np.arange(len(buf))
-        return self._bad(np.concatenate([bench_core.block_values(r, i) for r in range(self.world_size)]).astype(buf.dtype))
+        return self._bad(np.concatenate([block_values(r, i) for r in range(self.world_size)]).astype(buf.dtype))
 
     def scatter(self, root, buf):
         block = 8
-        return self._bad(bench_core.block_values(root, np.arange(block) + self.rank * block).astype(np.float32))
+        return self._bad(block_values(root, np.arange(block) + self.rank * block).astype(np.float32))
 
 
-@pytest.mark.parametrize("collective", NEWER)
+@pytest.mark.parametrize("collective", BLOCK_COLLECTIVES)
 @pytest.mark.parametrize("corrupt", [0, 3])
-def test_check_of_newer_collectives_counts_damaged_elements(collective, corrupt):
+def test_check_of_block_collectives_counts_damaged_elements(collective, corrupt):
     """The check's reference is what each rank must hold; reduce and gather look at the root only."""
     n = 2
-    spec = Spec(collective, "f32", "sum", 1, 0, True, 0)
-    elems = layout(collective, 64, n, 4)[0]
+    spec = Spec(COLLECTIVES[collective], "f32", "sum", 1, 0, True, 0)
+    elems, count, _ = COLLECTIVES[collective].layout(64, n, 4)
     for rank in range(n):
-        got = check_once(_BrokenNewer(rank, n, corrupt), spec, np.dtype(np.float32), elems)
+        got = check_once(_BrokenBlocks(rank, n, corrupt), spec, np.empty(elems, np.float32), count)
         assert got == (corrupt if rank == 0 else 0), (collective, rank)
 
 
-def test_newer_collectives_peer_support():
+def test_block_collectives_peer_support():
     """OpenMPI cannot reduce 16-bit floats or average (skip reasons); everything else runs on both peers."""
-    from shmcoll.launch.bench_peers import unsupported
     for coll in ("reduce_scatter", "reduce"):
-        assert "no f16 datatype to reduce" in unsupported("openmpi", coll, "f16", "sum")
-        assert "no average reduction" in unsupported("openmpi", coll, "f32", "avg")
-        assert unsupported("gloo", coll, "f16", "avg") is None
+        assert "no f16 datatype to reduce" in COLLECTIVES[coll].unsupported(OPENMPI, "f16", "sum")
+        assert "no average reduction" in COLLECTIVES[coll].unsupported(OPENMPI, "f32", "avg")
+        assert COLLECTIVES[coll].unsupported(GLOO, "f16", "avg") is None
     for coll in ("all_to_all", "gather", "scatter"):
-        assert unsupported("openmpi", coll, "f16", "sum") is None and unsupported("gloo", coll, "bf16", "sum") is None
+        assert COLLECTIVES[coll].unsupported(OPENMPI, "f16", "sum") is None
+        assert COLLECTIVES[coll].unsupported(GLOO, "bf16", "sum") is None
 
 
 def check_compare_rows(tmp_path, collective: str, n: int, maxbytes: str, bus) -> None:
@@ -576,9 +595,9 @@ def check_compare_rows(tmp_path, collective: str, n: int, maxbytes: str, bus) ->
             assert row["busbw"] == pytest.approx(row["algbw"] * bus(n))
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("collective", NEWER)
-def test_newer_collectives_compare_rows(tmp_path, collective):
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("collective", BLOCK_COLLECTIVES)
+def test_block_collectives_compare_rows(tmp_path, collective):
     """OpenMPI (Reduce_scatter_block, Reduce, Alltoall, Gather, Scatter) and gloo, at 2 ranks."""
     check_compare_rows(tmp_path, collective, 2, "4K", lambda n: factor(collective, n))
 
@@ -587,22 +606,23 @@ def test_newer_collectives_compare_rows(tmp_path, collective):
 
 def test_bus_factors_and_sizes_follow_nccl_tests():
     """nccl-tests' PERFORMANCE.md: busbw = algbw * 2(n-1)/n, (n-1)/n, 1; all_gather's size is the whole output."""
-    assert [bus_factor("all_reduce", n) for n in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
-    assert [bus_factor("all_gather", n) for n in (1, 2, 4, 8)] == [0.0, 0.5, 0.75, 0.875]
-    assert [bus_factor("broadcast", n) for n in (1, 2, 4)] == [1.0, 1.0, 1.0]
-    assert bus_factor("barrier", 4) is None
-    assert layout("all_gather", 1 << 20, 4, 4) == (65536, 262144, 1 << 20)  # per rank, total count, total bytes
+    assert [COLLECTIVES["all_reduce"].bus_factor(n) for n in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
+    assert [COLLECTIVES["all_gather"].bus_factor(n) for n in (1, 2, 4, 8)] == [0.0, 0.5, 0.75, 0.875]
+    assert [COLLECTIVES["broadcast"].bus_factor(n) for n in (1, 2, 4)] == [1.0, 1.0, 1.0]
+    assert COLLECTIVES["barrier"].bus_factor(4) is None
+    # per rank, total count, total bytes
+    assert COLLECTIVES["all_gather"].layout(1 << 20, 4, 4) == (65536, 262144, 1 << 20)
     # ReduceScatter and AllToAll: (n-1)/n of the total size S; Reduce: 1; gather/scatter (not in nccl-tests): (n-1)/n
     for coll in ("reduce_scatter", "all_to_all", "gather", "scatter"):
-        assert [bus_factor(coll, n) for n in (1, 2, 4, 8)] == [0.0, 0.5, 0.75, 0.875], coll
-    assert [bus_factor("reduce", n) for n in (1, 2, 4)] == [1.0, 1.0, 1.0]
+        assert [COLLECTIVES[coll].bus_factor(n) for n in (1, 2, 4, 8)] == [0.0, 0.5, 0.75, 0.875], coll
+    assert [COLLECTIVES["reduce"].bus_factor(n) for n in (1, 2, 4)] == [1.0, 1.0, 1.0]
     # the size is one rank's whole input (n blocks) for reduce_scatter, all_to_all and scatter (the root's) ...
     for coll in ("reduce_scatter", "all_to_all", "scatter"):
-        assert layout(coll, 1 << 20, 4, 4) == (262144, 262144, 1 << 20), coll
-        assert layout(coll, 100, 3, 4) == (24, 24, 96), coll  # rounded down to n equal blocks
+        assert COLLECTIVES[coll].layout(1 << 20, 4, 4) == (262144, 262144, 1 << 20), coll
+        assert COLLECTIVES[coll].layout(100, 3, 4) == (24, 24, 96), coll  # rounded down to n equal blocks
     # ... the root's whole output for gather (each rank sends one block), count = size / itemsize for reduce
-    assert layout("gather", 1 << 20, 4, 4) == (65536, 262144, 1 << 20)
-    assert layout("reduce", 100, 3, 4) == (25, 25, 100)
+    assert COLLECTIVES["gather"].layout(1 << 20, 4, 4) == (65536, 262144, 1 << 20)
+    assert COLLECTIVES["reduce"].layout(100, 3, 4) == (25, 25, 100)
 
 
 @pytest.mark.parametrize("collective,n,algbw,busbw", [
@@ -611,16 +631,16 @@ def test_bus_factors_and_sizes_follow_nccl_tests():
 ])
 def test_make_row_bandwidths_on_synthetic_times(collective, n, algbw, busbw):
     size = 0 if collective == "barrier" else 4096
-    row = make_row(Spec(collective, "f32", "sum", 5, 0, False, 0), n, size // 4, size, 1e-6, None, 5, 3)
+    row = make_row(Spec(COLLECTIVES[collective], "f32", "sum", 5, 0, False, 0), n, size // 4, size, 1e-6, None, 5, 3)
     assert row.time_us == pytest.approx(1.0) and row.buffers == 3 and row.iters == 5
     assert (row.algbw, row.busbw) == ((None, None) if algbw is None else (pytest.approx(algbw), pytest.approx(busbw)))
-    assert make_row(Spec("all_reduce", "f32", "sum", 1, 0, False, 0), 2, 1, 4, 0.0, None, 1).algbw == 0.0
+    assert make_row(Spec(COLLECTIVES["all_reduce"], "f32", "sum", 1, 0, False, 0), 2, 1, 4, 0.0, None, 1).algbw == 0.0
 
 
 @pytest.mark.parametrize("text,value", [("32768K", 32 << 20), ("1M", 1 << 20), ("48K", 48 << 10), ("512", 512),
                                         ("lots", None), ("", None)])
 def test_parse_cache_size(text, value):
-    assert bench_buffers.parse_cache_size(text) == value
+    assert buffers.parse_cache_size(text) == value
 
 
 def _fake_cache(root: Path, entries) -> Path:
@@ -639,7 +659,7 @@ def test_read_llc_takes_the_highest_level_and_defaults_to_32_mib(tmp_path):
     assert read_llc(full) == (32 << 20, "L3 of cpu0")
     no_l3 = _fake_cache(tmp_path / "b", [(1, "Data", "32K"), (2, "Unified", "2M"), (3, "Unified", "garbage")])
     assert read_llc(no_l3)[0] == 2 << 20
-    assert read_llc(tmp_path / "missing")[0] == bench_buffers.DEFAULT_LLC == 32 << 20
+    assert read_llc(tmp_path / "missing")[0] == buffers.DEFAULT_LLC == 32 << 20
 
 
 @pytest.mark.parametrize("nbytes", [1, 8, 100, 512, 513, 4096, 1 << 20, 31 << 20, 64 << 20])
@@ -648,7 +668,7 @@ def test_cold_plan_exceeds_the_llc_unless_capped(nbytes):
     assert plan(nbytes, False, llc_bytes) == Plan(1, plan(nbytes, False, llc_bytes).stride)
     p = plan(nbytes, True, llc_bytes)
     assert p.stride % 64 == 0 and nbytes <= p.stride < nbytes + 64 and 2 <= p.count <= MAX_COLD_BUFFERS
-    if p.stride > bench_buffers.capped_up_to(llc_bytes):
+    if p.stride > buffers.capped_up_to(llc_bytes):
         assert p.span > llc_bytes  # enough ...
         assert p.count == 2 or (p.count - 1) * p.stride <= llc_bytes  # ... and no more than needed
     else:
@@ -686,9 +706,9 @@ class _RecordingGroup:
 
 @pytest.mark.parametrize("cold", [False, True])
 def test_cold_loop_moves_to_fresh_memory_on_every_call(monkeypatch, cold):
-    monkeypatch.setattr(bench_core, "llc", lambda: (64 << 10, "test"))
+    monkeypatch.setattr("shmcoll.bench.measure.llc", lambda: (64 << 10, "test"))
     g = _RecordingGroup()
-    row = measure(g, Spec("all_reduce", "f32", "sum", 50, 2, False, 0, cold), np.dtype(np.float32), 4096)
+    row = measure(g, Spec(COLLECTIVES["all_reduce"], "f32", "sum", 50, 2, False, 0, cold), np.dtype(np.float32), 4096)
     expected = plan(4096, cold, 64 << 10).count  # 17 buffers of 4 KiB > the 64 KiB "LLC"
     assert row.buffers == expected and len(g.seen) == 52 and len(set(g.seen)) == expected
     if cold:
@@ -696,14 +716,14 @@ def test_cold_loop_moves_to_fresh_memory_on_every_call(monkeypatch, cold):
         assert len(set(g.seen)) * 4096 > 64 << 10
 
 
-# ---- all_gather_v and the pickled-object collectives (bench_objects.py) ----
+# ---- all_gather_v and the pickled-object collectives (uneven lengths, bytes objects) ----
 
-NEWEST = ["all_gather_v", "broadcast_object", "all_gather_object"]
-NEWEST_FACTOR = {"all_gather_v": lambda n: (n - 1) / n, "broadcast_object": lambda n: 1.0,
+UNEVEN_AND_OBJECTS = ["all_gather_v", "broadcast_object", "all_gather_object"]
+UNEVEN_AND_OBJECT_FACTOR = {"all_gather_v": lambda n: (n - 1) / n, "broadcast_object": lambda n: 1.0,
                  "all_gather_object": lambda n: (n - 1) / n}
 
 
-def newest_sizes(collective: str, n: int, itemsize: int) -> list[int]:
+def uneven_and_object_sizes(collective: str, n: int, itemsize: int) -> list[int]:
     """all_gather_v: n * (size / n / itemsize) elements; all_gather_object: n * (size / n) bytes;
     broadcast_object: the size itself."""
     if collective == "broadcast_object":
@@ -711,10 +731,10 @@ def newest_sizes(collective: str, n: int, itemsize: int) -> list[int]:
     return [max(1, s // (n * itemsize)) * n * itemsize for s in SMALL_SIZES]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("collective", NEWEST)
-def test_newest_collectives_sweep_with_check(tmp_path, n, collective):
+@pytest.mark.parametrize("collective", UNEVEN_AND_OBJECTS)
+def test_uneven_and_object_collectives_sweep_with_check(tmp_path, n, collective):
     """Every size checked (contents and all_gather_v's lengths, the objects byte for byte): 0 wrong; the
     object rows ignore --dtype (type 'bytes', JSON dtype null); busbw = algbw * the documented factor."""
     out = tmp_path / "rows.json"
@@ -725,7 +745,7 @@ def test_newest_collectives_sweep_with_check(tmp_path, n, collective):
     objects = collective != "all_gather_v"
     assert ("dtype - (pickled bytes objects)" if objects else "dtype f16 (half)") in first
     itemsize = 1 if objects else 2
-    assert [int(r[0]) for r in rows] == newest_sizes(collective, n, itemsize)
+    assert [int(r[0]) for r in rows] == uneven_and_object_sizes(collective, n, itemsize)
     assert "# Out of bounds values : 0 OK" in proc.stdout
     data = json.loads(out.read_text())
     assert len(data) == len(rows) == len(SMALL_SIZES)
@@ -733,27 +753,26 @@ def test_newest_collectives_sweep_with_check(tmp_path, n, collective):
         assert cells[2:4] == (["bytes", "none"] if objects else ["half", "none"]) and cells[7] == "0"
         assert row["dtype"] == (None if objects else "f16") and row["collective"] == collective
         assert row["size"] == row["count"] * itemsize and row["wrong"] == 0
-        assert row["busbw"] == pytest.approx(row["algbw"] * NEWEST_FACTOR[collective](n), rel=1e-9)
+        assert row["busbw"] == pytest.approx(row["algbw"] * UNEVEN_AND_OBJECT_FACTOR[collective](n), rel=1e-9)
 
 
 @pytest.mark.parametrize("total,n,lengths", [(2, 2, [1, 1]), (16, 2, [5, 11]), (15, 3, [3, 5, 7]),
                                              (3, 3, [1, 1, 1]), (100, 4, [10, 20, 30, 40])])
 def test_all_gather_v_lengths_differ_and_sum_to_the_count(total, n, lengths):
-    from shmcoll.launch.bench_objects import v_lengths
     assert v_lengths(total, n) == lengths
-    assert [layout("all_gather_v", total * 4, n, 4, r) for r in range(n)] == [(k, total, total * 4) for k in lengths]
+    layouts = [COLLECTIVES["all_gather_v"].layout(total * 4, n, 4, r) for r in range(n)]
+    assert layouts == [(k, total, total * 4) for k in lengths]
 
 
-class _BrokenNewest:
+class _BrokenUnevenAndObjects:
     """all_gather_v / broadcast_object / all_gather_object that damage their result on rank 0 (`how`)."""
 
     def __init__(self, rank, n, how):
         self.rank, self.world_size, self.how = rank, n, how
 
     def all_gather_v(self, buf):
-        from shmcoll.launch.bench_objects import v_lengths
         lengths = v_lengths(16, self.world_size)
-        out = np.concatenate([bench_core.block_values(r, np.arange(k)) for r, k in enumerate(lengths)])
+        out = np.concatenate([block_values(r, np.arange(k)) for r, k in enumerate(lengths)])
         if self.rank == 0 and self.how == "data":
             out[-2:] += 1000
         if self.rank == 0 and self.how == "lengths":
@@ -761,7 +780,6 @@ class _BrokenNewest:
         return out.astype(buf.dtype), lengths
 
     def _obj(self, r, nbytes):
-        from shmcoll.launch.bench_objects import payload
         data = payload(r, nbytes)
         if self.rank == 0 and self.how == "data":
             return data[:-2] + bytes(b ^ 1 for b in data[-2:])
@@ -774,27 +792,114 @@ class _BrokenNewest:
         return [self._obj(r, len(obj)) for r in range(self.world_size)]
 
 
-@pytest.mark.parametrize("collective", NEWEST)
+@pytest.mark.parametrize("collective", UNEVEN_AND_OBJECTS)
 @pytest.mark.parametrize("how,wrong", [("none", 0), ("data", 2), ("lengths", 1)])
-def test_check_of_newest_collectives_counts_damage(collective, how, wrong):
+def test_check_of_uneven_and_object_collectives_counts_damage(collective, how, wrong):
     """Damaged contents count per element/byte (all_gather_object: in both ranks' objects); all_gather_v's
     lengths list counts per wrong entry (reversed at n=2: both), a truncated object per missing byte;
     rank 1's results are always right."""
     n = 2
-    spec = Spec(collective, "f32", "sum", 1, 0, True, 0)
+    spec = Spec(COLLECTIVES[collective], "f32", "sum", 1, 0, True, 0)
     dtype = np.dtype(np.uint8 if collective in ("broadcast_object", "all_gather_object") else np.float32)
     size = 32 if collective == "broadcast_object" else 16 * dtype.itemsize
     expect = {("all_gather_v", "lengths"): 2, ("all_gather_object", "data"): 4,
               ("all_gather_object", "lengths"): 2}.get((collective, how), wrong)
     for rank in range(n):
-        elems, count, _ = layout(collective, size, n, dtype.itemsize, rank)
-        got = check_once(_BrokenNewest(rank, n, how), spec, dtype, elems, count=count)
+        elems, count, _ = COLLECTIVES[collective].layout(size, n, dtype.itemsize, rank)
+        got = check_once(_BrokenUnevenAndObjects(rank, n, how), spec, np.empty(elems, dtype), count)
         assert got == (expect if rank == 0 else 0), (collective, how, rank, got)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("collective", NEWEST)
-def test_newest_collectives_compare_rows(tmp_path, collective):
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("collective", UNEVEN_AND_OBJECTS)
+def test_uneven_and_object_collectives_compare_rows(tmp_path, collective):
     """OpenMPI (Allgatherv, pickling bcast/allgather) and gloo (padded all_gather,
     broadcast_object_list, all_gather_object), at 3 ranks."""
-    check_compare_rows(tmp_path, collective, 3, "512", NEWEST_FACTOR[collective])
+    check_compare_rows(tmp_path, collective, 3, "512", UNEVEN_AND_OBJECT_FACTOR[collective])
+
+
+# ---- every registered descriptor ----
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_every_descriptor_is_complete_and_consistent(name):
+    """What the table, the JSON and --help derive from a descriptor holds together, at any size and world."""
+    coll = COLLECTIVES[name]
+    assert isinstance(coll, Collective) and coll.name == name and not inspect.isabstract(type(coll))
+    assert coll.in_place in ("yes", "no", "n/a") and isinstance(coll.sizing, Sizing)
+    no_data = coll.sizing is Sizing.NOTHING
+    assert (coll.payload is Payload.NOTHING) == no_data == (coll.in_place == "n/a")
+    assert coll.payload.type_column("f16") == {Payload.ARRAY: "half", Payload.BYTES: "bytes",
+                                               Payload.NOTHING: "-"}[coll.payload]
+    for n in (1, 2, 3, 4, 8):
+        factor = coll.bus_factor(n)
+        assert (factor is None) == no_data and (factor is None or 0 <= factor <= 2)
+    for n, itemsize in ((1, 4), (3, 2), (4, 8), (5, 1)):
+        for size in (1, 8, 1000, 12345, 1 << 20):
+            layouts = [coll.layout(size, n, itemsize, r) for r in range(n)]
+            assert len({(count, nbytes) for _, count, nbytes in layouts}) == 1  # every rank reports the same
+            elems = [e for e, _, _ in layouts]
+            _, count, nbytes = layouts[0]
+            assert nbytes == count * itemsize
+            if no_data:
+                assert elems == [0] * n and count == 0
+                continue
+            assert min(elems) >= 1 and nbytes <= max(size, n * itemsize)
+            if coll.sizing in (Sizing.OUTPUT_BLOCKS, Sizing.UNEVEN_BLOCKS):  # the ranks' inputs make the output
+                assert sum(elems) == count
+            else:
+                assert elems == [count] * n and (coll.sizing is Sizing.BUFFER or count % n == 0)
+    for peer in (OPENMPI, GLOO):
+        reason = coll.unsupported(peer, "f32", "sum")
+        assert reason is None or reason.strip()
+    words = " ".join(build_parser().format_help().split())
+
+    def listed(pattern: str) -> set[str]:
+        return set(re.findall(r"\w+", re.search(pattern, words).group(1))) - {"and"}
+    assert name in listed(r"-c NAME (.*?) \(default all_reduce;")
+    assert (name in listed(r"\(default all_reduce; (.*?) are rooted at rank 0\)")) == coll.rooted
+    assert (name in listed(r"reduction for (.*?) \(default sum;")) == coll.reduces
+
+
+# every registered collective through one library, at 2 ranks, checked, warm and cold, f32 and f16
+EVERY_COLLECTIVE = """
+import json, sys
+import numpy as np
+from shmcoll.bench.adapters import SHMCOLL, open_group
+from shmcoll.bench.collectives import COLLECTIVES
+from shmcoll.bench.inputs import resolve_dtype
+from shmcoll.bench.measure import Spec, measure
+import shmcoll
+
+library = sys.argv[1]
+group = shmcoll.init() if library == SHMCOLL else open_group(library, 60)
+results = {}
+for coll in COLLECTIVES.values():
+    for dtype, op, cold in (("f32", "sum", False), ("f16", "max", True)):
+        if coll.unsupported(library, dtype, op) is None:
+            spec = Spec(coll, dtype, op, 2, 1, True, 0, cold)
+            results[f"{coll.name} {dtype} {op}"] = [measure(group, spec, resolve_dtype(dtype), size, library).wrong
+                                                    for size in (8, 4096)]
+if group.rank == 0:
+    print(json.dumps(results))
+group.close()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("library", ["shmcoll", OPENMPI, GLOO])
+def test_every_collective_runs_and_checks_through_every_library(library):
+    """Each registered descriptor's calls for shmcoll, OpenMPI and gloo give exact results (0 wrong)."""
+    needs = {"shmcoll": (), OPENMPI: ("mpirun", "mpi4py"), GLOO: ("torch",)}[library]
+    if not_installed(*needs):
+        pytest.skip(f"not installed here: {', '.join(not_installed(*needs))}")
+    rank = [sys.executable, "-c", EVERY_COLLECTIVE, library]
+    launcher = (["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2"] if library == OPENMPI
+                else [sys.executable, "-m", "shmcoll.launch.run_cli", "-n", "2"])
+    proc = subprocess.run([*launcher, *rank], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=TEST_HANG_S - 10)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = {f"{c.name} {dtype} {op}" for c in COLLECTIVES.values() for dtype, op in (("f32", "sum"), ("f16", "max"))
+                if c.unsupported(library, dtype, op) is None}
+    assert set(results) == expected and len(expected) >= len(COLLECTIVES)
+    assert all(wrong == [0, 0] for wrong in results.values()), results

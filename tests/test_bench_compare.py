@@ -1,6 +1,6 @@
 """bench/compare.py: one tiny real run (table, JSON, ratios, plot), and the skip messages for missing peers;
-and the peer machinery it shares with `shmcoll-bench --compare` (shmcoll/launch/bench_compare.py,
-bench_peers.py): launching with a timeout, skip and failure reasons, the ratio math.
+and the peer machinery it shares with `shmcoll-bench --compare` (shmcoll/bench/peer_jobs.py, peers.py and
+the descriptors' unsupported()): launching with a timeout, skip and failure reasons, the ratio math.
 
 OpenMPI/mpi4py and torch are optional here: where one is missing, its skip message is asserted
 instead of its rows. A second run hides them on purpose, so the skip paths always run.
@@ -21,23 +21,34 @@ from pathlib import Path
 
 import pytest
 
-from shmcoll.config import LOCAL_RANK_VARS, RANK_VARS, WORLD_SIZE_VARS
+from shmcoll.bench import table
+from shmcoll.bench.adapters import GLOO, OPENMPI
+from shmcoll.bench.collectives import COLLECTIVES
+from shmcoll.bench.peer_jobs import PeerRun, compare_doc, missing_reason, ratios, run_command, run_peer, with_ratios
+from shmcoll.rendezvous.launchers import LOCAL_RANK_VARS, RANK_VARS, WORLD_SIZE_VARS
+
+from bounds import RUN_HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 COMPARE = REPO / "bench" / "compare.py"
-sys.path.insert(0, str(REPO / "bench"))
 
-from compare_report import PeerResult, compare, targets  # noqa: E402
-from shmcoll.launch import bench_cli  # noqa: E402
-from shmcoll.launch.bench_compare import (PeerRun, compare_doc, missing_reason, ratios, run_command,  # noqa: E402
-                                          run_peer, with_ratios)
-from shmcoll.launch.bench_peers import GLOO, OPENMPI, unsupported  # noqa: E402
+
+def _load_script_module(name: str):
+    """A module of the bench/ scripts, loaded from its file (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+compare_report = _load_script_module("compare_report")
+PeerResult, compare, targets = compare_report.PeerResult, compare_report.compare, compare_report.targets
 
 TINY = ["-n", "2", "--sizes", "8,64K", "--transports", "tcp", "--iters", "20", "--warmup", "2",
         "--max-time", "0.3", "--timeout", "40"]
 SIZES = [8, 65536]
 LABELS = {8: "8 B", 65536: "64 KiB"}
-RUN_S = 60  # the whole tiny run takes ~8 s; this is the hang guard
 
 
 def env_without_ranks(**extra) -> dict:
@@ -49,7 +60,7 @@ def env_without_ranks(**extra) -> dict:
 
 def compare_run(*args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(COMPARE), *TINY, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=RUN_S, env=env or env_without_ranks())
+                          timeout=RUN_HANG_S, env=env or env_without_ranks())
 
 
 def mpi_installed() -> bool:
@@ -80,6 +91,7 @@ def ratio_lines(stdout: str, peer: str) -> dict[str, list[str]]:
     return {" ".join(ln.split()[:2]): ln.split()[2:] for ln in lines[at + 2:at + 2 + len(SIZES)]}
 
 
+@pytest.mark.multiprocess
 def test_tiny_run_table_json_ratios(tmp_path):
     out, png = tmp_path / "c.json", tmp_path / "c.png"
     proc = compare_run("--json", str(out), "--plot", str(png))
@@ -142,6 +154,7 @@ def test_tiny_run_table_json_ratios(tmp_path):
         assert "matplotlib is not installed" in proc.stdout and not png.exists()
 
 
+@pytest.mark.multiprocess
 def test_missing_peers_are_skipped_with_reasons(tmp_path):
     """No mpirun, and torch and matplotlib hidden behind modules that fail to import."""
     shadow = tmp_path / "shadow"
@@ -198,19 +211,22 @@ def test_ratios_on_synthetic_rows():
 
 
 def test_ratio_table_and_peer_sections_as_printed():
-    lines = bench_cli.format_ratios(MINE, [PeerRun(OPENMPI, rows=THEIRS), PeerRun(GLOO, status="skipped")])
+    lines = table.format_ratios(MINE, [PeerRun(OPENMPI, rows=THEIRS), PeerRun(GLOO, status="skipped")])
     assert lines[1] == "# shmcoll time / peer time, per size (below 1: shmcoll is faster)"
     assert lines[2].split() == ["#", "size(B)", OPENMPI]  # a skipped peer gets no column
     assert [ln.split() for ln in lines[3:]] == [["8", "5x"], ["64", "0.5x"], ["512", "-"]]
     assert all(len(ln) == len(lines[2]) for ln in lines[3:])
-    assert bench_cli.format_ratios(MINE, [PeerRun(GLOO, status="skipped")])[-1] == "# no peer ran: nothing to compare"
-    assert bench_cli.format_peer(PeerRun(GLOO, status="failed", reason="exit 1: boom"), 2, False) == [
+    assert table.format_ratios(MINE, [PeerRun(GLOO, status="skipped")])[-1] == "# no peer ran: nothing to compare"
+    assert table.format_peer(PeerRun(GLOO, status="failed", reason="exit 1: boom"), 2, False) == [
         "#", "# peer: gloo: failed: exit 1: boom"]
 
 
 def test_what_each_peer_cannot_run():
+    def unsupported(peer, collective, dtype, op):
+        return COLLECTIVES[collective].unsupported(peer, dtype, op)
+
     for dtype in ("f16", "bf16"):
-        assert "no %s datatype" % dtype in unsupported(OPENMPI, "all_reduce", dtype, "sum")
+        assert f"no {dtype} datatype" in unsupported(OPENMPI, "all_reduce", dtype, "sum")
         assert unsupported(OPENMPI, "all_gather", dtype, "sum") is None  # moved as bytes
         assert unsupported(GLOO, "all_reduce", dtype, "avg") is None
     assert "no average" in unsupported(OPENMPI, "all_reduce", "f32", "avg")
@@ -226,6 +242,7 @@ def test_a_missing_mpirun_or_an_unsupported_sweep_is_skipped_without_launching(t
     assert run.status == "skipped" and "no f16 datatype" in run.reason and run.command == ""
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not mpi_installed(), reason="mpi4py not installed")
 def test_a_peer_job_that_fails_is_reported_with_its_status(tmp_path):
     run = run_peer(OPENMPI, 2, ["--size-list", "8"], "all_reduce", "f32", "sum", tmp_path, 30, mpirun="false")
@@ -241,6 +258,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.multiprocess
 def test_a_peer_job_past_its_timeout_is_killed_with_its_children():
     """A hung peer (here: a child that never ends) costs the timeout, then its whole process group dies."""
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "

@@ -2,9 +2,10 @@
 job, after shmcoll's and one after the other, and set its rows beside shmcoll's.
 
 A peer is launched as a whole job with a timeout (its process group is killed past it) and reports
-through a JSON file written by its rank 0 (bench_peers.py). It ends as one PeerRun: "ok" with rows,
-"skipped" with the reason (library or mpirun missing, or the collective/dtype/op unsupported), or
-"failed" with the tail of its stderr. Nothing here prints; the ratio math is pure.
+through a JSON file written by its rank 0 (peers.py). It ends as one PeerRun: "ok" with rows,
+"skipped" with the reason (library or mpirun missing, or the collective/dtype/op unsupported, as
+its descriptor says), or "failed" with the tail of its stderr. Nothing here prints; the ratio math
+is pure.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shmcoll.rendezvous.launchers import LOCAL_RANK_VARS, RANK_VARS, WORLD_SIZE_VARS
 
-from .bench_peers import GLOO, MISSING, OPENMPI, unsupported
+from .adapters import GLOO, OPENMPI
+from .collectives import COLLECTIVES
+from .peers import MISSING
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL of a peer job past its timeout
 EXIT_TIMEOUT = 124
@@ -36,18 +40,18 @@ class PeerRun:
     status: str = "ok"
     reason: str = ""
     library: str = ""
-    rows: list[dict] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
     command: str = ""
 
     @property
     def wrong(self) -> int:
         return sum(r.get("wrong") or 0 for r in self.rows)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, str]:
         return dict(status=self.status, reason=self.reason, library=self.library, command=self.command)
 
 
-def child_env(extra: dict | None = None) -> dict:
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without any launcher's rank variables, so each peer starts a job of its own."""
     drop = set(RANK_VARS) | set(WORLD_SIZE_VARS) | set(LOCAL_RANK_VARS)
     env = {k: v for k, v in os.environ.items() if k not in drop}
@@ -55,7 +59,7 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def run_command(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
+def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """(status, stdout, stderr); past the timeout the whole process group is stopped and status is 124."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=child_env() if env is None else env, start_new_session=True,
@@ -107,7 +111,7 @@ def missing_reason(peer: str, mpirun: str = "mpirun") -> str | None:
 def peer_command(peer: str, n: int, sweep: list[str], rows_to: Path, timeout: float, mpirun: str = "mpirun",
                  mpirun_args: str = "") -> list[str]:
     """The command line of one peer job: mpirun for OpenMPI, shmcoll-run's launcher for gloo."""
-    rank = [sys.executable, "-m", "shmcoll.launch.bench_peers", peer, *sweep, "--rows-to", str(rows_to)]
+    rank = [sys.executable, "-m", "shmcoll.bench.peers", peer, *sweep, "--rows-to", str(rows_to)]
     if peer == OPENMPI:
         return [shutil.which(mpirun) or mpirun, "--allow-run-as-root", "--oversubscribe", *shlex.split(mpirun_args),
                 "-n", str(n), *rank]
@@ -117,9 +121,9 @@ def peer_command(peer: str, n: int, sweep: list[str], rows_to: Path, timeout: fl
 
 def run_peer(peer: str, n: int, sweep: list[str], collective: str, dtype: str, op: str, workdir: Path,
              timeout: float, mpirun: str = "mpirun", mpirun_args: str = "") -> PeerRun:
-    """One peer job over the sweep `sweep` (bench_peers' options); never raises for a peer's failure."""
+    """One peer job over the sweep `sweep` (peers.py's options); never raises for a peer's failure."""
     res = PeerRun(peer)
-    why = unsupported(peer, collective, dtype, op) or missing_reason(peer, mpirun)
+    why = COLLECTIVES[collective].unsupported(peer, dtype, op) or missing_reason(peer, mpirun)
     if why:
         res.status, res.reason = "skipped", why
         return res
@@ -143,23 +147,23 @@ def run_peer(peer: str, n: int, sweep: list[str], collective: str, dtype: str, o
 
 # ---- beside shmcoll's rows (pure) ----
 
-def ratios(mine: list[dict], theirs: list[dict]) -> dict[int, float | None]:
+def ratios(mine: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[int, float | None]:
     """size -> shmcoll's time / the peer's time (below 1: shmcoll is faster); None where either lacks it."""
     peer_time = {r["size"]: r["time_us"] for r in theirs}
-    out = {}
+    out: dict[int, float | None] = {}
     for r in mine:
         t = peer_time.get(r["size"])
         out[r["size"]] = r["time_us"] / t if t and r["time_us"] is not None else None
     return out
 
 
-def with_ratios(mine: list[dict], peer: PeerRun) -> list[dict]:
+def with_ratios(mine: list[dict[str, Any]], peer: PeerRun) -> list[dict[str, Any]]:
     """The peer's rows, each with shmcoll_over_peer (shmcoll's time / this row's time at its size)."""
     r = ratios(mine, peer.rows)
     return [dict(row, peer=peer.name, shmcoll_over_peer=r.get(row["size"])) for row in peer.rows]
 
 
-def compare_doc(mine: list[dict], peers: list[PeerRun]) -> dict:
+def compare_doc(mine: list[dict[str, Any]], peers: list[PeerRun]) -> dict[str, Any]:
     """--json with --compare: every row (shmcoll's and the peers'), and each peer's status."""
     rows = [dict(r, peer="shmcoll") for r in mine]
     for p in peers:

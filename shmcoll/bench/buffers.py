@@ -5,7 +5,9 @@ its data sits in the CPU caches and the bandwidth of big sizes is flattered. --c
 enough distinct buffers that together they exceed the last-level cache: each timed call then
 touches memory that the previous calls did not, and (where the buffers total more than the LLC) was
 evicted since it was last used. The buffers are views into one arena, each starting on its own
-cache line, visited in a fixed shuffled order so the hardware prefetcher cannot run ahead.
+cache line, visited in a fixed shuffled order so the hardware prefetcher cannot run ahead. A peer
+library that writes into an output argument gets one output per input buffer, rotated alike
+(output_buffers), so its outputs are as cold as its inputs.
 
 The number of buffers is capped (MAX_COLD_BUFFERS): for sizes up to LLC / cap bytes (512 B with a
 32 MiB LLC) the buffers total less than the LLC. Those sizes are latency-bound anyway.
@@ -100,6 +102,13 @@ def rotating(dtype: np.dtype, elems: int, p: Plan, fill: float = 1.0) -> list[np
     arena = np.full(step * p.count, fill, dtype)
     order = np.random.default_rng(SHUFFLE_SEED).permutation(p.count)
     return [arena[k * step:k * step + elems] for k in order.tolist()]
+
+
+def output_buffers(inputs: Sequence[np.ndarray], elems: int) -> list[np.ndarray]:
+    """One zeroed output of `elems` elements per input buffer, in the same rotation (one arena when several)."""
+    dtype = inputs[0].dtype
+    stride = -(-elems * dtype.itemsize // CACHE_LINE) * CACHE_LINE
+    return rotating(dtype, elems, Plan(len(inputs), stride), fill=0.0)
 
 
 def cycle_calls(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
