@@ -1,21 +1,34 @@
-"""Shared fixtures: compiled kernels before ranks fork, and a check that nothing is left in /dev/shm."""
+"""Shared fixtures: the multiprocess marker enforced, a check that nothing is left in /dev/shm, the
+transports tests run over, and a directory for launched rank programs."""
 
 import os
+import textwrap
 
 import pytest
 
-from shmcoll import kernels
-from shmcoll.types import WIRE_TYPES, ReduceKind
+import bounds
+import harness
 
 
-@pytest.fixture(scope="session", autouse=True)
-def warm_kernels():
-    """Compile (or load from numba's cache) every kernel once, so forked ranks inherit them."""
-    for code, wire in WIRE_TYPES.items():
-        if wire.reducible:
-            for op in ReduceKind:
-                if wire.is_float or op is not ReduceKind.AVG:
-                    kernels.warm_up(code, op)
+def pytest_collection_modifyitems(items):
+    """Every test without a timeout of its own gets the scaled hang guard of a whole test, and every
+    multiprocess test is slow: the quick tier is -m "not slow"."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(bounds.TEST_HANG_S))
+        if item.get_closest_marker("multiprocess") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def processes_only_if_marked(request):
+    """A test that is not marked multiprocess fails as soon as it starts a process (the quick tier,
+    -m "not slow", must not run any)."""
+    if request.node.get_closest_marker("multiprocess") is not None:
+        yield
+        return
+    with harness.refusing_processes(request.node.nodeid):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -53,3 +66,31 @@ def transport(request, monkeypatch):
 def layout(request, monkeypatch):
     """Run the test once per transport and once per simulated multi-host layout."""
     return _use(monkeypatch, request.param)
+
+
+class Job:
+    """A directory for a launched job's rank programs (harness.RANKLIB beside them) and their notes."""
+
+    def __init__(self, directory):
+        self.dir = directory
+        (directory / "ranklib.py").write_text(harness.RANKLIB)
+
+    def program(self, body: str) -> str:
+        """Write a rank program (ranklib's helpers imported) and return its path."""
+        path = self.dir / "prog.py"
+        path.write_text("from ranklib import *\n" + textwrap.dedent(body))
+        return str(path)
+
+    def pids(self, prefix: str = "rank") -> list[int]:
+        """The pids the job's processes recorded under `prefix`."""
+        return [int(p.read_text()) for p in sorted(self.dir.glob(f"{prefix}*.pid"))]
+
+    def wait_started(self, n: int, timeout: float = bounds.LAUNCH_S) -> None:
+        """Until n ranks have recorded their pids (bounded)."""
+        harness.wait_until(lambda: len(list(self.dir.glob("rank*.pid"))) >= n, timeout, f"{n} ranks to start")
+
+
+@pytest.fixture
+def job(tmp_path):
+    """A Job in this test's temporary directory: `job.program(body)` writes a rank program."""
+    return Job(tmp_path)

@@ -1,12 +1,20 @@
-"""Run one test body on N real processes, each with its own ProcessGroup, and collect the results.
+"""What the tests share besides their bounds (bounds.py) and parameters (params.py): bounded
+waiting, the multiprocess marker enforced, launched jobs, and one test body on N real processes.
 
-Ranks are forked (fast, and they inherit the parent's compiled numba kernels). Every wait has a
-deadline: a hung run is stopped, each rank first dumping every thread's stack to stderr (pytest
-shows it with the failure), so a hang fails one test quickly instead of the CI run.
+Ranks are forked (fast, and they inherit the parent's compiled numba kernels, warmed once before the
+first fork). Every wait has a deadline: a hung run is stopped, each rank first dumping every thread's
+stack to stderr (pytest shows it with the failure), so a hang fails one test quickly instead of the
+CI run.
+
+Tests that start processes (run_ranks, subprocess, a launcher, a fork) carry the `multiprocess`
+marker, which makes them `slow` too; `pytest -m "not slow"` is the quick tier. While a test without
+the marker runs, conftest.py has `refusing_processes` make every way of starting a process fail it.
 """
 
 from __future__ import annotations
 
+import _posixsubprocess
+import contextlib
 import ctypes
 import faulthandler
 import multiprocessing as mp
@@ -15,12 +23,190 @@ import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
 
 import shmcoll
+from shmcoll.types import WIRE_TYPES, ReduceKind
+
+from bounds import FINISH_TOGETHER_S, LAUNCH_S, NEVER_S, REAP_S, RUN_HANG_S, WAIT_HANG_S
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# waiting
+# ---------------------------------------------------------------------------------------------
+
+class WaitTimedOut(AssertionError):
+    """wait_until's failure: what it waited for did not happen in time."""
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.005):
+    """Poll predicate() until it returns something true, and return that; after `timeout` seconds
+    raise WaitTimedOut naming `what` was awaited. interval=0 yields the processor between polls
+    instead of sleeping (a wait of microseconds, among more ranks than cores)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise WaitTimedOut(f"gave up after {timeout:g} s waiting for {what}")
+        if interval:
+            time.sleep(interval)
+        else:
+            os.sched_yield()
+
+
+# ---------------------------------------------------------------------------------------------
+# the multiprocess marker, enforced
+# ---------------------------------------------------------------------------------------------
+
+_refusing: str | None = None  # the test (not marked multiprocess) now running, if any
+
+
+def _not_marked(test: str, how: str) -> str:
+    return (f"{test} starts a process ({how}) but is not marked multiprocess: mark it "
+            f"@pytest.mark.multiprocess, or the module pytestmark = pytest.mark.multiprocess, so that the "
+            f"quick tier (pytest -m 'not slow') leaves it out")
+
+
+def _refused(how: str):
+    def refuse(*args, **kwargs):
+        pytest.fail(_not_marked(_refusing, how))
+    return refuse
+
+
+#: Every way a process starts: forks (multiprocessing's "fork" start method, os.spawn*, pty), the
+#: fork+exec of subprocess and of multiprocessing's spawn/forkserver, posix_spawn, os.system.
+_STARTERS = [(os, "fork"), (os, "forkpty"), (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"),
+             (_posixsubprocess, "fork_exec"), (subprocess.Popen, "__init__")]
+
+
+@contextlib.contextmanager
+def refusing_processes(test: str):
+    """While active, any process start fails `test` (which is not marked multiprocess), naming how."""
+    global _refusing
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in _STARTERS if name in owner.__dict__]
+    _refusing = test
+    try:
+        for owner, name, _ in saved:
+            setattr(owner, name, _refused(f"{owner.__name__}.{name}"))
+        yield
+    finally:
+        for owner, name, real in saved:
+            setattr(owner, name, real)
+        _refusing = None
+
+
+def _may_start(how: str) -> None:
+    if _refusing is not None:
+        pytest.fail(_not_marked(_refusing, how))
+
+
+# ---------------------------------------------------------------------------------------------
+# numba kernels, compiled before the first fork
+# ---------------------------------------------------------------------------------------------
+
+_kernels_warm = False
+
+
+def warm_kernels() -> None:
+    """Compile (or load from numba's disk cache) every kernel once, so forked ranks inherit them
+    (several seconds the first time; only tests that start ranks pay it)."""
+    global _kernels_warm
+    if _kernels_warm:
+        return
+    from shmcoll import kernels
+
+    for code, wire in WIRE_TYPES.items():
+        if wire.reducible:
+            for op in ReduceKind:
+                if wire.is_float or op is not ReduceKind.AVG:
+                    kernels.warm_up(code, op)
+    _kernels_warm = True
+
+
+# ---------------------------------------------------------------------------------------------
+# launched jobs: the environment of a child interpreter, and checks that processes are gone
+# ---------------------------------------------------------------------------------------------
+
+def subprocess_env() -> dict[str, str]:
+    """This environment minus any SHMCOLL_* it has, with this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOLL_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def launcher_cmd(*args: str) -> list[str]:
+    """shmcoll-run (as the module, so the test needs no installed console script)."""
+    return [sys.executable, "-m", "shmcoll.launch.run_cli", *args]
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    from shmcoll.transport.shm_segment import pid_alive
+
+    return pid_alive(pid)
+
+
+def assert_all_gone(pids: list[int], timeout: float = REAP_S) -> None:
+    """Every pid is dead; orphans killed by a launcher get a moment for the kernel to finish them."""
+    assert pids
+    wait_until(lambda: not [p for p in pids if alive(p)], timeout, f"every one of the processes {pids} to be gone")
+
+
+#: Helpers every rank program of a launched job imports (conftest's `job` writes it beside them).
+RANKLIB = '''
+import os, select, signal, socket, subprocess, sys, time
+from pathlib import Path
+
+D = Path(sys.argv[1])
+RANK = int(os.environ["SHMCOLL_RANK"])
+WORLD = int(os.environ["SHMCOLL_WORLD_SIZE"])
+
+def note(name, text):
+    tmp = D / (name + ".tmp")
+    tmp.write_text(text)
+    tmp.rename(D / name)
+
+def started():
+    """Record this rank's pid, so the test can check it is gone afterwards."""
+    note(f"rank{RANK}.pid", str(os.getpid()))
+
+def all_started(timeout=__LAUNCH__):
+    """Wait (bounded) until every rank has recorded its pid: the job is really up."""
+    deadline = time.monotonic() + timeout
+    while not all((D / f"rank{i}.pid").exists() for i in range(WORLD)):
+        if time.monotonic() > deadline:
+            sys.exit(99)
+        time.sleep(0.01)
+
+def block(seconds):
+    """Wait on a channel nobody writes to, with a long deadline; returning at all is a test failure."""
+    a, b = socket.socketpair()
+    select.select([a], [], [], seconds)
+    note(f"rank{RANK}.survived", "1")
+
+def spawn_helper():
+    """A grandchild that would outlive the rank unless the launcher stops the rank's whole group."""
+    code = "import select, socket; a, b = socket.socketpair(); select.select([a], [], [], __NEVER__)"
+    p = subprocess.Popen([sys.executable, "-c", code])
+    note(f"helper{RANK}.pid", str(p.pid))
+'''.replace("__NEVER__", repr(NEVER_S)).replace("__LAUNCH__", repr(LAUNCH_S))
+
+
+# ---------------------------------------------------------------------------------------------
+# ranks: one test body on N forked processes
+# ---------------------------------------------------------------------------------------------
 
 CTX = mp.get_context("fork")
 
@@ -42,9 +228,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(n: int, body, *args, timeout: float = 60.0, group_timeout: float = 30.0,
+def run_ranks(n: int, body, *args, timeout: float = RUN_HANG_S, group_timeout: float = WAIT_HANG_S,
               env: dict[str, str] | None = None, may_die: set[int] = frozenset(), init: bool = True) -> list:
-    """body(pg, *args) on ranks 0..n-1 (body(rank, n, port, *args) when init=False); returns results by rank."""
+    """body(pg, *args) on ranks 0..n-1 (body(rank, n, port, *args) when init=False); returns results by rank.
+    `timeout` is the run's hang guard, `group_timeout` each rank's group timeout."""
+    _may_start(f"run_ranks({n}, {getattr(body, '__name__', body)})")
+    warm_kernels()
     port = free_port()
     pipes, procs = [], []
     for rank in range(n):
@@ -121,7 +310,7 @@ def _collect(pipes, procs, deadline: float) -> dict:
             try:
                 results[rank] = conn.recv()
             except EOFError:
-                procs[rank].join(5)
+                procs[rank].join(REAP_S)
                 results[rank] = Died(procs[rank].exitcode)
             del waiting[rank]
     return results
@@ -133,15 +322,15 @@ def _dump_stacks(procs) -> None:
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGABRT)
     for proc in procs:
-        proc.join(timeout=5)
+        proc.join(timeout=REAP_S)
 
 
 def _reap(procs) -> None:
     for proc in procs:
-        proc.join(timeout=5)
+        proc.join(timeout=REAP_S)
         if proc.is_alive():
             proc.kill()
-            proc.join(timeout=5)
+            proc.join(timeout=REAP_S)
 
 
 def attempt(fn) -> dict:
@@ -149,7 +338,7 @@ def attempt(fn) -> dict:
     start = time.monotonic()
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+    except Exception as exc:  # the test inspects what was raised
         end = time.monotonic()
         return {"kind": type(exc).__name__, "collective_error": isinstance(exc, shmcoll.CollectiveError),
                 "invalid": isinstance(exc, shmcoll.InvalidArgument), "timeout_error": isinstance(exc, TimeoutError),
@@ -160,7 +349,7 @@ def attempt(fn) -> dict:
             "connection_error": False, "msg": "", "peer": None, "start": start, "end": end, "call_s": end - start}
 
 
-def finish_together(barrier, bound: float = 10.0) -> bool:
+def finish_together(barrier, bound: float = FINISH_TOGETHER_S) -> bool:
     """Stay alive until every other live rank is done too (bounded); False if they never came."""
     try:
         barrier.wait(timeout=bound)

@@ -1,5 +1,7 @@
-"""Every collective of API.md in real processes at world sizes 1-4: results checked against a
-float64 reference, and bitwise identical on every rank."""
+"""all_reduce (typed and spawned too), all_gather and broadcast in real processes at world sizes 1-4,
+over every transport and simulated host layout: results checked against a float64 reference, and
+bitwise identical on every rank. reduce_scatter, reduce, gather, scatter, all_to_all and all_gather_v
+are in test_reduce_gather_scatter_all_to_all.py."""
 
 from __future__ import annotations
 
@@ -7,33 +9,26 @@ import numpy as np
 import pytest
 
 from shmcoll import DType, ReduceKind
-from shmcoll.types import BFLOAT16, wire_type_of
+from shmcoll.types import BFLOAT16
 
-from kernel_reference import reference_reduce
+from bounds import WAIT_HANG_S
 from harness import run_ranks
+from params import (
+    RANDOM_FLOAT_DTYPES,
+    RANDOM_FLOAT_TOL,
+    REDUCE_DTYPES,
+    SMALL_CHUNKS,
+    WORLD_SIZES,
+    ops_for,
+    reduced,
+    small_ints,
+)
 
-pytestmark = pytest.mark.usefixtures("layout")  # over tcp, shm and every simulated multi-host layout
+# over tcp, shm and every simulated multi-host layout
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("layout")]
 
-
-SIZES = [1, 2, 3, 4]
 # 0, 1, odd, one-shot sized, ring sized, and (with 4 KiB chunks) many chunks per ring segment
 COUNTS = [0, 1, 7, 1001, 5003, 70001]
-SMALL_CHUNKS = {"SHMCOLL_CHUNK_BYTES": "4096"}
-REDUCE_DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64]
-FLOAT_OPS = list(ReduceKind)
-INT_OPS = [ReduceKind.SUM, ReduceKind.PROD, ReduceKind.MIN, ReduceKind.MAX]
-
-
-def small_ints(rank: int, count: int, dtype, op: ReduceKind) -> np.ndarray:
-    """Integer-valued inputs whose sums and products are exact in every dtype, so the reduction
-    order cannot matter and results must equal the reference bit for bit."""
-    rng = np.random.default_rng(1000 * rank + count + int(op))
-    high = 3 if op is ReduceKind.PROD else 9
-    return rng.integers(-high, high + 1, size=count).astype(np.float64).astype(dtype)
-
-
-def ops_for(dtype) -> list[ReduceKind]:
-    return FLOAT_OPS if wire_type_of(np.dtype(dtype)).is_float else INT_OPS
 
 
 def _reduce_all(pg, dtype):
@@ -46,13 +41,7 @@ def _reduce_all(pg, dtype):
     return out
 
 
-def expected(n: int, count: int, dtype, op: ReduceKind) -> bytes:
-    wire = wire_type_of(np.dtype(dtype))
-    inputs = [small_ints(r, count, dtype, op).view(wire.storage) for r in range(n)]
-    return reference_reduce(inputs, wire.code, op).tobytes()
-
-
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_all_reduce_every_op_and_count(n, dtype):
     results = run_ranks(n, _reduce_all, dtype, env=SMALL_CHUNKS)
@@ -60,7 +49,7 @@ def test_all_reduce_every_op_and_count(n, dtype):
     for rank_result in results:
         assert rank_result == results[0], "ranks disagree bitwise"
     for got, (count, op) in zip(results[0], cases):
-        assert got == expected(n, count, dtype, op), f"count={count} op={op.name}"
+        assert got == reduced(n, count, dtype, op).tobytes(), f"count={count} op={op.name}"
 
 
 def _random_float_reduce(pg, dtype, count):
@@ -70,13 +59,13 @@ def _random_float_reduce(pg, dtype, count):
 
 
 @pytest.mark.parametrize("n", [3, 4])
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", RANDOM_FLOAT_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_random_floats_identical_on_every_rank(n, dtype):
     count = 40001
     results = run_ranks(n, _random_float_reduce, dtype, count, env=SMALL_CHUNKS)
     assert all(r.tobytes() == results[0].tobytes() for r in results)
     exact = sum(np.random.default_rng(r).standard_normal(count).astype(dtype).astype(np.float64) for r in range(n))
-    tol = {np.float16: 1e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    tol = RANDOM_FLOAT_TOL[dtype]
     np.testing.assert_allclose(results[0].astype(np.float64), exact, rtol=tol, atol=tol * n)
 
 
@@ -112,13 +101,13 @@ def _spawned(pg, count):
     handles = [pg.spawn_all_reduce(a) for a in arrays]
     after = np.full(3, float(pg.rank), dtype=np.float64)
     pg.all_reduce(after, ReduceKind.MAX)  # a blocking call issued after the spawned ones runs after them
-    joined = [handles[i].join(timeout=30) for i in (2, 0, 3, 1)]  # any order
+    joined = [handles[i].join(timeout=WAIT_HANG_S) for i in (2, 0, 3, 1)]  # any order
     assert all(h.done() for h in handles)
     assert all(j is a for j, a in zip(joined, [arrays[i] for i in (2, 0, 3, 1)]))
     return [a.copy() for a in arrays], after
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
 def test_spawn_all_reduce_in_flight_and_ordered(n):
     for arrays, after in run_ranks(n, _spawned, 30001, env=SMALL_CHUNKS):
         for i, a in enumerate(arrays):
@@ -132,7 +121,7 @@ def _gather(pg, dtype, count, shape_tail):
     return pg.all_gather(local)
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", [np.float32, np.int8, np.bool_, np.complex64, np.uint64, np.float16],
                          ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("count,tail", [(0, ()), (1, ()), (7, (3,)), (3001, ())])
@@ -157,7 +146,7 @@ def _broadcast_all_roots(pg, count):
     return out
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("count", [0, 1, 7, 50001])
 def test_broadcast_from_every_root(n, count):
     for per_rank in run_ranks(n, _broadcast_all_roots, count, env=SMALL_CHUNKS):

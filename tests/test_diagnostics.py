@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from harness import CTX, attempt, run_ranks
 from shmcoll.recorder import FlightRecorder, heard_from
 from shmcoll.transport.frame import Meta
 from shmcoll.types import Collective
 
-pytestmark = pytest.mark.timeout(60)
+from bounds import RUN_HANG_S, WAIT_HANG_S
+from harness import CTX, attempt, launcher_cmd, run_ranks, subprocess_env
 
 SHORT = 2.0  # group timeout of the timeout scenario
 
@@ -31,15 +30,16 @@ def _one_rank_skips(pg, skipped):
     """Rank 2 never calls collective #2 (but stays alive until the others have failed)."""
     _history(pg)
     if pg.rank == 2:
-        skipped.wait(timeout=30)
+        skipped.wait(timeout=WAIT_HANG_S)
         return None
     out = attempt(lambda: pg.all_reduce(np.ones(8, np.float64)))
     skipped.set()
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_timeout_says_who_was_heard_from_and_what_completed(transport):
-    results = run_ranks(3, _one_rank_skips, CTX.Event(), group_timeout=SHORT, timeout=45)
+    results = run_ranks(3, _one_rank_skips, CTX.Event(), group_timeout=SHORT)
     for rank in (0, 1):
         out = results[rank]
         assert out["kind"] == "CollectiveTimeout", out
@@ -60,8 +60,9 @@ def _disagree_on_op(pg):
     return attempt(lambda: pg.all_reduce(np.ones(4, np.float32), getattr(shmcoll.ReduceKind, op)))
 
 
+@pytest.mark.multiprocess
 def test_a_mismatch_names_both_calls_and_the_history(transport):
-    results = run_ranks(2, _disagree_on_op, group_timeout=20.0, timeout=45)
+    results = run_ranks(2, _disagree_on_op)
     for rank, out in enumerate(results):
         assert out["kind"] == "CollectiveMismatch", out
         assert "op=MAX" in out["msg"] and "op=SUM" in out["msg"], out["msg"]
@@ -72,7 +73,7 @@ def test_the_recorder_keeps_the_last_few_in_order():
     rec = FlightRecorder(size=2)
     assert rec.recent() == "none"
     for seq, coll in enumerate((Collective.ALL_REDUCE, Collective.BARRIER, Collective.ALL_REDUCE)):
-        rec.completed(Meta(seq=seq, coll=coll, dtype=3, count=seq), 2e-6 * (seq + 1))
+        rec.completed(Meta(seq=seq, coll=coll, dtype=3, elements=seq), 2e-6 * (seq + 1))
     assert re.fullmatch(r"#1 barrier\(.*\) in 4 us, #2 all_reduce\(.*count=2.*\) in 6 us", rec.recent())
 
 
@@ -89,12 +90,17 @@ DEBUG_PROGRAM = textwrap.dedent("""
 """)
 
 
+def _launch(prog, **env: str) -> subprocess.CompletedProcess:
+    """The program on 2 ranks under shmcoll-run, with `env` on top of a clean environment."""
+    return subprocess.run(launcher_cmd("-n", "2", "--timeout", str(WAIT_HANG_S), str(prog)),
+                          env={**subprocess_env(), **env}, capture_output=True, text=True, timeout=RUN_HANG_S)
+
+
+@pytest.mark.multiprocess
 def test_debug_logs_each_collective_start_and_end_with_its_time(tmp_path, transport):
     prog = tmp_path / "prog.py"
     prog.write_text(DEBUG_PROGRAM)
-    run = subprocess.run([sys.executable, "-m", "shmcoll.launch.run_cli", "-n", "2", "--timeout", "40", str(prog)],
-                         env={**_env(), "SHMCOLL_DEBUG": "1", "SHMCOLL_TRANSPORT": transport},
-                         capture_output=True, text=True, timeout=50)
+    run = _launch(prog, SHMCOLL_DEBUG="1", SHMCOLL_TRANSPORT=transport)
     assert run.returncode == 0, run.stderr
     for rank in (0, 1):
         for seq, name, count in ((0, "all_reduce", 4), (1, "barrier", 0), (2, "broadcast", 3)):
@@ -104,16 +110,10 @@ def test_debug_logs_each_collective_start_and_end_with_its_time(tmp_path, transp
                              run.stderr), run.stderr
 
 
+@pytest.mark.multiprocess
 def test_no_debug_output_by_default(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(DEBUG_PROGRAM)
-    run = subprocess.run([sys.executable, "-m", "shmcoll.launch.run_cli", "-n", "2", "--timeout", "40", str(prog)],
-                         env=_env(), capture_output=True, text=True, timeout=50)
+    run = _launch(prog)
     assert run.returncode == 0, run.stderr
     assert "[shmcoll rank" not in run.stderr
-
-
-def _env() -> dict:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "SHMCOLL_DEBUG"}

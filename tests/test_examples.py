@@ -7,33 +7,28 @@ single-process training, and the participant counts of federated rounds.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
+from bounds import RUN_HANG_S
+from harness import REPO, subprocess_env
+
+pytestmark = pytest.mark.multiprocess
+
 LOSS_LINE = re.compile(r"^step +(\d+) +epoch +\d+ +loss +([0-9.]+)", re.M)
 
 
-def env() -> dict[str, str]:
-    """The caller's environment minus any SHMCOLL_* it has, with this checkout importable."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOLL_")}
-    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
-    return e
-
-
-def run(*argv: str, timeout: float = 45.0, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=REPO, env={**env(), **(extra_env or {})},
+def run(*argv: str, timeout: float = RUN_HANG_S, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, env={**subprocess_env(), **(extra_env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 
-def launch(n: int, *argv: str, timeout: float = 45.0, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+def launch(n: int, *argv: str, timeout: float = RUN_HANG_S,
+           extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """shmcoll-run -n N ... (as the module, so the test needs no installed console script)."""
     return run("-m", "shmcoll.launch.run_cli", "-n", str(n), *argv, timeout=timeout, extra_env=extra_env)
 
@@ -49,7 +44,6 @@ def losses(out: str) -> dict[int, float]:
 
 # ------------------------------------------------------------------------------------- dp_train
 
-@pytest.mark.timeout(60)
 def test_dp_train_two_ranks_follow_the_single_process_loss_curve():
     """1 rank without a launcher vs 2 ranks with small buckets (several all-reduces per step, started
     during backward): the same losses at every step, to float64 summation-order noise."""
@@ -67,7 +61,6 @@ def test_dp_train_two_ranks_follow_the_single_process_loss_curve():
     assert two.count("done: 16 steps") == 1  # rank 0 reports, once
 
 
-@pytest.mark.timeout(60)
 def test_dp_train_compare_prints_both_curves_and_the_speedup():
     out = ok(run("examples/dp_train.py", "--compare", "--quick"))
     assert out.count("$ shmcoll-run -n") == 2
@@ -82,7 +75,6 @@ def test_dp_train_compare_prints_both_curves_and_the_speedup():
 
 # ------------------------------------------------------------------------------------ federated
 
-@pytest.mark.timeout(60)
 def test_federated_rounds_go_on_past_a_slow_and_a_dead_client():
     """Round 3: client 2 sleeps past the deadline (3 of 4); round 4: back (4 of 4); round 5 on:
     client 3 is gone (3 of 4). The survivors finish with the same model; the job exits 0."""
@@ -100,13 +92,12 @@ def test_federated_rounds_go_on_past_a_slow_and_a_dead_client():
 
 
 def test_federated_refuses_too_few_ranks():
-    res = launch(2, "examples/federated.py", "--quick", timeout=30)
+    res = launch(2, "examples/federated.py", "--quick")
     assert res.returncode == 2 and "needs at least 3 ranks" in res.stderr, res.stderr
 
 
 # ------------------------------------------------------------------------------------ torch_ddp
 
-@pytest.mark.timeout(60)
 def test_torch_ddp_matches_single_process_training():
     pytest.importorskip("torch", reason="torch is not installed (.ci/run installs it)")
     out = ok(launch(2, "examples/torch_ddp.py", "--quick"))
@@ -124,7 +115,7 @@ def test_torch_ddp_without_torch_says_so_and_exits_0():
     """Whether or not torch is installed here: hide it, as on a machine without it."""
     code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['examples/torch_ddp.py', '--quick']; "
             "runpy.run_path('examples/torch_ddp.py', run_name='__main__')")
-    res = run("-c", code, timeout=30)
+    res = run("-c", code)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("torch is not installed: pip install torch"), res.stdout
 
@@ -157,10 +148,9 @@ CLOSE_RACE = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.timeout(60)
 def test_close_while_a_late_federated_delivery_is_pending(tmp_path):
     prog = tmp_path / "close_race.py"
     prog.write_text(CLOSE_RACE)
-    res = launch(2, str(prog), str(tmp_path), timeout=45, extra_env={"SHMCOLL_TIMEOUT": "5"})
+    res = launch(2, str(prog), str(tmp_path), extra_env={"SHMCOLL_TIMEOUT": "5"})
     assert res.returncode == 0 and "rank 0 done" in res.stdout, (res.returncode, res.stderr[-2000:])
     assert "Exception in thread" not in res.stderr, res.stderr[-2000:]  # e.g. "The semaphore has been closed"

@@ -16,18 +16,19 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from harness import free_port
+from bounds import LAUNCH_S, REAP_S, RUN_HANG_S, WAIT_HANG_S
+from harness import REPO, free_port
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.multiprocess
 
-REPO = Path(__file__).resolve().parents[1]
 PROGRAM = str(REPO / "tests" / "programs" / "external_launcher_check.py")
-RUN_S = 30.0  # one launcher run takes 1-4 s here; this is the hang guard
-RANK_TIMEOUT_S = "15"  # SHMCOLL_TIMEOUT inside the ranks: they fail on their own before RUN_S
+# One launcher run takes 1-4 s here; RUN_HANG_S is its hang guard. Inside, the ranks' group timeout
+# (SHMCOLL_TIMEOUT) and then their watchdog (CHECK_DEADLINE) end a hung rank on its own before that.
+RANK_TIMEOUT_S = str(WAIT_HANG_S)
+CHECK_DEADLINE_S = str(int(RUN_HANG_S) - 5)
 REQUIRE_MPIRUN = "SHMCOLL_REQUIRE_MPIRUN"
 # Whatever a surrounding launcher, CI job or earlier export left behind must not leak into the runs.
 _LAUNCHER_PREFIXES = ("SHMCOLL_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
@@ -44,12 +45,12 @@ def clean_env(**extra: str) -> dict[str, str]:
            if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["SHMCOLL_TIMEOUT"] = RANK_TIMEOUT_S
-    env["CHECK_DEADLINE"] = str(int(RUN_S) - 5)
+    env["CHECK_DEADLINE"] = CHECK_DEADLINE_S
     env.update(extra)
     return env
 
 
-def run_bounded(argv: list[str], env: dict[str, str], timeout: float = RUN_S) -> tuple[int, str]:
+def run_bounded(argv: list[str], env: dict[str, str], timeout: float = RUN_HANG_S) -> tuple[int, str]:
     """(exit status, stdout+stderr) of a launcher run, which is stopped with its ranks on a hang.
 
     The launcher gets its own session so that on timeout the whole tree (launcher and ranks) is
@@ -66,8 +67,8 @@ def run_bounded(argv: list[str], env: dict[str, str], timeout: float = RUN_S) ->
 
 
 def _stop_tree(proc: subprocess.Popen) -> str:
-    """SIGTERM the launcher's process group, SIGKILL what is left after 5 s; the output so far."""
-    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+    """SIGTERM the launcher's process group, SIGKILL what is left after REAP_S; the output so far."""
+    for sig, grace in ((signal.SIGTERM, REAP_S), (signal.SIGKILL, REAP_S)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -97,7 +98,7 @@ def mpirun() -> str:
     path = shutil.which("mpirun")
     problem = None if path else "mpirun is not on PATH (install openmpi-bin)"
     if path:
-        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=RUN_HANG_S)
         if "Open MPI" not in version.stdout + version.stderr:
             problem = f"{path} is not Open MPI's mpirun: {version.stdout.strip()[:200]!r}"
     if problem:
@@ -142,9 +143,10 @@ def test_mpirun_with_exported_secret(mpirun):
 
 
 def test_mpirun_without_master_addr_says_what_to_export(mpirun):
-    """Every rank fails at once with the exact -x flags to add; nothing waits for a timeout."""
+    """Every rank fails at once with the exact -x flags to add; nothing waits for a timeout (the ranks'
+    group timeout is longer than LAUNCH_S)."""
     program = [sys.executable, "-c", "import shmcoll; shmcoll.init()"]
-    rc, out = run_bounded(mpirun_cmd(mpirun, 2, program=program), clean_env(), timeout=20)
+    rc, out = run_bounded(mpirun_cmd(mpirun, 2, program=program), clean_env(), timeout=LAUNCH_S)
     assert rc != 0, out
     assert "InvalidArgument" in out, out
     assert "under Open MPI's mpirun" in out and "mpirun -x MASTER_ADDR=" in out, out

@@ -15,8 +15,9 @@ Conventions of this file:
 * Ranks that raised stay alive (`finish_together`, a bounded multiprocessing barrier) until every
   other live rank is done, so what a rank sees comes from the library's own failure handling, never
   from a peer process that already exited and closed its sockets.
-* Group timeouts are long (LONG) wherever waiting them out must fail the test, and every wait in the
-  test itself is bounded (run_ranks' timeout, pytest-timeout, bounded barrier waits).
+* Group timeouts are long (bounds.NEVER_S) wherever waiting them out must fail the test, and every
+  wait in the test itself is bounded (run_ranks' timeout, pytest-timeout, bounded barrier waits).
+* Every bound on a time (how soon a fault reaches every rank, ...) is harness's, scaled from one place.
 * After every scenario (`_Aftermath.check`): nothing its ranks created is left in /dev/shm, no
   process is left behind, and (checked in the ranks) every survivor's group refuses the next call at
   once saying it is broken, and close() leaves no shmcoll thread and no child process.
@@ -46,21 +47,36 @@ import shmcoll.bootstrap
 from shmcoll import CollectiveError, ReduceKind
 from shmcoll.types import WIRE_TYPES
 
-from harness import (CTX, Died, ShmCreations, attempt, child_processes, finish_together, run_ranks, shm_names_of,
-                     simulated_host_id)
+from bounds import (
+    BROKEN_CALL_S,
+    CLOSE_S,
+    FAULT_NOTICE_S,
+    NEVER_S,
+    NO_WAIT_S,
+    SECRET_REFUSAL_S,
+    TIMEOUT_LATE_S,
+    WAIT_HANG_S,
+)
+from harness import (
+    CTX,
+    Died,
+    ShmCreations,
+    WaitTimedOut,
+    attempt,
+    child_processes,
+    finish_together,
+    run_ranks,
+    shm_names_of,
+    simulated_host_id,
+    wait_until,
+)
 
+pytestmark = pytest.mark.multiprocess
 
-pytestmark = pytest.mark.timeout(45)
-
-LONG = 60.0  # group timeout where waiting it out must fail the test
-PROMPT = 2.0  # a lost peer or a mismatch must reach every rank within this many seconds
-AT_ONCE = 0.5  # a call on a broken group must fail within this
 STOP_TIMEOUT = 3.0  # group timeout for the SIGSTOP tests (above group.SILENT_AFTER, so the stopped rank is named)
-STOP_MARGIN = 1.0  # ...and how much later than it every survivor must have raised CollectiveTimeout
 SETUP_TIMEOUT = 2.0  # group timeout for the start-up tests
 BIG = 1 << 20  # float32 elements (4 MiB): many chunks per ring step with...
 CHUNKS = {"SHMCOLL_CHUNK_BYTES": str(64 << 10)}  # ...64 KiB frames
-RUN_TIMEOUT = 30.0  # run_ranks' own deadline (dumps the stacks of hung ranks)
 FORWARDER = "a rank that forwards the root's data"
 
 
@@ -68,7 +84,7 @@ FORWARDER = "a rank that forwards the root's data"
 # helpers run inside the ranks
 # ---------------------------------------------------------------------------------------------
 
-def _init(rank: int, n: int, port: int, timeout: float = LONG):
+def _init(rank: int, n: int, port: int, timeout: float = NEVER_S):
     return shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port, timeout=timeout)
 
 
@@ -119,7 +135,7 @@ def _arm(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> None:
         transport.board.publish = armed(transport.board.publish)
 
 
-def _inside(pg, peers, seq: int, bound: float = 10.0, nbytes: int = 0) -> bool:
+def _inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0) -> bool:
     """Wait (bounded) until each of `peers` is inside collective number `seq` (of `nbytes` of data):
     over shared memory a small call shows as the peer's board entry; otherwise take the first frame
     each peer sends in it. Only a rank about to fail or leave may do the latter, since it consumes
@@ -128,10 +144,11 @@ def _inside(pg, peers, seq: int, bound: float = 10.0, nbytes: int = 0) -> bool:
     tag = shmcoll.TAG_RESERVED_BASE + seq
     board = pg.transport.board
     if board is not None and nbytes <= board.capacity:
-        while not all(board.published(p, seq) for p in peers):  # a bounded poll of shared memory
-            if time.monotonic() > deadline:
-                return False
-        return True
+        try:
+            return wait_until(lambda: all(board.published(p, seq) for p in peers), bound,
+                              f"ranks {peers} inside collective {seq}", interval=0)  # a poll of shared memory
+        except WaitTimedOut:
+            return False
     try:
         return all(pg.transport.recv(p, tag, deadline).header.meta.seq == seq for p in peers)
     except CollectiveError:
@@ -145,7 +162,7 @@ def _check_group_works(pg, ready) -> None:
     pg.all_reduce(x)
     n = pg.world_size
     assert np.all(x == n * (n + 1) / 2), x
-    ready.wait(timeout=RUN_TIMEOUT / 2)
+    ready.wait(timeout=WAIT_HANG_S)
 
 
 def _tracked(rank, n, port, pids, body, *args):
@@ -218,22 +235,22 @@ def _assert_lost(out: dict, victim: int) -> None:
     assert out["kind"] == "PeerLost" and out["connection_error"], out
     assert out["peer"] == victim, out
     assert f"rank {victim}" in out["msg"], out["msg"]
-    assert out["call_s"] < PROMPT, out
+    assert out["call_s"] < FAULT_NOTICE_S, out
     if "fault_s" in out:
-        assert out["fault_s"] < PROMPT, out
+        assert out["fault_s"] < FAULT_NOTICE_S, out
 
 
 def _assert_broken(out: dict, kind: str, peer: int | None = None) -> None:
     broken = out["broken"]
     assert broken["kind"] == kind, broken
     assert "broken" in broken["msg"], broken
-    assert broken["call_s"] < AT_ONCE, broken
+    assert broken["call_s"] < BROKEN_CALL_S, broken
     if peer is not None:
         assert broken["peer"] == peer, broken
 
 
 def _assert_closed_cleanly(out: dict) -> None:
-    assert out["close_s"] < PROMPT, out
+    assert out["close_s"] < CLOSE_S, out
     _assert_nothing_running(out)
 
 
@@ -265,7 +282,7 @@ def _call_broadcast(pg, data):
 
 def _call_spawn_all_reduce(pg, data):
     handle = pg.spawn_all_reduce(data)
-    handle.join(timeout=RUN_TIMEOUT)
+    handle.join(timeout=WAIT_HANG_S)
 
 
 def _call_barrier(pg, data):
@@ -317,7 +334,7 @@ def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
 def _sigkill_partway(n: int, victim: int, call, aftermath, who: str | None = None) -> dict:
     stamps = CTX.RawArray("d", n)
     results, pids = _run(n, _killed_partway, victim, call, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
-                         env=CHUNKS, may_die={victim}, timeout=RUN_TIMEOUT)
+                         env=CHUNKS, may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     outs = {r: out for r, out in enumerate(results) if r != victim}
     _report(f"SIGKILL {call.__name__[6:]} n={n} victim={who or victim}", outs)
@@ -344,8 +361,9 @@ def test_sigkill_partway_through_collective(call, n, victim, transport, aftermat
     _sigkill_partway(n, victim, call, aftermath, who)
 
 
-# the newer collectives (BIG divides by 4: equal blocks for reduce_scatter, all_to_all and scatter)
-MORE_CALLS = [
+# the collectives that split or assemble per-rank blocks (BIG divides by 4: equal blocks for
+# reduce_scatter, all_to_all and scatter)
+BLOCKWISE_CALLS = [
     (_call_reduce_scatter, 4, 2),
     (_call_all_to_all, 4, 1),
     # a non-root dies while the root collects; n=2 because with more ranks another non-root has legitimately
@@ -355,9 +373,9 @@ MORE_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("call, n, victim", MORE_CALLS,
+@pytest.mark.parametrize("call, n, victim", BLOCKWISE_CALLS,
                          ids=["reduce_scatter-n4", "all_to_all-n4", "gather-n2-nonroot", "scatter-n4-root"])
-def test_sigkill_partway_through_newer_collectives(call, n, victim, transport, aftermath):
+def test_sigkill_partway_through_blockwise_collectives(call, n, victim, transport, aftermath):
     outs = _sigkill_partway(n, victim, call, aftermath)
     assert set(outs) == set(range(n)) - {victim}
 
@@ -406,7 +424,7 @@ def test_sigkill_while_others_wait_in_barrier(transport, aftermath):
     sender = 3 if transport == "hier" else 1  # over hosts 0,1 + 2,3 rank 2 first hears from its host's rank 3
     stamps = CTX.RawArray("d", n + 1)
     results, pids = _run(n, _killed_before_barrier, victim, sender, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
-                         may_die={victim}, timeout=RUN_TIMEOUT)
+                         may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     assert stamps[n] == 1.0, "the victim died before the others were inside the barrier"
     outs = {r: out for r, out in enumerate(results) if r != victim}
@@ -430,7 +448,7 @@ def _assert_timed_out(out: dict, op: str, seq: int, silent: int, first_start: fl
     assert out["kind"] == "CollectiveTimeout", out
     assert out["timeout_error"], out
     assert out["end"] >= first_start + STOP_TIMEOUT - 0.05, out
-    assert out["call_s"] <= STOP_TIMEOUT + STOP_MARGIN, out
+    assert out["call_s"] <= STOP_TIMEOUT + TIMEOUT_LATE_S, out
     assert f"{op} (sequence number {seq})" in out["msg"], out["msg"]
     named = re.search(r"(?:silent ranks|ranks not heard from[^:]*): \[([0-9, ]*)\]", out["msg"])
     assert named and silent in [int(r) for r in named.group(1).replace(" ", "").split(",") if r], out["msg"]
@@ -451,7 +469,7 @@ def _stopped_partway(rank, n, port, victim, call, pids, stamps, ready, raised, f
             out["fault_s"] = out["end"] - stamps[victim]
             out["broken"] = _broken(pg)
             # resume the victim only once every survivor has raised: it must not change what they see
-            out["all_raised"] = finish_together(raised, bound=STOP_TIMEOUT + STOP_MARGIN + 1.0)
+            out["all_raised"] = finish_together(raised, bound=STOP_TIMEOUT + 2 * TIMEOUT_LATE_S)
         finally:
             if rank == resumer:
                 stamps[n] = time.monotonic()
@@ -471,7 +489,7 @@ def test_sigstop_partway_times_out_then_resumed_rank_fails_too(call, n, victim, 
     stamps = CTX.RawArray("d", n + 1)
     pids = CTX.RawArray("q", n)
     results = run_ranks(n, _tracked, pids, _stopped_partway, victim, call, pids, stamps, CTX.Barrier(n),
-                        CTX.Barrier(n - 1), CTX.Barrier(n), init=False, env=CHUNKS, timeout=RUN_TIMEOUT)
+                        CTX.Barrier(n - 1), CTX.Barrier(n), init=False, env=CHUNKS)
     resumed = results[victim]
     outs = {r: out for r, out in enumerate(results) if r != victim}
     name = f"SIGSTOP {call.__name__[6:]} n={n} victim={victim}"
@@ -484,7 +502,7 @@ def test_sigstop_partway_times_out_then_resumed_rank_fails_too(call, n, victim, 
         assert out["all_raised"], out
     # the stopped rank, once resumed, must fail too (its deadline passed), not hang or return
     assert resumed["collective_error"], resumed
-    assert resumed["after_resume_s"] < PROMPT, resumed
+    assert resumed["after_resume_s"] < FAULT_NOTICE_S, resumed
     for out in results:
         assert out["finished_together"], out
         _assert_closed_cleanly(out)
@@ -503,7 +521,7 @@ def _stopped_before_barrier(rank, n, port, victim, pids, stamps, ready, raised, 
         out = attempt(pg.barrier)  # sequence number 1
         out["fault_s"] = out["end"] - stamps[victim]
         out["broken"] = _broken(pg)
-        out["all_raised"] = finish_together(raised, bound=STOP_TIMEOUT + STOP_MARGIN + 1.0)
+        out["all_raised"] = finish_together(raised, bound=STOP_TIMEOUT + 2 * TIMEOUT_LATE_S)
     finally:
         if rank == 0:
             os.kill(pids[victim], signal.SIGKILL)
@@ -516,7 +534,7 @@ def test_sigstop_before_barrier_names_operation_sequence_and_silent_rank(transpo
     n, victim = 3, 1  # over hier: hosts 0,1 + 2, so one survivor shares the victim's host and one does not
     pids, stamps = CTX.RawArray("q", n), CTX.RawArray("d", n + 1)
     results = run_ranks(n, _tracked, pids, _stopped_before_barrier, victim, pids, stamps, CTX.Barrier(n),
-                        CTX.Barrier(n - 1), CTX.Barrier(n - 1), init=False, may_die={victim}, timeout=RUN_TIMEOUT)
+                        CTX.Barrier(n - 1), CTX.Barrier(n - 1), init=False, may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     assert stamps[n] == 1.0, "the victim stopped before the previous rank was inside the barrier"
     outs = {r: out for r, out in enumerate(results) if r != victim}
@@ -547,7 +565,7 @@ def _departs(rank, n, port, victim, count, stamps, ready, finish, senders):
     out = attempt(lambda: pg.all_reduce(np.ones(count, dtype=np.float32)))
     out["fault_s"] = out["end"] - stamps[victim]
     out["broken"] = _broken(pg)
-    out["finished_together"] = finish_together(finish, bound=PROMPT + 0.5)
+    out["finished_together"] = finish_together(finish, bound=FAULT_NOTICE_S + BROKEN_CALL_S)
     out.update(_close(pg))
     return out
 
@@ -555,7 +573,7 @@ def _departs(rank, n, port, victim, count, stamps, ready, finish, senders):
 def _departure(n: int, victim: int, count: int, senders: list[int], name: str, aftermath) -> None:
     stamps = CTX.RawArray("d", n)
     results, pids = _run(n, _departs, victim, count, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), senders,
-                         env=CHUNKS, timeout=RUN_TIMEOUT)
+                         env=CHUNKS)
     departed = results[victim]
     assert departed["inside"], departed
     _assert_closed_cleanly(departed)
@@ -629,7 +647,7 @@ def _barrier():
 
 def _spawn(count=1000):
     def run(pg):
-        return pg.spawn_all_reduce(np.ones(count, dtype=np.float32)).join(timeout=RUN_TIMEOUT)
+        return pg.spawn_all_reduce(np.ones(count, dtype=np.float32)).join(timeout=WAIT_HANG_S)
     return _Call("all_reduce", run, dtype="f32", count=count, op="SUM")
 
 
@@ -638,9 +656,9 @@ def _mismatched(pg, pids, normal, odd_call, odd, ready, finish):
     _check_group_works(pg, ready)  # sequence number 0; the mismatch is at sequence number 1
     out = attempt(lambda: (odd_call if pg.rank == odd else normal)(pg))
     out["broken"] = _broken(pg)
-    # long enough for a rank that learns within PROMPT to be measured, short enough that a rank
+    # long enough for a rank that learns within FAULT_NOTICE_S to be measured, short enough that a rank
     # waiting in vain fails the test quickly (the others leave, it then sees a lost peer)
-    out["finished_together"] = finish_together(finish, bound=PROMPT + 0.5)
+    out["finished_together"] = finish_together(finish, bound=FAULT_NOTICE_S + BROKEN_CALL_S)
     return out
 
 
@@ -684,7 +702,7 @@ MISMATCHES = [
 def _run_mismatch(n, normal, odd_call, odd):
     pids = CTX.RawArray("q", n)
     results = run_ranks(n, _mismatched, pids, normal, odd_call, odd, CTX.Barrier(n), CTX.Barrier(n), env=CHUNKS,
-                        group_timeout=LONG, timeout=RUN_TIMEOUT)
+                        group_timeout=NEVER_S)
     last_call = max(out["start"] for out in results)  # the mismatch exists once every rank has called
     for out in results:
         out["fault_s"] = out["end"] - last_call
@@ -698,7 +716,7 @@ def test_mismatch_raises_on_every_rank(name, n, odd, normal, odd_call, transport
     _report(f"mismatch {name} n={n} odd={odd}", dict(enumerate(results)))
     for out in results:
         assert out["kind"] == "CollectiveMismatch", out
-        assert out["call_s"] < PROMPT and out["fault_s"] < PROMPT, out
+        assert out["call_s"] < FAULT_NOTICE_S and out["fault_s"] < FAULT_NOTICE_S, out
         assert "sequence number 1" in out["msg"], out["msg"]
         for call in (normal, odd_call):
             assert call.described_in(out["msg"]), f"{call} is not described in: {out['msg']}"
@@ -738,31 +756,31 @@ def test_rendezvous_names_the_rank_that_never_arrives(aftermath):
     # Rank 0 waits longest: with equal timeouts rank 0 may stop serving the store first, and then the
     # others see a raw EOFError (test_rendezvous_error_is_collective_error_when_rank0_gives_up_first).
     timeouts = [3.0, 2.0, None]
-    results, pids = _run(3, _rendezvous, timeouts, None, timeout=RUN_TIMEOUT)
+    results, pids = _run(3, _rendezvous, timeouts, None)
     _report("rendezvous, rank 2 never arrives", {r: results[r] for r in (0, 1)}, label="any")
     for rank in (0, 1):
         out = results[rank]
         assert out["kind"] == "CollectiveTimeout" and out["timeout_error"], out
         assert "ranks [2] never arrived" in out["msg"], out["msg"]
         # the first rank to give up tells the others why, so nobody waits longer than its own timeout
-        assert min(t for t in timeouts if t) - 0.1 <= out["call_s"] < timeouts[rank] + 1.0, out
+        assert min(t for t in timeouts if t) - 0.1 <= out["call_s"] < timeouts[rank] + TIMEOUT_LATE_S, out
         _assert_nothing_running(out)
     aftermath.check(pids)
 
 
 def test_rendezvous_without_rank_0_says_so(aftermath):
-    results, pids = _run(3, _rendezvous, [None, 2.0, 2.0], None, timeout=RUN_TIMEOUT)
+    results, pids = _run(3, _rendezvous, [None, 2.0, 2.0], None)
     _report("rendezvous, rank 0 never arrives", {r: results[r] for r in (1, 2)}, label="any")
     for out in results[1:]:
         assert out["kind"] == "CollectiveTimeout" and out["timeout_error"], out
         assert "rank 0" in out["msg"], out["msg"]
-        assert 1.9 <= out["call_s"] < 2.0 + 1.0, out
+        assert 1.9 <= out["call_s"] < 2.0 + TIMEOUT_LATE_S, out
         _assert_nothing_running(out)
     aftermath.check(pids)
 
 
 def test_rendezvous_error_is_collective_error_when_rank0_gives_up_first(aftermath):
-    results, pids = _run(3, _rendezvous, [1.0, 4.0, None], None, timeout=RUN_TIMEOUT)
+    results, pids = _run(3, _rendezvous, [1.0, 4.0, None], None)
     assert results[0]["kind"] == "CollectiveTimeout", results[0]
     assert results[1]["collective_error"], results[1]
     for out in results[:2]:
@@ -783,7 +801,7 @@ def _dies_building_transport(rank, n, port, victim, stamps, segments_ready):
         def gather(cfg, client, kind, value, deadline, *rest):
             if kind != "host":
                 if cfg.transport != "tcp":
-                    bound = time.monotonic() + 1.0
+                    bound = time.monotonic() + SETUP_TIMEOUT / 2
                     hosts, _ = client.wait([f"host/{r}" for r in range(n)], bound)  # [host id, pid] each
                     host_ids = {json.loads(v)[0] for v in hosts.values()}
                     _, missing = client.wait([f"shm/{h}" for h in host_ids], bound)
@@ -812,8 +830,7 @@ def test_rank_killed_while_transport_is_built(transport, victim, leader, afterma
     stamps, segments_ready = CTX.RawArray("d", n), CTX.RawValue("b", transport == "tcp")
     watch = ShmCreations()
     try:
-        results, pids = _run(n, _dies_building_transport, victim, stamps, segments_ready, may_die={victim},
-                             timeout=RUN_TIMEOUT)
+        results, pids = _run(n, _dies_building_transport, victim, stamps, segments_ready, may_die={victim})
         others = watch.shmcoll_by_others(pids)
     finally:
         watch.close()
@@ -825,7 +842,7 @@ def test_rank_killed_while_transport_is_built(transport, victim, leader, afterma
         assert out["kind"] in ("CollectiveTimeout", "PeerLost") and out["collective_error"], out
         # rank 0 serves the store: its death is seen at once; any other is missed at the deadline
         assert re.search(rf"\branks? \[?{victim}\b", out["msg"]), out["msg"]
-        assert out["call_s"] <= SETUP_TIMEOUT + 1.0, out
+        assert out["call_s"] <= SETUP_TIMEOUT + TIMEOUT_LATE_S, out
         _assert_nothing_running(out)
     if leader and others and not shm_names_of(pids):
         pytest.skip(f"another shmcoll job on this machine created {others[:3]} meanwhile, and with it swept "
@@ -844,7 +861,7 @@ def _dies_in_mesh(rank, n, port, victim, stamps):
             os.kill(os.getpid(), signal.SIGKILL)
 
         shmcoll.bootstrap.connect_mesh = connect_mesh
-    out = attempt(lambda: _init(rank, n, port, timeout=LONG).close())
+    out = attempt(lambda: _init(rank, n, port, timeout=NEVER_S).close())
     out["fault_s"] = out["end"] - stamps[victim]
     out.update(_leftovers())
     return out
@@ -857,13 +874,13 @@ def test_rank_killed_while_the_mesh_connects_is_named_promptly(victim, aftermath
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "tcp")
     n = 4
     stamps = CTX.RawArray("d", n)
-    results, pids = _run(n, _dies_in_mesh, victim, stamps, may_die={victim}, timeout=RUN_TIMEOUT)
+    results, pids = _run(n, _dies_in_mesh, victim, stamps, may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     outs = {r: out for r, out in enumerate(results) if r != victim}
     _report(f"killed while the mesh connects n={n} victim={victim}", outs)
     for out in outs.values():
         assert out["kind"] == "PeerLost" and out["peer"] == victim, out
-        assert out["fault_s"] < PROMPT and out["call_s"] < LONG / 2, out
+        assert out["fault_s"] < FAULT_NOTICE_S and out["call_s"] < NEVER_S / 2, out
         _assert_nothing_running(out)
     aftermath.check(pids)
 
@@ -872,17 +889,17 @@ def _ordered_start(rank, n, port, started):
     """Ranks call init from the highest to the lowest, rank 0 last: each first waits for the rank above
     it to have started its own init, and checks the rendezvous port still refuses connections (rank 0
     is not serving yet), so the others really start, and retry, before rank 0 exists."""
-    if rank < n - 1 and not started[rank + 1].wait(RUN_TIMEOUT / 2):
+    if rank < n - 1 and not started[rank + 1].wait(WAIT_HANG_S):
         return {"kind": "rank above never started"}
     refused = True
     if rank > 0:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            socket.create_connection(("127.0.0.1", port), timeout=NO_WAIT_S).close()
             refused = False
         except ConnectionRefusedError:
             pass
     started[rank].set()
-    with _init(rank, n, port, timeout=20.0) as pg:
+    with _init(rank, n, port, timeout=WAIT_HANG_S) as pg:
         x = np.full(7, rank + 1.0, dtype=np.float32)
         pg.all_reduce(x)
         pg.barrier()
@@ -891,7 +908,7 @@ def _ordered_start(rank, n, port, started):
 
 def test_ranks_starting_before_rank_0_still_meet(aftermath):
     n = 4
-    results, pids = _run(n, _ordered_start, [CTX.Event() for _ in range(n)], timeout=RUN_TIMEOUT)
+    results, pids = _run(n, _ordered_start, [CTX.Event() for _ in range(n)])
     for out in results:
         assert out["kind"] == "formed", out
         assert out["refused"], "rank 0 was already serving: the late start was not tested"
@@ -904,8 +921,8 @@ def test_ranks_starting_before_rank_0_still_meet(aftermath):
 # ---------------------------------------------------------------------------------------------
 
 def test_wrong_secret_keeps_that_rank_out(aftermath):
-    results, pids = _run(3, _rendezvous, [3.0, 2.0, 2.0], ["s3cret", "s3cret", "wrong"],
-                         timeout=RUN_TIMEOUT)  # rank 0 waits longest, as above
+    # rank 0 waits longest, as above
+    results, pids = _run(3, _rendezvous, [3.0, 2.0, 2.0], ["s3cret", "s3cret", "wrong"])
     _report("wrong secret on rank 2", dict(enumerate(results)), label="any")
     for out in results[:2]:
         assert out["kind"] == "CollectiveTimeout", out
@@ -913,20 +930,20 @@ def test_wrong_secret_keeps_that_rank_out(aftermath):
     intruder = results[2]
     assert intruder["kind"] not in ("returned", "absent"), intruder
     assert "SHMCOLL_SECRET" in intruder["msg"], intruder
-    assert intruder["call_s"] < 1.0, intruder
+    assert intruder["call_s"] < SECRET_REFUSAL_S, intruder
     for out in results:
         _assert_nothing_running(out)
     aftermath.check(pids)
 
 
 def test_wrong_secret_error_is_a_collective_error(aftermath):
-    results, pids = _run(2, _rendezvous, [1.0, 1.0], ["s3cret", "wrong"], timeout=RUN_TIMEOUT)
+    results, pids = _run(2, _rendezvous, [1.0, 1.0], ["s3cret", "wrong"])
     assert results[1]["collective_error"], results[1]
     aftermath.check(pids)
 
 
 def test_same_secret_forms_the_job(transport, aftermath):
-    results, pids = _run(3, _rendezvous, [10.0, 10.0, 10.0], ["s3cret"] * 3, timeout=RUN_TIMEOUT)
+    results, pids = _run(3, _rendezvous, [WAIT_HANG_S] * 3, ["s3cret"] * 3)
     for out in results:
         assert out["kind"] == "returned", out
         assert out["sum"] == 6
@@ -939,17 +956,17 @@ def test_same_secret_forms_the_job(transport, aftermath):
 # ---------------------------------------------------------------------------------------------
 
 def _store_after_close(rank, n, port):
-    pg = _init(rank, n, port, timeout=10.0)
+    pg = _init(rank, n, port, timeout=WAIT_HANG_S)
     pg.barrier()
     pg.close()
     if rank != 0:
         return None
     for thread in threading.enumerate():  # a generous grace period, in case close() only signals them
         if thread.name.startswith("shmcoll-"):
-            thread.join(2.0)
+            thread.join(CLOSE_S)
     left = sorted(t.name for t in threading.enumerate() if t.name.startswith("shmcoll-"))
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+        socket.create_connection(("127.0.0.1", port), timeout=NO_WAIT_S).close()
         listening = True
     except OSError:
         listening = False
@@ -957,7 +974,7 @@ def _store_after_close(rank, n, port):
 
 
 def test_store_thread_and_port_released_after_close(transport, aftermath):
-    results, pids = _run(2, _store_after_close, timeout=RUN_TIMEOUT)
+    results, pids = _run(2, _store_after_close)
     out = results[0]
     assert out["threads"] == [], out
     assert not out["still_listening"], out

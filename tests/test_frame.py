@@ -16,12 +16,22 @@ from hypothesis import strategies as st
 from shmcoll.algorithms.call import chunk_count, segment_bounds, sub_bounds
 from shmcoll.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
 from shmcoll.transport import frame
-from shmcoll.transport.frame import (ABORT, DATA, GOODBYE, HEADER_SIZE, MAX_CONTROL_PAYLOAD, MAX_NDIM, MAX_PAYLOAD,
-                                     FrameError, Header, Meta)
+from shmcoll.transport.frame import (
+    ABORT,
+    DATA,
+    GOODBYE,
+    HEADER_SIZE,
+    MAX_CONTROL_PAYLOAD,
+    MAX_NDIM,
+    MAX_PAYLOAD,
+    FrameError,
+    Header,
+    Meta,
+)
 from shmcoll.transport.mailbox import AbortReason, Mailbox, Message
 from shmcoll.types import WIRE_TYPES, Collective
 
-pytestmark = pytest.mark.timeout(60)
+from bounds import CALL_DEADLINE_S, LATE_S, NO_WAIT_S, WAIT_HANG_S
 
 #: Every frame kind this version knows (control kinds may be added: HEARTBEAT, ...).
 KNOWN_KINDS = {getattr(frame, k) for k in ("DATA", "ABORT", "GOODBYE", "HEARTBEAT") if hasattr(frame, k)}
@@ -45,7 +55,7 @@ def raw_header(**over) -> bytes:
 
 def test_layout_matches_pack():
     assert HEADER_SIZE == LAYOUT.size == 116
-    meta = Meta(seq=5, coll=2, dtype=3, count=4, op=0, root=0)
+    meta = Meta(seq=5, coll=2, dtype=3, elements=4, op=0, root=0)
     assert frame.pack(DATA, 1, 7, meta, 3, (4,), 16) == raw_header()
     assert frame.unpack(raw_header(), 1) == Header(DATA, 1, 7, meta, 3, (4,), 16)
 
@@ -61,7 +71,7 @@ assert {len(s) for s in SHAPES} == set(range(MAX_NDIM + 1))
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_pack_unpack_round_trip(code, shape):
     nbytes = math.prod(shape) * WIRE_TYPES[code].itemsize
-    meta = Meta(seq=2**63 + 5, coll=3, dtype=code, count=2**40 + 1, op=4, root=3)
+    meta = Meta(seq=2**63 + 5, coll=3, dtype=code, elements=2**40 + 1, op=4, root=3)
     raw = frame.pack(DATA, 6, 2**32 - 1, meta, code, shape, nbytes)
     assert len(raw) == HEADER_SIZE
     assert frame.unpack(raw, 6) == Header(DATA, 6, 2**32 - 1, meta, code, shape, nbytes)
@@ -136,16 +146,16 @@ def test_frame_error_is_a_value_error():
 # ---------------------------------------------------------------- describe_mismatch
 
 def test_describe_mismatch():
-    want = Meta(seq=4, coll=Collective.ALL_REDUCE, dtype=3, count=10, op=0, root=0)
+    want = Meta(seq=4, coll=Collective.ALL_REDUCE, dtype=3, elements=10, op=0, root=0)
     assert frame.describe_mismatch(want, want, 1) is None
     assert frame.describe_mismatch(want._replace(), want, 1) is None
-    got = Meta(seq=4, coll=Collective.BROADCAST, dtype=4, count=11, op=0, root=2)
+    got = Meta(seq=4, coll=Collective.BROADCAST, dtype=4, elements=11, op=0, root=2)
     text = frame.describe_mismatch(got, want, 3)
     assert isinstance(text, str)
     assert "rank 3" in text and "broadcast(" in text and "all_reduce(" in text
     assert "count=11" in text and "count=10" in text and "f64" in text and "f32" in text
     assert "sequence number 4" in text
-    for field, value in (("seq", 5), ("dtype", 4), ("count", 9), ("op", 1), ("root", 1), ("coll", 3)):
+    for field, value in (("seq", 5), ("dtype", 4), ("elements", 9), ("op", 1), ("root", 1), ("coll", 3)):
         changed = want._replace(**{field: value})
         assert frame.describe_mismatch(changed, want, 0) is not None, field
     odd = frame.describe_mismatch(Meta(coll=99, dtype=200), want, 1)  # codes it does not know
@@ -205,7 +215,7 @@ def test_unpack_of_plausible_headers(raw, max_payload):
 # ---------------------------------------------------------------- mailbox
 
 def msg(src: int, tag: int, value: int = 0, *, seq: int = 0, coll: int = 0) -> Message:
-    header = Header(DATA, src, tag, Meta(seq=seq, coll=coll, dtype=8, count=1), 8, (1,), 1)
+    header = Header(DATA, src, tag, Meta(seq=seq, coll=coll, dtype=8, elements=1), 8, (1,), 1)
     return Message(header, np.array([value], dtype=np.uint8))
 
 
@@ -221,16 +231,16 @@ class Waiter:
         self.started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(call,), daemon=True)
         self._thread.start()
-        assert self.started.wait(5)
+        assert self.started.wait(CALL_DEADLINE_S)
 
     def _run(self, call):
         self.started.set()
         try:
             self.result = call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:  # handed to the test
             self.error = exc
 
-    def join(self, timeout: float = 10.0) -> "Waiter":
+    def join(self, timeout: float = WAIT_HANG_S) -> Waiter:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "mailbox call did not return"
         return self
@@ -253,8 +263,8 @@ def test_fifo_with_a_concurrent_producer():
     mb = Mailbox(0, 2)
     producer = threading.Thread(target=lambda: [mb.put(msg(1, 3, i % 256)) for i in range(2000)], daemon=True)
     producer.start()
-    got = [int(mb.take(1, 3, soon(10)).payload[0]) for _ in range(2000)]
-    producer.join(10)
+    got = [int(mb.take(1, 3, soon(WAIT_HANG_S)).payload[0]) for _ in range(2000)]
+    producer.join(WAIT_HANG_S)
     assert got == [i % 256 for i in range(2000)]
 
 
@@ -262,7 +272,7 @@ def test_take_on_one_tag_is_not_blocked_by_another():
     mb = Mailbox(0, 2)
     for i in range(50):
         mb.put(msg(1, 1, i))  # unread messages on tag 1
-    waiter = Waiter(lambda: mb.take(1, 2, soon(10)))
+    waiter = Waiter(lambda: mb.take(1, 2, soon(WAIT_HANG_S)))
     mb.put(msg(1, 1, 99))
     mb.put(msg(1, 2, 42))
     assert int(waiter.join().result.payload[0]) == 42
@@ -276,19 +286,19 @@ def test_deadline_raises_timeout():
     start = time.monotonic()
     with pytest.raises(CollectiveTimeout, match="rank 1"):
         mb.take(1, 2, start + 0.2)
-    assert 0.19 <= time.monotonic() - start < 3
+    assert 0.19 <= time.monotonic() - start < 0.2 + LATE_S
     with pytest.raises(CollectiveTimeout):
         mb.take(1, 2, time.monotonic() - 1)  # already past: no wait at all
 
 
 def test_lost_peer_wakes_a_waiter_with_peer_lost():
     mb = Mailbox(0, 3)
-    waiter = Waiter(lambda: mb.take(2, 0, soon(10)))
+    waiter = Waiter(lambda: mb.take(2, 0, soon(WAIT_HANG_S)))
     mb.peer_gone(2, "socket reset", graceful=False)
     err = waiter.join().error
     assert isinstance(err, PeerLost) and err.peer == 2 and "socket reset" in str(err)
     with pytest.raises(PeerLost) as again:  # and every later wait on it
-        mb.take(2, 1, soon(10))
+        mb.take(2, 1, soon(WAIT_HANG_S))
     assert again.value.peer == 2
     assert mb.lost_peers() == {2: "socket reset"}
 
@@ -306,19 +316,19 @@ def test_strict_and_non_strict():
     mb = Mailbox(0, 3)
     mb.peer_gone(2, "died", graceful=False)
     with pytest.raises(PeerLost) as strict:  # a collective needs everybody
-        mb.take(1, 0, soon(10))
+        mb.take(1, 0, soon(WAIT_HANG_S))
     assert strict.value.peer == 2
     with pytest.raises(CollectiveTimeout):  # point-to-point only cares about its own source
         mb.take(1, 0, soon(0.05), strict=False)
     mb.put(msg(1, 0, 9))
     assert int(mb.take(1, 0, soon(), strict=False).payload[0]) == 9
     with pytest.raises(PeerLost):
-        mb.take(2, 0, soon(10), strict=False)
+        mb.take(2, 0, soon(WAIT_HANG_S), strict=False)
 
 
 def test_goodbye_fails_only_waits_on_that_peer():
     mb = Mailbox(0, 3)
-    waiter = Waiter(lambda: mb.take(2, 0, soon(10)))
+    waiter = Waiter(lambda: mb.take(2, 0, soon(WAIT_HANG_S)))
     mb.peer_gone(2, "goodbye", graceful=True)
     err = waiter.join().error
     assert isinstance(err, PeerLost) and err.peer == 2
@@ -334,8 +344,9 @@ def test_goodbye_fails_only_waits_on_that_peer():
                                       ("CollectiveError", CollectiveError), ("SomethingElse", CollectiveError)])
 def test_abort_wakes_every_waiter_with_its_class(kind, cls):
     mb = Mailbox(0, 4)
-    waiters = [Waiter(lambda: mb.take(1, 0, soon(10))), Waiter(lambda: mb.take(2, 5, soon(10), strict=False)),
-               Waiter(lambda: mb.take_any({1, 2, 3}, 0, soon(10)))]
+    waiters = [Waiter(lambda: mb.take(1, 0, soon(WAIT_HANG_S))),
+               Waiter(lambda: mb.take(2, 5, soon(WAIT_HANG_S), strict=False)),
+               Waiter(lambda: mb.take_any({1, 2, 3}, 0, soon(WAIT_HANG_S)))]
     mb.set_abort(AbortReason(kind, "rank 3 gave up", 3))
     mb.set_abort(AbortReason("CollectiveMismatch", "second abort is ignored"))
     for w in waiters:
@@ -345,7 +356,7 @@ def test_abort_wakes_every_waiter_with_its_class(kind, cls):
             assert err.peer == 3
     assert mb.aborted.kind == kind
     with pytest.raises(cls):  # later waits fail at once
-        mb.take(3, 9, soon(10))
+        mb.take(3, 9, soon(WAIT_HANG_S))
 
 
 def test_retire_below_drops_stale_collective_frames():
@@ -374,26 +385,26 @@ def test_take_any():
     mb = Mailbox(0, 4)
     start = time.monotonic()
     assert mb.take_any({1, 2}, 0, start + 0.2) is None
-    assert 0.19 <= time.monotonic() - start < 3
+    assert 0.19 <= time.monotonic() - start < 0.2 + LATE_S
     mb.put(msg(3, 0, 3))
     mb.put(msg(2, 1, 21))  # other tag
     assert mb.take_any({1, 2}, 0, soon(0.05)) is None
     assert int(mb.take_any({1, 3}, 0, soon()).header.src) == 3
-    waiter = Waiter(lambda: mb.take_any({1, 2}, 0, soon(10)))
+    waiter = Waiter(lambda: mb.take_any({1, 2}, 0, soon(WAIT_HANG_S)))
     mb.put(msg(2, 0, 22))
     assert int(waiter.join().result.payload[0]) == 22
 
 
 def test_take_any_skips_lost_and_departed_peers():
     mb = Mailbox(0, 4)
-    waiter = Waiter(lambda: mb.take_any({1, 2, 3}, 0, soon(10)))
+    waiter = Waiter(lambda: mb.take_any({1, 2, 3}, 0, soon(WAIT_HANG_S)))
     mb.peer_gone(1, "died", graceful=False)
     mb.peer_gone(2, "goodbye", graceful=True)
     mb.put(msg(3, 0, 3))
     assert waiter.join().result.header.src == 3
     start = time.monotonic()
-    assert mb.take_any({1, 2}, 0, soon(10)) is None  # nobody left to wait for: no wait
-    assert time.monotonic() - start < 2
+    assert mb.take_any({1, 2}, 0, soon(WAIT_HANG_S)) is None  # nobody left to wait for: no wait
+    assert time.monotonic() - start < NO_WAIT_S
 
 
 def _far_deadline_waiter(call):
@@ -469,7 +480,7 @@ def test_abort_reason_decode_of_odd_peer_field(peer):
 def _assert_partition(bounds, start, stop, parts):
     assert len(bounds) == parts
     assert bounds[0][0] == start and bounds[-1][1] == stop
-    for (a0, a1), (b0, _) in zip(bounds, bounds[1:]):
+    for (_, a1), (b0, _) in zip(bounds, bounds[1:]):
         assert a1 == b0  # contiguous, in order: every index exactly once
     sizes = [b - a for a, b in bounds]
     assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1

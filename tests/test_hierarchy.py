@@ -13,9 +13,11 @@ import re
 import numpy as np
 import pytest
 
-from harness import run_ranks, simulated_host_id
 from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
+
+from bounds import MISMATCH_NOTICE_S
+from harness import attempt, run_ranks, simulated_host_id
 
 S = 1 << 20  # bytes of float32 data in the bandwidth case (1 MiB: the ring, not the one-shot path)
 
@@ -66,9 +68,10 @@ def _cross(results, hosts) -> int:
 def _run(layout: str, n: int, transport: str, action, monkeypatch) -> list[dict]:
     monkeypatch.setenv("SHMCOLL_TRANSPORT", transport)
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    return run_ranks(n, _traffic_of, action, timeout=60)
+    return run_ranks(n, _traffic_of, action)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4), ("each", 4)])
 def test_paths_follow_the_hosts(layout, n, monkeypatch):
     """Every byte to a rank on this host goes through shared memory, every other one through TCP."""
@@ -89,6 +92,7 @@ def test_paths_follow_the_hosts(layout, n, monkeypatch):
 # all_reduce, 2+2: each of the 2 column rings moves S/2 with 2 ranks: S per ring, 2S in all; the flat
 # ring moves 2(n-1)/n * S = 1.5S per rank, over 2 of its 4 edges (a,a,b,b) or all 4 (a,b,a,b).
 # 1+2: one column ring of 2 ranks over all of S: 2S; flat: 2 of 3 edges cross, (4/3)S each.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n, action, hier_bytes, flat_bytes", [
     ("halves", 4, _all_reduce, 2 * S, 3 * S),
     ("interleaved", 4, _all_reduce, 2 * S, 6 * S),
@@ -107,6 +111,7 @@ def test_two_level_crosses_hosts_less_than_flat(layout, n, action, hier_bytes, f
     assert hier < flat
 
 
+@pytest.mark.multiprocess
 def test_small_all_reduce_goes_through_the_leaders(monkeypatch):
     """8 bytes over 2+2: only the two leaders talk across hosts, one message each way."""
     def small(pg):
@@ -136,12 +141,11 @@ def test_topology_groups_ranks_by_host(ids, hosts, columns):
 
 def _disagree(pg, calls):
     """Ranks on the first simulated host make one call, the others another, at the same sequence number."""
-    from harness import attempt
-
     first_host = pg.rank < (pg.world_size + 1) // 2
     return attempt(lambda: calls[0 if first_host else 1](pg))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("calls", [
     (lambda pg: pg.all_reduce(np.ones(2, np.float32)), lambda pg: pg.all_reduce(np.ones(1 << 20, np.float32))),
     (lambda pg: pg.broadcast(0, np.ones(1 << 18, np.float32)), lambda pg: pg.all_gather(np.ones(1 << 16, np.float32))),
@@ -153,13 +157,13 @@ def test_hosts_that_disagree_all_raise_mismatch(calls, monkeypatch):
     results = _run_with_timeout("halves", 4, _disagree, calls, monkeypatch)
     for rank, out in enumerate(results):
         assert out["kind"] == "CollectiveMismatch", (rank, out["msg"])
-        assert out["call_s"] < 5.0, (rank, out)
+        assert out["call_s"] < MISMATCH_NOTICE_S, (rank, out)
 
 
 def _run_with_timeout(layout, n, body, arg, monkeypatch):
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    return run_ranks(n, body, arg, timeout=60, group_timeout=20.0)
+    return run_ranks(n, body, arg)
 
 
 @pytest.mark.parametrize("addresses, refused", [
@@ -183,7 +187,7 @@ def test_ranks_published_on_loopback_next_to_routable_ones_are_refused(addresses
         _check_routable(cfg, addrs)
 
 
-# ---- the collectives beyond all_reduce / broadcast / all_gather (group_more.py) ----
+# ---- reduce_scatter, reduce, all_gather_v, gather, scatter and all_to_all ----
 # Each takes (or, for all_gather_v, averages) 1 MiB per rank; with 3 ranks the element count is cut
 # to a multiple of 3 (262143 float32, S - 4 bytes) so reduce_scatter, scatter and all_to_all split
 # it evenly. Every action checks its result, so a path that moves the right bytes wrongly fails.
@@ -253,13 +257,14 @@ def _all_to_all(pg):
     assert np.array_equal(out, np.repeat(np.arange(n, dtype=np.float32) * n + pg.rank, e // n))
 
 
-_MORE = (_reduce_scatter, _reduce, _all_gather_v, _gather, _scatter, _all_to_all)
+REDUCE_GATHER_SCATTER_ALL_TO_ALL = (_reduce_scatter, _reduce, _all_gather_v, _gather, _scatter, _all_to_all)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4), ("each", 4)])
-@pytest.mark.parametrize("action", _MORE, ids=lambda a: a.__name__.lstrip("_"))
-def test_more_collectives_follow_the_hosts(layout, n, action, monkeypatch):
-    """As test_paths_follow_the_hosts, for the large paths of the collectives of group_more.py."""
+@pytest.mark.parametrize("action", REDUCE_GATHER_SCATTER_ALL_TO_ALL, ids=lambda a: a.__name__.lstrip("_"))
+def test_reduce_gather_scatter_all_to_all_follow_the_hosts(layout, n, action, monkeypatch):
+    """As test_paths_follow_the_hosts, for the large paths of these collectives."""
     hosts = _hosts(layout, n)
     results = _run(layout, n, "hier", action, monkeypatch)
     for rank, out in enumerate(results):
@@ -297,6 +302,7 @@ BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block: [dtype code, 
 #   1): S from each rank on another host; scatter: S/n to each such rank (after a BLOCK_HEAD
 #   announcing its dtype and shape); all_to_all: S/n per
 #   ordered pair on different hosts (8 in 2+2 and a,b,a,b, 4 in 1+2).
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n, action, hier_bytes, flat_bytes", [
     ("halves", 4, _reduce_scatter, S, 3 * S // 2),
     ("interleaved", 4, _reduce_scatter, S, 3 * S),
@@ -317,7 +323,7 @@ BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block: [dtype code, 
     ("interleaved", 4, _all_to_all, 2 * S, 2 * S),
     ("first-alone", 3, _all_to_all, 4 * S3 // 3, 4 * S3 // 3),
 ], ids=lambda v: v.__name__.lstrip("_") if callable(v) else None)
-def test_more_collectives_cross_hosts_exactly(layout, n, action, hier_bytes, flat_bytes, monkeypatch):
+def test_reduce_gather_scatter_all_to_all_cross_hosts_exactly(layout, n, action, hier_bytes, flat_bytes, monkeypatch):
     hosts = _hosts(layout, n)
     hier = _cross(_run(layout, n, "hier", action, monkeypatch), hosts)
     flat = _cross(_run(layout, n, "tcp", action, monkeypatch), hosts)
@@ -341,6 +347,7 @@ def _small_reduce_scatter(pg):
     assert out.dtype == np.float16 and out.tolist() == [4.0 * pg.rank + 6.0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("action", [_small_reduce, _small_reduce_scatter], ids=lambda a: a.__name__.lstrip("_"))
 def test_small_reductions_go_through_the_leaders(action, monkeypatch):
     """8 bytes per rank over 2+2 (<= SHMCOLL_ONE_SHOT_BYTES): reduce and reduce_scatter reuse
@@ -360,11 +367,12 @@ def _subgroup_all_reduce(pg):
     return out, topology.hosts
 
 
+@pytest.mark.multiprocess
 def test_subgroup_spanning_hosts_runs_two_level(monkeypatch):
     """Sub-group ranks 0..3 are parent ranks 2, 0, 3, 1: hosts ((0, 2), (1, 3)) in its numbering. Its
     large all_reduce sends 2S across hosts (two-level), not the 6S of a flat ring over a,b,a,b."""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
-    results = run_ranks(4, _subgroup_all_reduce, timeout=60)
+    results = run_ranks(4, _subgroup_all_reduce)
     assert all(hosts == ((0, 2), (1, 3)) for _, hosts in results)
     assert _cross([out for out, _ in results], _hosts("halves", 4)) == 2 * S

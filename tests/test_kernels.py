@@ -9,6 +9,7 @@ bfloat16 twice, through float32).
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import functools
 import os
 import platform
@@ -16,23 +17,28 @@ import subprocess
 import sys
 import textwrap
 from fractions import Fraction
-from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import kernel_reference as ref
 from shmcoll import kernels
 from shmcoll.types import WIRE_TYPES, ReduceKind
+
+import kernel_reference as ref
+from bounds import REAP_S, TEST_HANG_S
+from harness import REPO
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint16)
 F16_QUIET, BF16_QUIET = 0x0200, 0x0040
 FLOAT_CODES = (1, 2, 3, 4)
 INT_CODES = (5, 6)
-REPO = Path(__file__).resolve().parents[1]
+#: A fresh interpreter compiling kernels into an empty numba cache (slow on a loaded 2-core machine):
+#: its hang guard, inside the test's own.
+COMPILE_HANG_S = TEST_HANG_S - REAP_S
 
 
 def widen(storage: np.ndarray, code: int) -> np.ndarray:
@@ -378,36 +384,73 @@ def test_empty_arrays_and_bad_arguments():
         kernels.scale_into(np.zeros(3, np.int32), 5, 2)
 
 
-@pytest.mark.parametrize("code", [1, 2])
-@pytest.mark.parametrize("op", [ReduceKind.SUM, ReduceKind.PROD])
-def test_16bit_sum_and_prod_of_all_two_to_the_32_pairs(code, op):
-    """The float32 route of the hot loops against float64 + direct rounding, for every pair
-    (about 2 s each: both loops vectorise)."""
-    import numba
-
+@functools.cache
+def _pair_mismatches(code: int):
+    """Compiled once per 16-bit type: mismatches(ab, ba, a, is_sum) over b = a .. 0xFFFF, where ab[k]
+    and ba[k] are the kernel's (a op b) and (b op a) for b = a + k. It counts the ab[k] that are not
+    float64 (a op b) rounded once (if that is a NaN: any NaN), and the ba[k] that differ from ab[k]
+    unless both are NaNs: a op b and b op a are the same float64, so ba is checked through ab."""
     widen16 = kernels._f16_to_f32 if code == 1 else kernels._bf16_to_f32
     round16 = kernels._f64_to_f16 if code == 1 else kernels._f64_to_bf16
     exponent_mask = 0x7C00 if code == 1 else 0x7F80
-    is_sum = op == ReduceKind.SUM
 
-    @numba.njit
-    def mismatches(row, a):
+    @numba.njit(nogil=True)
+    def mismatches(ab, ba, a, is_sum):
         bad = 0
-        for b in range(row.size):
+        for b in range(a, 1 << 16):
             x, y = np.float64(widen16(np.uint16(a))), np.float64(widen16(np.uint16(b)))
             exact = x + y if is_sum else x * y
             if exact != exact:
-                bad += (row[b] & 0x7FFF) <= exponent_mask
+                bad += (ab[b - a] & 0x7FFF) <= exponent_mask
             else:
-                bad += row[b] != round16(exact)
+                bad += ab[b - a] != round16(exact)
+        differ = 0
+        for k in range(ab.size):  # loops of their own: folded into the one above, both run several times slower
+            differ += ab[k] != ba[k]
+        if differ:  # NaNs of different payloads, when a and b are both NaNs, or a wrong ba
+            for k in range(ab.size):
+                bad += (ab[k] != ba[k]) & (((ab[k] & 0x7FFF) <= exponent_mask) | ((ba[k] & 0x7FFF) <= exponent_mask))
         return bad
 
-    row = np.empty(1 << 16, np.uint16)
-    total = 0
-    for a in range(1 << 16):
-        row[:] = a
-        kernels.reduce_into(row, ALL_BITS, code, op)
-        total += mismatches(row, a)
+    return mismatches
+
+
+@numba.njit(nogil=True)
+def _operands(a, ab, bs, ba, same):
+    """The kernel's operands for a op b and b op a, b = a .. 0xFFFF: ab = a, bs = b, ba = b, same = a."""
+    for k in range(ab.size):
+        ab[k] = same[k] = a
+        bs[k] = ba[k] = a + k
+
+
+@pytest.mark.slow  # every pair of 16-bit patterns: about 15 s, so outside the quick tier
+@pytest.mark.parametrize("code", [1, 2])
+@pytest.mark.parametrize("op", [ReduceKind.SUM, ReduceKind.PROD])
+def test_16bit_sum_and_prod_of_all_two_to_the_32_pairs(code, op):
+    """The float32 route of the hot loops against float64 + direct rounding, for every pair (a, b):
+    for each a, the kernel's a op b and b op a for every b >= a. Values of a are shared out to a
+    thread per core: the kernel and the check both release the GIL."""
+    mismatches = _pair_mismatches(code)
+    is_sum = op == ReduceKind.SUM
+    one = np.zeros(1, np.uint16)
+    _operands(0xFFFF, one, one, one, one)  # compiled here, not by each thread
+    mismatches(one, one, 0xFFFF, is_sum)
+
+    def pairs_from(first: int, step: int) -> int:
+        # buffers of their own: each view below starts where its buffer does, aligned for the kernels
+        ab, ba, bs, same = (np.empty(1 << 16, np.uint16) for _ in range(4))
+        bad = 0
+        for a in range(first, 1 << 16, step):
+            n = (1 << 16) - a  # b = a .. 0xFFFF
+            _operands(a, ab[:n], bs[:n], ba[:n], same[:n])
+            kernels.reduce_into(ab[:n], bs[:n], code, op)  # a op b
+            kernels.reduce_into(ba[:n], same[:n], code, op)  # b op a
+            bad += mismatches(ab[:n], ba[:n], a, is_sum)
+        return bad
+
+    threads = os.cpu_count() or 1
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(pairs_from, range(threads), [threads] * threads))
     assert total == 0
 
 
@@ -421,6 +464,7 @@ def test_loops_release_the_gil_and_use_the_disk_cache():
         assert loop._cache.__class__.__name__ == "FunctionCache", loop  # cache=True
 
 
+@pytest.mark.multiprocess
 def test_warm_up_compiles_only_what_it_is_asked_for_and_import_compiles_nothing(tmp_path):
     """In a fresh process with an empty numba cache: import compiles nothing; warm_up one."""
     script = textwrap.dedent("""
@@ -435,11 +479,12 @@ def test_warm_up_compiles_only_what_it_is_asked_for_and_import_compiles_nothing(
     """)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=COMPILE_HANG_S)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 feature flags")
+@pytest.mark.multiprocess
 def test_cpu_without_half_conversions_uses_the_software_path(tmp_path):
     """Without F16C LLVM would call helpers numba does not link (a segfault); the fallback must
     be chosen and give the same answers."""
@@ -460,11 +505,11 @@ def test_cpu_without_half_conversions_uses_the_software_path(tmp_path):
             assert np.array_equal(dst[~nan], want[~nan])
         print("ok")
     """)
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="x86-64", 
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="x86-64",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
                NUMBA_CPU_FEATURES="+64bit,+cx8,+fxsr,+mmx,+sse,+sse2")
     result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=COMPILE_HANG_S)
     assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stderr[-2000:])
 
 

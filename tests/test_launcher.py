@@ -7,120 +7,27 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
-
-from shmcoll.transport.shm_segment import pid_alive
 
 from shmcoll.errors import InvalidArgument
 from shmcoll.launch import launch_local
 from shmcoll.launch.run_cli import main as cli_main
 
-REPO = Path(__file__).resolve().parents[1]
-LONG = 60.0  # how long a "waiting" rank would wait on its own; the launcher must stop it far sooner
-PROMPT = 15.0  # an upper bound on "promptly" (includes interpreter start-up on a loaded 2-core CI box)
+from bounds import LAUNCH_S, NEVER_S, REAP_S, RUN_HANG_S
+from harness import REPO, assert_all_gone, launcher_cmd, subprocess_env
 
-# Helpers every rank program imports (the program's directory is on its sys.path).
-RANKLIB = '''
-import os, select, signal, socket, subprocess, sys, time
-from pathlib import Path
-
-D = Path(sys.argv[1])
-RANK = int(os.environ["SHMCOLL_RANK"])
-WORLD = int(os.environ["SHMCOLL_WORLD_SIZE"])
-
-def note(name, text):
-    tmp = D / (name + ".tmp")
-    tmp.write_text(text)
-    tmp.rename(D / name)
-
-def started():
-    """Record this rank's pid, so the test can check it is gone afterwards."""
-    note(f"rank{RANK}.pid", str(os.getpid()))
-
-def all_started(timeout=20.0):
-    """Wait (bounded) until every rank has recorded its pid: the job is really up."""
-    deadline = time.monotonic() + timeout
-    while not all((D / f"rank{i}.pid").exists() for i in range(WORLD)):
-        if time.monotonic() > deadline:
-            sys.exit(99)
-        time.sleep(0.01)
-
-def block(seconds):
-    """Wait on a channel nobody writes to, with a long deadline; returning at all is a test failure."""
-    a, b = socket.socketpair()
-    select.select([a], [], [], seconds)
-    note(f"rank{RANK}.survived", "1")
-
-def spawn_helper():
-    """A grandchild that would outlive the rank unless the launcher stops the rank's whole group."""
-    code = "import select, socket; a, b = socket.socketpair(); select.select([a], [], [], __LONG__)"
-    p = subprocess.Popen([sys.executable, "-c", code])
-    note(f"helper{RANK}.pid", str(p.pid))
-'''.replace("__LONG__", repr(LONG))
+pytestmark = pytest.mark.multiprocess
 
 
-def launcher_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOLL_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
-def launcher_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shmcoll.launch.run_cli", *args]
-
-
-def run_launcher(*args: str, timeout: float = 25.0) -> subprocess.CompletedProcess:
-    return subprocess.run(launcher_cmd(*args), cwd=REPO, env=launcher_env(), capture_output=True,
+def run_launcher(*args: str, timeout: float = RUN_HANG_S) -> subprocess.CompletedProcess:
+    return subprocess.run(launcher_cmd(*args), cwd=REPO, env=subprocess_env(), capture_output=True,
                           text=True, timeout=timeout)
-
-
-@pytest.fixture
-def job(tmp_path):
-    """A directory holding ranklib.py; `job.program(body)` writes a rank program and returns its path."""
-    (tmp_path / "ranklib.py").write_text(RANKLIB)
-
-    class Job:
-        dir = tmp_path
-
-        @staticmethod
-        def program(body: str) -> str:
-            path = tmp_path / "prog.py"
-            path.write_text("from ranklib import *\n" + textwrap.dedent(body))
-            return str(path)
-
-        @staticmethod
-        def pids(prefix: str = "rank") -> list[int]:
-            return [int(p.read_text()) for p in sorted(tmp_path.glob(f"{prefix}*.pid"))]
-
-        @staticmethod
-        def wait_started(n: int, timeout: float = PROMPT) -> None:
-            deadline = time.monotonic() + timeout
-            while len(list(tmp_path.glob("rank*.pid"))) < n:
-                assert time.monotonic() < deadline, "ranks did not start"
-                time.sleep(0.01)
-
-    return Job
-
-
-alive = pid_alive  # exists and is not a zombie
-
-
-def assert_all_gone(pids: list[int], timeout: float = 5.0) -> None:
-    """Every pid is dead; orphans killed by the launcher get a moment for the kernel to finish them."""
-    assert pids
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert [p for p in pids if alive(p)] == []
 
 
 # --- environment ------------------------------------------------------------------------------
 
-@pytest.mark.timeout(30)
 def test_each_rank_gets_its_environment(job):
     prog = job.program('''
         import json
@@ -151,7 +58,6 @@ def test_each_rank_gets_its_environment(job):
     assert all(s["exe"] == sys.executable for s in seen)
 
 
-@pytest.mark.timeout(30)
 def test_fresh_secret_and_job_id_per_job(job):
     code = ("import os, sys; print(os.environ['SHMCOLL_SECRET'], os.environ['SHMCOLL_JOB_ID'], "
             "os.environ['SHMCOLL_MASTER_PORT'])")
@@ -163,7 +69,6 @@ def test_fresh_secret_and_job_id_per_job(job):
     assert sa != sb and ja != jb
 
 
-@pytest.mark.timeout(30)
 def test_program_arguments_pass_through(job):
     code = "import sys, os; print(os.environ['SHMCOLL_RANK'], sys.argv[1:])"
     res = run_launcher("-n", "2", sys.executable, "-c", code, "-n", "5", "--", "--timeout")
@@ -174,7 +79,6 @@ def test_program_arguments_pass_through(job):
 
 # --- failures ---------------------------------------------------------------------------------
 
-@pytest.mark.timeout(30)
 def test_failing_rank_status_propagates_and_others_stop(job):
     prog = job.program(f'''
         started()
@@ -182,37 +86,35 @@ def test_failing_rank_status_propagates_and_others_stop(job):
         if RANK == 1:
             all_started()
             sys.exit(3)
-        block({LONG})
+        block({NEVER_S})
     ''')
     t0 = time.monotonic()
     res = run_launcher("-n", "3", prog, str(job.dir))
     elapsed = time.monotonic() - t0
     assert res.returncode == 3, res.stderr
-    assert elapsed < PROMPT < LONG
+    assert elapsed < LAUNCH_S < NEVER_S
     assert "rank 1" in res.stderr and "status 3" in res.stderr
     assert len(job.pids()) == 3
     assert_all_gone(job.pids() + job.pids("helper"))
     assert not list(job.dir.glob("*.survived"))
 
 
-@pytest.mark.timeout(30)
 def test_rank_killed_by_sigkill_gives_137(job):
     prog = job.program(f'''
         started()
         if RANK == 2:
             all_started()
             os.kill(os.getpid(), signal.SIGKILL)
-        block({LONG})
+        block({NEVER_S})
     ''')
     t0 = time.monotonic()
     res = run_launcher("-n", "3", prog, str(job.dir))
     assert res.returncode == 137, res.stderr
-    assert time.monotonic() - t0 < PROMPT
+    assert time.monotonic() - t0 < LAUNCH_S
     assert "rank 2" in res.stderr and "SIGKILL" in res.stderr
     assert_all_gone(job.pids())
 
 
-@pytest.mark.timeout(30)
 def test_rank_ignoring_sigterm_is_killed(job):
     prog = job.program(f'''
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -220,30 +122,28 @@ def test_rank_ignoring_sigterm_is_killed(job):
         if RANK == 0:
             all_started()
             sys.exit(5)
-        block({LONG})
+        block({NEVER_S})
     ''')
     t0 = time.monotonic()
     res = run_launcher("-n", "2", prog, str(job.dir))
     assert res.returncode == 5, res.stderr
-    assert time.monotonic() - t0 < PROMPT
+    assert time.monotonic() - t0 < LAUNCH_S
     assert_all_gone(job.pids())
 
 
-@pytest.mark.timeout(30)
 def test_timeout_stops_everything(job):
     prog = job.program(f'''
         started()
-        block({LONG})
+        block({NEVER_S})
     ''')
     t0 = time.monotonic()
     res = run_launcher("--timeout", "1.5", "-n", "2", prog, str(job.dir))
     assert res.returncode == 124, res.stderr
-    assert 1.5 <= time.monotonic() - t0 < PROMPT
+    assert 1.5 <= time.monotonic() - t0 < LAUNCH_S
     assert "timeout" in res.stderr
     assert_all_gone(job.pids())
 
 
-@pytest.mark.timeout(30)
 def test_program_not_found():
     res = run_launcher("-n", "2", "/nonexistent/shmcoll-program")
     assert res.returncode == 127
@@ -253,33 +153,31 @@ def test_program_not_found():
 # --- signals to the launcher ------------------------------------------------------------------
 
 def start_launcher(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(launcher_cmd(*args), cwd=REPO, env=launcher_env(),
+    return subprocess.Popen(launcher_cmd(*args), cwd=REPO, env=subprocess_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.timeout(30)
 def test_sigterm_to_launcher_stops_all_ranks(job):
     prog = job.program(f'''
         started()
         spawn_helper()
-        block({LONG})
+        block({NEVER_S})
     ''')
     launcher = start_launcher("-n", "3", prog, str(job.dir))
     try:
         job.wait_started(3)
         t0 = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=PROMPT)
+        _, err = launcher.communicate(timeout=LAUNCH_S)
         assert launcher.returncode == 128 + signal.SIGTERM, err
-        assert time.monotonic() - t0 < PROMPT
+        assert time.monotonic() - t0 < LAUNCH_S
         assert "SIGTERM" in err
     finally:
         launcher.kill()
-        launcher.wait(timeout=5)
+        launcher.wait(timeout=REAP_S)
     assert_all_gone(job.pids() + job.pids("helper"))
 
 
-@pytest.mark.timeout(30)
 def test_sigint_is_forwarded_to_every_rank(job):
     prog = job.program(f'''
         def on_int(signum, frame):
@@ -287,33 +185,32 @@ def test_sigint_is_forwarded_to_every_rank(job):
             os._exit(0)
         signal.signal(signal.SIGINT, on_int)
         started()
-        block({LONG})
+        block({NEVER_S})
     ''')
     launcher = start_launcher("-n", "2", prog, str(job.dir))
     try:
         job.wait_started(2)
         launcher.send_signal(signal.SIGINT)
-        _, err = launcher.communicate(timeout=PROMPT)
+        _, err = launcher.communicate(timeout=LAUNCH_S)
         assert launcher.returncode == 130, err
     finally:
         launcher.kill()
-        launcher.wait(timeout=5)
+        launcher.wait(timeout=REAP_S)
     assert sorted(p.name for p in job.dir.glob("*.sigint")) == ["rank0.sigint", "rank1.sigint"]
     assert_all_gone(job.pids())
 
 
-@pytest.mark.timeout(30)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
 def test_ranks_die_with_a_killed_launcher(job):
     prog = job.program(f'''
         started()
-        block({LONG})
+        block({NEVER_S})
     ''')
     launcher = start_launcher("-n", "2", prog, str(job.dir))
     try:
         job.wait_started(2)
         launcher.kill()
-        launcher.wait(timeout=5)
+        launcher.wait(timeout=REAP_S)
     finally:
         launcher.kill()
     assert_all_gone(job.pids())
@@ -321,7 +218,6 @@ def test_ranks_die_with_a_killed_launcher(job):
 
 # --- usage --------------------------------------------------------------------------------------
 
-@pytest.mark.timeout(30)
 @pytest.mark.parametrize("args", [["-n", "0", "true"], ["-n", "-1", "true"], ["-n", "x", "true"],
                                   ["true"], ["-n", "2"], ["-n", "2", "--bogus", "true"]])
 def test_usage_errors_exit_2(args):
@@ -330,7 +226,6 @@ def test_usage_errors_exit_2(args):
     assert "usage" in res.stderr
 
 
-@pytest.mark.timeout(30)
 def test_main_returns_status_in_process(capsys):
     assert cli_main(["-n", "0", "true"]) == 2
     assert cli_main(["--help"]) == 0
@@ -338,7 +233,6 @@ def test_main_returns_status_in_process(capsys):
     assert cli_main(["-n", "2", sys.executable, "-c", "pass"]) == 0
 
 
-@pytest.mark.timeout(30)
 def test_launch_local_in_process(tmp_path):
     with pytest.raises(InvalidArgument):
         launch_local(0, ["true"])

@@ -14,18 +14,21 @@ import re
 import secrets
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from bounds import REAP_S, RUN_HANG_S
+from harness import REPO, launcher_cmd, subprocess_env
+
+pytestmark = pytest.mark.multiprocess
+
 NETNS = REPO / "tools" / "netns.sh"
 API_CHECK = REPO / "tests" / "programs" / "api_check.py"
 OK_LINE = re.compile(r"^\[(\d+)\] OK rank=(\d+) world=(\d+) host=(\S+) transport=(\S+) netns=(\S+)$")
 
 
-def _sh(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+def _sh(*args: str, timeout: float = RUN_HANG_S) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
 
 
@@ -80,11 +83,10 @@ def hosts():
 def run_job(tmp_path: Path, hostfile: str) -> list[re.Match]:
     """api_check.py on the hostfile's hosts through `ip netns exec`; its OK lines, by rank."""
     (tmp_path / "hosts").write_text(hostfile)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOLL_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "shmcoll.launch.run_cli", "--hostfile", str(tmp_path / "hosts"),
-           "--rsh", "ip netns exec", "--tag-output", "--timeout", "40", str(API_CHECK)]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
+    cmd = launcher_cmd("--hostfile", str(tmp_path / "hosts"), "--rsh", "ip netns exec", "--tag-output",
+                       "--timeout", str(RUN_HANG_S), str(API_CHECK))  # the launcher stops a hung job itself
+    res = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                         timeout=RUN_HANG_S + REAP_S)
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr[-4000:]}"
     lines = [OK_LINE.match(ln) for ln in res.stdout.splitlines() if " OK " in ln]
     assert lines and all(m and m.group(1) == m.group(2) for m in lines), res.stdout  # tag = rank
@@ -107,7 +109,6 @@ def check_layout(oks: list[re.Match], layout: list[str]) -> None:
     assert str(os.stat("/proc/self/ns/net").st_ino) not in namespaces
 
 
-@pytest.mark.timeout(60)
 def test_netns_tool_status_names_and_no_clobbering(hosts):
     status = _sh("bash", str(NETNS), "status", hosts)
     assert status.returncode == 0, status.stderr
@@ -120,13 +121,11 @@ def test_netns_tool_status_names_and_no_clobbering(hosts):
     assert again.returncode == 1 and "already up" in again.stderr
 
 
-@pytest.mark.timeout(90)
 def test_two_hosts_two_ranks_each(hosts, tmp_path):
     oks = run_job(tmp_path, f"{hosts}1 slots=2\n{hosts}2 slots=2\n")
     check_layout(oks, [f"{hosts}1", f"{hosts}1", f"{hosts}2", f"{hosts}2"])
 
 
-@pytest.mark.timeout(60)
 def test_uneven_hosts_one_and_two(hosts, tmp_path):
     oks = run_job(tmp_path, f"{hosts}1 slots=1   # the rendezvous host\n{hosts}2 slots=2\n")
     check_layout(oks, [f"{hosts}1", f"{hosts}2", f"{hosts}2"])

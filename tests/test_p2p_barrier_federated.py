@@ -9,14 +9,13 @@ import pytest
 
 import shmcoll
 from shmcoll import TAG_RESERVED_BASE
-from shmcoll.types import BFLOAT16
 
+from bounds import NEVER_S, WAIT_HANG_S
 from harness import CTX, run_ranks
+from params import FLOAT_DTYPES, WORLD_SIZES
 
-pytestmark = pytest.mark.usefixtures("layout")  # over tcp, shm and every simulated multi-host layout
-
-
-SIZES = [1, 2, 3, 4]
+# over tcp, shm and every simulated multi-host layout
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("layout")]
 
 
 def _barrier(pg, arrived):
@@ -32,7 +31,7 @@ def _barrier(pg, arrived):
     return True
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
 def test_barrier_waits_for_everyone(n):
     arrived = CTX.Value("i", 0)
     assert run_ranks(n, _barrier, arrived) == [True] * n
@@ -51,7 +50,7 @@ def _ring_messages(pg):
     return got, pg.recv(r, 9), pg.recv_f32(left, 11)
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
 def test_tagged_send_recv(n):
     for r, (got, own, f32) in enumerate(run_ranks(n, _ring_messages)):
         left = (r - 1) % n
@@ -83,12 +82,12 @@ def test_messages_of_one_tag_arrive_in_send_order():
 
 def _federated_all(pg, dtype):
     data = np.full(6, float(pg.rank + 1), dtype=dtype)
-    count = pg.federated_average(data, datetime.timedelta(seconds=20))
+    count = pg.federated_average(data, datetime.timedelta(seconds=WAIT_HANG_S))  # a deadline as a timedelta
     return count, data.astype(np.float64)
 
 
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_federated_average_everyone_in_time(n, dtype):
     results = run_ranks(n, _federated_all, dtype)
     assert [c for c, _ in results] == [n] + [0] * (n - 1)
@@ -104,9 +103,9 @@ def _federated_straggler(pg, released):
     for round_ in (1, 2):
         data = np.full(4, 10.0 * round_ + pg.rank, dtype=np.float32)
         if pg.rank == straggler and round_ == 1:
-            if not released.wait(30):
+            if not released.wait(WAIT_HANG_S):
                 raise TimeoutError("rank 0 never finished round 1")
-        count = pg.federated_average(data, 0.5 if round_ == 1 else 20.0)
+        count = pg.federated_average(data, 0.5 if round_ == 1 else WAIT_HANG_S)
         if pg.rank == 0 and round_ == 1:
             released.set()
         out.append((count, data.copy()))
@@ -130,16 +129,16 @@ def _federated_dead(pg):
     if pg.rank == pg.world_size - 1:
         os._exit(0)  # dies without a goodbye
     counts = []
-    for round_ in range(3):
+    for _ in range(3):
         data = np.full(3, float(pg.rank), dtype=np.float64)
-        counts.append(pg.federated_average(data, 30.0))  # must not wait 30 s for the dead rank
+        counts.append(pg.federated_average(data, NEVER_S))  # must not wait out its deadline for the dead rank
         counts.append(float(data[0]))
     return counts
 
 
-@pytest.mark.timeout(60)
 def test_federated_rounds_go_on_after_a_rank_dies():
     n = 3
-    results = run_ranks(n, _federated_dead, may_die={n - 1}, timeout=25)
+    # three rounds in less time than one round's deadline (NEVER_S): none waited for the dead rank
+    results = run_ranks(n, _federated_dead, may_die={n - 1}, timeout=WAIT_HANG_S)
     assert results[0] == [2, 0.5] * 3
     assert results[1] == [0, 0.5] * 3

@@ -15,18 +15,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmcoll.net import gate
-from shmcoll.net.handshake import (ACCEPT, HandshakeDropped, HandshakeError, ServerHandshake, client_handshake,
-                               server_handshake)
+from shmcoll.net.handshake import (
+    ACCEPT,
+    HandshakeDropped,
+    HandshakeError,
+    ServerHandshake,
+    client_handshake,
+    server_handshake,
+)
 from shmcoll.rendezvous.store import StoreClient, StoreServer
 
-pytestmark = pytest.mark.timeout(60)
+from bounds import CALL_DEADLINE_S, DROP_LATE_S, LATE_S, NEVER_S, NO_WAIT_S, THROUGH_FLOOD_S, WAIT_HANG_S
 
 SECRET = b"job-secret"
 PURPOSE = "jtest/store"
 HELLO = struct.Struct("<4sB32sI16s")  # the documented hello: magic, version, purpose digest, id, nonce
 
 
-def dl(seconds: float = 5.0) -> float:
+def dl(seconds: float = CALL_DEADLINE_S) -> float:
     return time.monotonic() + seconds
 
 
@@ -57,7 +63,7 @@ def assert_store_serves(store) -> None:
 
 
 def raw_conn(store) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", store.port), timeout=5)
+    return socket.create_connection(("127.0.0.1", store.port), timeout=CALL_DEADLINE_S)
 
 
 def authed_conn(store) -> socket.socket:
@@ -66,7 +72,7 @@ def authed_conn(store) -> socket.socket:
     return sock
 
 
-def assert_dropped(sock: socket.socket, seconds: float = 5.0) -> None:
+def assert_dropped(sock: socket.socket, seconds: float = gate.HANDSHAKE_SECONDS + DROP_LATE_S) -> None:
     """The server closes this connection (EOF or reset) within `seconds`; anything it sent first is ignored."""
     end = dl(seconds)
     while True:
@@ -76,7 +82,7 @@ def assert_dropped(sock: socket.socket, seconds: float = 5.0) -> None:
                 return
         except (ConnectionResetError, BrokenPipeError):
             return
-        except socket.timeout:
+        except TimeoutError:
             pytest.fail("the store kept a hostile connection open")
 
 
@@ -94,8 +100,8 @@ def test_a_rank_that_vanishes_mid_rendezvous_aborts_the_waiters_at_once(store):
         b._sock.close()  # what kill -9 does to its socket: no goodbye
         start = time.monotonic()
         with pytest.raises(StoreAbort) as err:
-            a.wait(["host/0", "host/1"], dl(30))
-        assert time.monotonic() - start < 2.0
+            a.wait(["host/0", "host/1"], dl(WAIT_HANG_S))
+        assert time.monotonic() - start < NO_WAIT_S
         reason = json.loads(err.value.args[0])
         assert reason["kind"] == "PeerLost" and reason["rank"] == 2 and "closed" in reason["message"], reason
     finally:
@@ -135,15 +141,15 @@ def test_set_get_wait(store):
 def test_wait_blocks_until_another_client_sets(store):
     waiter_client, setter = client(store, cid=0), client(store, cid=1)
     out = {}
-    t = threading.Thread(target=lambda: out.update(r=waiter_client.wait(["x", "y"], dl(20))), daemon=True)
+    t = threading.Thread(target=lambda: out.update(r=waiter_client.wait(["x", "y"], dl(WAIT_HANG_S))), daemon=True)
     start = time.monotonic()
     t.start()
     setter.set("x", "1", dl())
     setter.set("y", "2", dl())
-    t.join(20)
+    t.join(WAIT_HANG_S)
     assert not t.is_alive()
     assert out["r"] == ({"x": "1", "y": "2"}, [])
-    assert time.monotonic() - start < 15  # released by the set, not by the deadline
+    assert time.monotonic() - start < NO_WAIT_S  # released by the set, not by the deadline
     waiter_client.close()
     setter.close()
 
@@ -158,7 +164,7 @@ def test_wait_returns_the_missing_keys_at_the_deadline(store, seconds):
         took = time.monotonic() - start
         assert values == {"present": "yes"}
         assert sorted(missing) == ["absent", "also-absent"]
-        assert seconds - 0.05 <= took < seconds + 3
+        assert seconds - 0.05 <= took < seconds + LATE_S
     finally:
         c.close()
 
@@ -167,7 +173,7 @@ def test_wait_with_a_deadline_already_past(store):
     c = client(store)
     start = time.monotonic()
     assert c.wait(["nope"], start - 1) == ({}, ["nope"])
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < NO_WAIT_S
     c.close()
 
 
@@ -177,14 +183,14 @@ def test_close_releases_waiting_clients(store):
 
     def wait():
         try:
-            out["r"] = c.wait(["never"], dl(30))
+            out["r"] = c.wait(["never"], dl(NEVER_S))
         except (EOFError, OSError) as exc:
             out["e"] = exc
 
     t = threading.Thread(target=wait, daemon=True)
     t.start()
     store.close()
-    t.join(15)
+    t.join(WAIT_HANG_S)
     assert not t.is_alive(), "a client waiting on a closed store must not hang until its deadline"
     assert "e" in out or out["r"][1] == ["never"]
     with pytest.raises((EOFError, OSError)):  # the store is gone for good
@@ -201,7 +207,7 @@ def test_client_without_the_secret_is_refused(store, secret, purpose):
     start = time.monotonic()
     with pytest.raises((HandshakeError, EOFError)):
         StoreClient("127.0.0.1", store.port, secret, purpose, 1, dl())
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < NO_WAIT_S
     assert_store_serves(store)
 
 
@@ -344,7 +350,7 @@ def test_many_silent_connections_do_not_block_good_clients(store):
     try:
         start = time.monotonic()
         assert_store_serves(store)
-        assert time.monotonic() - start < 4  # not after the silent ones' handshake timeouts
+        assert time.monotonic() - start < THROUGH_FLOOD_S  # not after the silent ones' handshake timeouts
     finally:
         for s in silent:
             s.close()
@@ -361,11 +367,11 @@ def test_flood_of_silent_connections_costs_no_threads_and_is_dropped(store):
     try:
         start = time.monotonic()
         assert_store_serves(store)
-        assert time.monotonic() - start < 2
+        assert time.monotonic() - start < NO_WAIT_S
         assert len(_store_threads()) <= 2  # the gate, and at most the good client's handler
         for sock in silent:
-            assert_dropped(sock, seconds=gate.HANDSHAKE_SECONDS + 3 - (time.monotonic() - start))
-        assert time.monotonic() - start < gate.HANDSHAKE_SECONDS + 3
+            assert_dropped(sock, seconds=gate.HANDSHAKE_SECONDS + LATE_S - (time.monotonic() - start))
+        assert time.monotonic() - start < gate.HANDSHAKE_SECONDS + LATE_S
         assert_store_serves(store)
     finally:
         for s in silent:
@@ -385,12 +391,12 @@ def test_slowloris_is_dropped_within_the_handshake_budget(store):
                 if sock.recv(64) == b"":
                     closed = time.monotonic() - start
                     break
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 closed = time.monotonic() - start
                 break
-        assert closed is not None and closed < gate.HANDSHAKE_SECONDS + 1.5, closed
+        assert closed is not None and closed < gate.HANDSHAKE_SECONDS + DROP_LATE_S, closed
         assert_store_serves(store)
     finally:
         sock.close()
@@ -400,7 +406,7 @@ def test_client_reconnects_when_the_server_hangs_up_mid_handshake():
     """A client shed by a flooded gate (the server hangs up after its hello) tries again; a server
     that fails its proof is not retried."""
     listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(10)
+    listener.settimeout(WAIT_HANG_S)
     port = listener.getsockname()[1]
 
     seen = []
@@ -421,14 +427,14 @@ def test_client_reconnects_when_the_server_hangs_up_mid_handshake():
     t = threading.Thread(target=serve, args=(True,), daemon=True)
     t.start()
     StoreClient("127.0.0.1", port, SECRET, PURPOSE, 1, dl()).close()
-    t.join(10)
+    t.join(WAIT_HANG_S)
     assert not t.is_alive() and seen == [1]
     t = threading.Thread(target=serve, args=(False,), daemon=True)
     t.start()
     with pytest.raises(HandshakeError) as err:
         StoreClient("127.0.0.1", port, b"other-secret", PURPOSE, 1, dl())
     assert not isinstance(err.value, HandshakeDropped)
-    t.join(10)
+    t.join(WAIT_HANG_S)
     assert not t.is_alive() and seen == [1, "EOFError"]  # one connection only: no retry
     listener.close()
 
@@ -449,12 +455,12 @@ def _hang_up_after_proofs(sock):
 def test_client_handshake_reports_a_hang_up_as_dropped(server):
     a, b = socket.socketpair()
     with a, b:
-        b.settimeout(5)
+        b.settimeout(CALL_DEADLINE_S)
         t = threading.Thread(target=lambda: (server(b), b.shutdown(socket.SHUT_RDWR)), daemon=True)
         t.start()
         with pytest.raises(HandshakeDropped):
             client_handshake(a, SECRET, "p", 1, dl())
-        t.join(5)
+        t.join(CALL_DEADLINE_S)
         assert not t.is_alive()
 
 
@@ -470,7 +476,7 @@ def _send_deeply_nested(store):
         sock.close()
     for t in set(threading.enumerate()) - before:
         if t.name.startswith("shmcoll-store"):
-            t.join(10)  # the thread's end (and any exception it let escape) is behind us
+            t.join(WAIT_HANG_S)  # the thread's end (and any exception it let escape) is behind us
             assert not t.is_alive()
 
 
@@ -489,7 +495,7 @@ def test_deeply_nested_json_is_dropped_quietly(store, monkeypatch):
 
 # ---------------------------------------------------------------- handshake over a socket pair
 
-def run_pair(client_args, server_args, seconds: float = 5.0):
+def run_pair(client_args, server_args, seconds: float = CALL_DEADLINE_S):
     """client_handshake and server_handshake on the two ends of a socket pair, like real callers:
     each side closes its end when it fails. Returns ((client result, error), (server result, error))."""
     a, b = socket.socketpair()
@@ -498,7 +504,7 @@ def run_pair(client_args, server_args, seconds: float = 5.0):
     def side(name, fn, sock, args):
         try:
             out[name] = (fn(sock, *args, dl(seconds)), None)
-        except Exception as exc:  # noqa: BLE001 - inspected by the test
+        except Exception as exc:  # inspected by the test
             out[name] = (None, exc)
             sock.close()
 
@@ -507,7 +513,7 @@ def run_pair(client_args, server_args, seconds: float = 5.0):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(seconds + 5)
+        t.join(seconds + CALL_DEADLINE_S)
         assert not t.is_alive(), "handshake hung past its deadline"
     a.close()
     b.close()
@@ -546,7 +552,7 @@ def test_server_refuses_a_client_that_cannot_prove_the_secret():
         a.sendall(os.urandom(32))  # a MAC made up without the secret
         with pytest.raises(HandshakeError, match="9"):
             server_handshake(b, SECRET, "p", dl())
-        a.settimeout(5)
+        a.settimeout(CALL_DEADLINE_S)
         assert len(a.recv(48, socket.MSG_WAITALL)) == 48  # the server's nonce and proof ...
         a.setblocking(False)
         with pytest.raises(BlockingIOError):  # ... but no acceptance byte
@@ -559,7 +565,7 @@ def test_client_refuses_a_server_that_cannot_prove_the_secret():
         b.sendall(os.urandom(48))  # a nonce and a made-up MAC
         with pytest.raises(HandshakeError):
             client_handshake(a, SECRET, "p", 1, dl())
-        b.settimeout(5)
+        b.settimeout(CALL_DEADLINE_S)
         assert len(b.recv(HELLO.size)) > 0  # it did say hello first, but never sent its proof
         b.setblocking(False)
         with pytest.raises(BlockingIOError):
@@ -576,7 +582,7 @@ def test_silent_peer_times_out(side):
                 server_handshake(b, SECRET, "p", start + 0.3)
             else:
                 client_handshake(a, SECRET, "p", 1, start + 0.3)
-        assert 0.25 <= time.monotonic() - start < 3
+        assert 0.25 <= time.monotonic() - start < 0.3 + LATE_S
 
 
 @st.composite
@@ -604,7 +610,7 @@ def test_server_handshake_on_random_bytes(raw, secret):
         start = time.monotonic()
         with pytest.raises((HandshakeError, EOFError, OSError)):
             server_handshake(b, secret, "p", start + 2.0)
-        assert time.monotonic() - start < 1.5  # the input ended: it fails at once, not at the deadline
+        assert time.monotonic() - start < NO_WAIT_S  # the input ended: it fails at once, not at the deadline
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -617,7 +623,7 @@ def test_client_handshake_on_random_bytes(raw, secret):
         start = time.monotonic()
         with pytest.raises(HandshakeError):  # the client turns every early end into a HandshakeError
             client_handshake(a, secret, "p", 1, start + 2.0)
-        assert time.monotonic() - start < 1.5
+        assert time.monotonic() - start < NO_WAIT_S
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -649,12 +655,12 @@ def test_server_handshake_state_machine_with_a_genuine_client_in_pieces(cuts):
         t = threading.Thread(target=client_handshake, args=(a, SECRET, "p", 42, dl()), daemon=True)
         t.start()
         state, i = ServerHandshake(SECRET, "p"), 0
-        b.settimeout(5)
+        b.settimeout(CALL_DEADLINE_S)
         while not state.proved:
             reply = state.feed(b.recv(min(cuts[i % len(cuts)], state.wanted())))
             i += 1
             if reply:
                 b.sendall(reply)
         b.sendall(ACCEPT)
-        t.join(5)
+        t.join(CALL_DEADLINE_S)
         assert not t.is_alive() and state.client_id == 42

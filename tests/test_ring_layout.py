@@ -15,8 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmcoll.transport import shm_layout as ring
-from shmcoll.transport.shm_layout import (ABORT_TEXT_BYTES, ABORT_TEXT_OFFSET, BOARD_HEADER_OFFSET, HOST_HEADER_BYTES,
-                                    MAX_LOCAL, SLOT_HEADER_BYTES, Layout, fit_layout)
+from shmcoll.transport.shm_layout import (
+    ABORT_TEXT_BYTES,
+    ABORT_TEXT_OFFSET,
+    BOARD_HEADER_OFFSET,
+    HOST_HEADER_BYTES,
+    MAX_LOCAL,
+    SLOT_HEADER_BYTES,
+    Layout,
+    fit_layout,
+)
 
 KIB = 1 << 10
 MIN_SLOT = 64 * KIB  # fit_layout shrinks slots no further than this (unless asked for smaller)

@@ -24,19 +24,16 @@ from shmcoll.config import derive_job_id
 from shmcoll.transport import shm_segment
 from shmcoll.transport.shm_layout import Layout
 from shmcoll.transport.shm_segment import pid_alive
-from shmcoll.types import wire_type_of
 
-from kernel_reference import reference_reduce
-from harness import CTX, Died, attempt, finish_together, run_ranks
+from bounds import BROKEN_CALL_S, FAULT_NOTICE_S, NEVER_S, REAP_S, SETUP_FAILURE_S, WAIT_HANG_S
+from harness import CTX, Died, WaitTimedOut, attempt, finish_together, run_ranks, wait_until
+from params import reduced, small_ints
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.multiprocess
 
 SHM = {"SHMCOLL_TRANSPORT": "shm"}
 TINY_RING = {**SHM, "SHMCOLL_SHM_SLOTS": "2", "SHMCOLL_SHM_SLOT_BYTES": "4096"}
 TINIEST_RING = {**SHM, "SHMCOLL_SHM_SLOTS": "2", "SHMCOLL_SHM_SLOT_BYTES": "64", "SHMCOLL_CHUNK_BYTES": "4096"}
-LONG = 60.0  # group timeout where waiting it out would fail the test
-PROMPT = 2.0  # a dead peer must be reported within this many seconds
-RUN = 40.0  # run_ranks' deadline (it dumps the stacks of hung ranks)
 MIB = 1 << 20
 
 
@@ -61,7 +58,7 @@ def _leftovers(before: set[str], ours: set[int] = frozenset()) -> set[str]:
     return {e for e in new if _creator(e) in ours or _creator(e) is None or not pid_alive(_creator(e))}
 
 
-def _init(rank: int, n: int, port: int, timeout: float = LONG, **kwargs):
+def _init(rank: int, n: int, port: int, timeout: float = NEVER_S, **kwargs):
     return shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port, timeout=timeout,
                         **kwargs)
 
@@ -71,21 +68,21 @@ def _warm_up(pg, ready) -> None:
     x = np.full(8, pg.rank + 1.0)
     pg.all_reduce(x)
     assert np.all(x == pg.world_size * (pg.world_size + 1) / 2)
-    assert ready.wait(timeout=RUN / 2) is not None
+    assert ready.wait(timeout=WAIT_HANG_S) is not None
 
 
-def _inside(pg, peers, seq: int, bound: float = 10.0, nbytes: int = 0) -> bool:
+def _inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0) -> bool:
     """Wait (bounded) until each of `peers` is inside collective `seq` (of nbytes of data): a small call
     over a shared-memory board shows as the peer's board entry; otherwise take the first frame each
     peer sends in it. Only a rank about to die or leave may do the latter (its call needed them)."""
     deadline = time.monotonic() + bound
     board = getattr(pg.transport, "board", None)
     if board is not None and nbytes <= board.capacity:
-        while not all(board.published(p, seq) for p in peers):  # a bounded poll of shared memory
-            if time.monotonic() > deadline:
-                return False
-            os.sched_yield()  # ranks may outnumber cores
-        return True
+        try:  # a poll of shared memory, yielding the processor in between: ranks may outnumber cores
+            return wait_until(lambda: all(board.published(p, seq) for p in peers), bound,
+                              f"ranks {peers} inside collective {seq}", interval=0)
+        except WaitTimedOut:
+            return False
     tag = shmcoll.TAG_RESERVED_BASE + seq
     try:
         return all(pg.transport.recv(p, tag, deadline).header.meta.seq == seq for p in peers)
@@ -93,33 +90,18 @@ def _inside(pg, peers, seq: int, bound: float = 10.0, nbytes: int = 0) -> bool:
         return False
 
 
-def _wait_gone(pid: int, bound: float = 10.0) -> bool:
-    """Until process pid no longer exists (or is a zombie); a bounded poll of a condition."""
-    end = time.monotonic() + bound
-    while pid_alive(pid):
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.002)
-    return True
+def _wait_gone(pid: int) -> bool:
+    """Until process pid no longer exists (or is a zombie); False if it is still there after REAP_S."""
+    try:
+        return wait_until(lambda: not pid_alive(pid), REAP_S, f"process {pid} to be gone", interval=0.002)
+    except WaitTimedOut:
+        return False
 
 
 def _pattern(rank: int, nbytes: int, tag: int = 0) -> np.ndarray:
     """nbytes of data that differ by rank, tag and position (so a misplaced slot is caught)."""
     words = np.arange(nbytes // 8, dtype=np.uint64)
     return (words * np.uint64(0x9E3779B97F4A7C15) + np.uint64(1000 * rank + tag)).reshape(-1, 4)
-
-
-def _small_ints(rank: int, count: int, dtype, op: ReduceKind) -> np.ndarray:
-    """Integer-valued inputs whose reductions are exact in every dtype: results are bitwise known."""
-    rng = np.random.default_rng(1000 * rank + count + int(op))
-    high = 3 if op is ReduceKind.PROD else 9
-    return rng.integers(-high, high + 1, size=count).astype(np.float64).astype(dtype)
-
-
-def _expected(n: int, count: int, dtype, op: ReduceKind) -> bytes:
-    wire = wire_type_of(np.dtype(dtype))
-    inputs = [_small_ints(r, count, dtype, op).view(wire.storage) for r in range(n)]
-    return reference_reduce(inputs, wire.code, op).tobytes()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +126,7 @@ def test_no_names_left_after_a_normal_job():
     n = 3
     before = _shm_entries()
     pids = CTX.RawArray("q", n)
-    results = run_ranks(n, _normal_job, pids, init=False, env=SHM, timeout=RUN)
+    results = run_ranks(n, _normal_job, pids, init=False, env=SHM)
     for during, gathered in results:
         assert during == [], f"names still in /dev/shm after init() returned: {during}"
         assert gathered == list(range(n))
@@ -171,7 +153,7 @@ def test_no_names_left_after_kill_9_of_every_rank_mid_all_reduce():
 
     def killer():
         for _ in range(n):
-            if not inside.acquire(timeout=RUN / 2):
+            if not inside.acquire(timeout=WAIT_HANG_S):
                 return
         for pid in list(pids):
             os.kill(pid, signal.SIGKILL)
@@ -179,9 +161,9 @@ def test_no_names_left_after_kill_9_of_every_rank_mid_all_reduce():
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    results = run_ranks(n, _big_all_reduces_until_killed, pids, inside, RUN / 2, init=False, env=SHM,
-                        may_die=set(range(n)), timeout=RUN)
-    thread.join(timeout=5)
+    results = run_ranks(n, _big_all_reduces_until_killed, pids, inside, WAIT_HANG_S, init=False, env=SHM,
+                        may_die=set(range(n)))
+    thread.join(timeout=REAP_S)
     assert len(killed) == n, "the ranks never all reported being inside the loop"
     assert results == [Died(-signal.SIGKILL)] * n
     assert not _leftovers(before, set(pids)), "shared memory left behind after kill -9 of every rank"
@@ -211,10 +193,10 @@ def _crashed_creator(job: str) -> set[str]:
     proc.start()
     child_end.close()
     try:
-        assert parent_end.poll(20), "the creating child reported nothing"
+        assert parent_end.poll(WAIT_HANG_S), "the creating child reported nothing"
         prefix = parent_end.recv()
     finally:
-        proc.join(10)
+        proc.join(REAP_S)
     assert proc.exitcode == 0
     assert prefix.startswith(f"/shmcoll-{proc.pid}-{job}")
     names = _names_of(prefix, 2)
@@ -248,7 +230,7 @@ def _shm_job(pg):
 def test_a_new_jobs_init_sweeps_a_crashed_creators_names():
     stale = _crashed_creator("leaktest2")
     before = _shm_entries() - stale
-    assert run_ranks(2, _shm_job, env=SHM, timeout=RUN) == ["ShmTransport"] * 2
+    assert run_ranks(2, _shm_job, env=SHM) == ["ShmTransport"] * 2
     assert not stale & _shm_entries(), "init() did not sweep names of a creator that no longer exists"
     assert not _leftovers(before)
 
@@ -284,7 +266,7 @@ def _init_with_tiny_shm(rank, n, port, patch_bootstrap, leader_failed=None):
         real_attach = shmcoll.bootstrap._attach
 
         def late_attach(*args, **kwargs):
-            assert leader_failed.wait(RUN / 2), "rank 0 never published its failure"
+            assert leader_failed.wait(WAIT_HANG_S), "rank 0 never published its failure"
             return real_attach(*args, **kwargs)
 
         shmcoll.bootstrap._attach = late_attach
@@ -302,10 +284,10 @@ def _says_how_to_fix(msg: str, create_check: bool) -> bool:
 @pytest.mark.parametrize("patch_bootstrap", [True, False], ids=["fit_layout-fails", "create-check-fails"])
 def test_too_little_dev_shm_fails_every_rank_promptly(n, patch_bootstrap):
     before = _shm_entries()
-    results = run_ranks(n, _init_with_tiny_shm, patch_bootstrap, init=False, timeout=RUN)
+    results = run_ranks(n, _init_with_tiny_shm, patch_bootstrap, init=False)
     for rank, out in enumerate(results):
         assert out["collective_error"], (rank, out)
-        assert out["call_s"] < 10.0, (rank, out)  # the group timeout is 60 s
+        assert out["call_s"] < SETUP_FAILURE_S, (rank, out)  # far below the group timeout, NEVER_S
     assert _says_how_to_fix(results[0]["msg"], not patch_bootstrap), results[0]["msg"]
     for rank, out in enumerate(results[1:], 1):  # the leader's reason reaches every rank
         assert _says_how_to_fix(out["msg"], not patch_bootstrap), (rank, out["msg"])
@@ -314,9 +296,9 @@ def test_too_little_dev_shm_fails_every_rank_promptly(n, patch_bootstrap):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_too_little_dev_shm_every_rank_says_how_to_fix_it_even_when_late(n):
-    results = run_ranks(n, _init_with_tiny_shm, True, CTX.Event(), init=False, timeout=RUN)
+    results = run_ranks(n, _init_with_tiny_shm, True, CTX.Event(), init=False)
     for rank, out in enumerate(results):
-        assert out["collective_error"] and out["call_s"] < 10.0, (rank, out)
+        assert out["collective_error"] and out["call_s"] < SETUP_FAILURE_S, (rank, out)
         assert _says_how_to_fix(out["msg"], False), (rank, out["msg"])
 
 
@@ -336,7 +318,7 @@ def _with_host_id(rank, n, port, host_ids, transport, leader_failed=None):
         def late_gather(cfg, client, kind, value, deadline, *rest):
             if kind == "host":
                 client.set(f"host/{cfg.rank}", value, deadline)
-                assert leader_failed.wait(RUN / 2), "rank 0 never published its failure"
+                assert leader_failed.wait(WAIT_HANG_S), "rank 0 never published its failure"
             return real_gather(cfg, client, kind, value, deadline, *rest)
 
         shmcoll.bootstrap._gather = late_gather
@@ -361,9 +343,9 @@ def _says_several_hosts(out: dict) -> bool:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_shm_refuses_ranks_on_several_hosts(n):
-    results = run_ranks(n, _with_host_id, [f"host{r}" for r in range(n)], "shm", init=False, timeout=RUN)
+    results = run_ranks(n, _with_host_id, [f"host{r}" for r in range(n)], "shm", init=False)
     for rank, out in enumerate(results):
-        assert out["collective_error"] and out["call_s"] < 10.0, (rank, out)
+        assert out["collective_error"] and out["call_s"] < SETUP_FAILURE_S, (rank, out)
     assert _says_several_hosts(results[0]), results[0]
     for rank, out in enumerate(results):
         assert _says_several_hosts(out), (rank, out)
@@ -371,8 +353,7 @@ def test_shm_refuses_ranks_on_several_hosts(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_shm_refuses_several_hosts_on_every_rank_even_when_late(n):
-    results = run_ranks(n, _with_host_id, [f"host{r}" for r in range(n)], "shm", CTX.Event(), init=False,
-                        timeout=RUN)
+    results = run_ranks(n, _with_host_id, [f"host{r}" for r in range(n)], "shm", CTX.Event(), init=False)
     for rank, out in enumerate(results):
         assert _says_several_hosts(out), (rank, out)
 
@@ -388,7 +369,7 @@ def test_shm_refuses_several_hosts_on_every_rank_even_when_late(n):
 ], ids=["all-differ", "two-hosts", "two-hosts-hier", "two-hosts-tcp", "one-host", "one-host-hier", "one-host-tcp"])
 def test_auto_picks_the_hierarchy_across_hosts_and_shm_on_one(host_ids, choice, want):
     n = len(host_ids)
-    for rank, out in enumerate(run_ranks(n, _with_host_id, host_ids, choice, init=False, timeout=RUN)):
+    for rank, out in enumerate(run_ranks(n, _with_host_id, host_ids, choice, init=False)):
         assert out["kind"] == "returned" and out["transport"] == want, (rank, out)
         assert out["sum"] == [n * (n + 1) / 2] * 3
 
@@ -410,7 +391,7 @@ def _send_then_recv(pg, nbytes):
 
 @pytest.mark.parametrize("n, nbytes", [(2, 32 * MIB), (3, 16 * MIB)], ids=["pair-32MiB", "ring3-16MiB"])
 def test_simultaneous_large_sends_do_not_deadlock(n, nbytes):
-    results = run_ranks(n, _send_then_recv, nbytes, env=TINY_RING, timeout=RUN)
+    results = run_ranks(n, _send_then_recv, nbytes, env=TINY_RING)
     print(f"\n[timing] n={n} {nbytes >> 20} MiB through 2 x 4 KiB slots: "
           + ", ".join(f"{took:.2f}s" for _, took in results))
     assert [ok for ok, _ in results] == [True] * n
@@ -431,19 +412,19 @@ def _small_overtakes_large(pg):
 
 
 def test_receiving_another_tag_first_moves_the_large_message_to_the_mailbox():
-    _, (small, dtype, large_ok) = run_ranks(2, _small_overtakes_large, env=TINY_RING, timeout=RUN)
+    _, (small, dtype, large_ok) = run_ranks(2, _small_overtakes_large, env=TINY_RING)
     assert small == [7, 8, 9] and dtype == "int16"
     assert large_ok
 
 
-SIZES = [8, 4096, 4097, 3 * 4096 + 5, 40_000, 0, 1]  # bytes: within one slot, exactly one, several
+MESSAGE_BYTES = [8, 4096, 4097, 3 * 4096 + 5, 40_000, 0, 1]  # within one slot, exactly one, several
 
 
 def _fifo_two_tags(pg, count):
     if pg.rank == 0:
         for i in range(count):
             tag = 5 + i % 2
-            pg.send(1, tag, np.full(SIZES[i % len(SIZES)], i % 251, dtype=np.uint8))
+            pg.send(1, tag, np.full(MESSAGE_BYTES[i % len(MESSAGE_BYTES)], i % 251, dtype=np.uint8))
         return None
     got = {}
     for tag in (6, 5):  # everything of tag 6 first: all of tag 5 moves through the mailbox
@@ -454,10 +435,10 @@ def _fifo_two_tags(pg, count):
 
 def test_one_source_and_tag_keeps_send_order_across_many_slots():
     count = 60
-    _, got = run_ranks(2, _fifo_two_tags, count, env=TINY_RING, timeout=RUN)
+    _, got = run_ranks(2, _fifo_two_tags, count, env=TINY_RING)
     for tag in (5, 6):
-        want = [(SIZES[i % len(SIZES)], i % 251 if SIZES[i % len(SIZES)] else None, True)
-                for i in range(count) if 5 + i % 2 == tag]
+        sizes = [MESSAGE_BYTES[i % len(MESSAGE_BYTES)] for i in range(count)]
+        want = [(sizes[i], i % 251 if sizes[i] else None, True) for i in range(count) if 5 + i % 2 == tag]
         assert got[tag] == want, tag
 
 
@@ -469,14 +450,14 @@ def _threads_share_a_channel(pg, per_thread):
             try:
                 for i in range(per_thread):
                     pg.send(1, tag, _pattern(tag, 4096 * (1 + i % 4) + 32 * i, i))
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:  # reported to the parent
                 errors.append(repr(exc))
 
         threads = [threading.Thread(target=sender, args=(tag,)) for tag in (10, 11, 12)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=RUN / 2)
+            t.join(timeout=WAIT_HANG_S)
         return errors, [t.is_alive() for t in threads]
     ok = {}
     for tag in (12, 10, 11):
@@ -487,7 +468,7 @@ def _threads_share_a_channel(pg, per_thread):
 
 def test_threads_sending_on_one_channel_keep_messages_whole_and_ordered():
     per_thread = 25
-    (errors, alive), ok = run_ranks(2, _threads_share_a_channel, per_thread, env=TINY_RING, timeout=RUN)
+    (errors, alive), ok = run_ranks(2, _threads_share_a_channel, per_thread, env=TINY_RING)
     assert errors == [] and not any(alive)
     assert ok == {tag: [True] * per_thread for tag in (10, 11, 12)}
 
@@ -513,7 +494,7 @@ def _spawn_and_p2p(pg, count, rounds):
     for i in range(rounds):  # both workers stream the all-reduce while the main threads exchange
         pg.send(peer, 4, _pattern(r, 4096 * (i % 3 + 1), i))
         assert np.array_equal(pg.recv(peer, 4), _pattern(peer, 4096 * (i % 3 + 1), i)), f"round {i}"
-    result = handle.join(timeout=RUN / 2)
+    result = handle.join(timeout=WAIT_HANG_S)
     wrong = np.flatnonzero(result != 3.0)
     return in_flight, (len(wrong), wrong[:5].tolist(), result[wrong[:5]].tolist()), result is data
 
@@ -523,7 +504,7 @@ def _spawn_and_p2p(pg, count, rounds):
 
 
 def test_spawned_all_reduce_and_main_thread_p2p_share_the_peer():
-    out = run_ranks(2, _spawn_and_p2p, 2 * MIB, 20, env=TINY_RING, group_timeout=10.0, timeout=RUN)
+    out = run_ranks(2, _spawn_and_p2p, 2 * MIB, 20, env=TINY_RING, group_timeout=WAIT_HANG_S)
     assert out[0][0] is True, "rank 0's spawned all-reduce was not in flight during the exchange"
     for rank, (_, wrong, same) in enumerate(out):
         assert wrong[0] == 0, f"rank {rank}: {wrong[0]} wrong elements, e.g. at {wrong[1]}: {wrong[2]}"
@@ -538,7 +519,7 @@ def _overtake_through_the_mailbox(pg, count, fired):
     lock first. The worker must still take its frames in order."""
     data = np.arange(count, dtype=np.float32) * (pg.rank + 1)  # exact sums; pieces out of order show
     if pg.rank == 0:
-        pg.spawn_all_reduce(data).join(timeout=RUN / 2)
+        pg.spawn_all_reduce(data).join(timeout=WAIT_HANG_S)
         pg.send(1, 9, np.arange(3))
     else:
         t = pg.transport
@@ -555,7 +536,7 @@ def _overtake_through_the_mailbox(pg, count, fired):
                     pumped.set()
             if state["yield"]:
                 state["yield"] = False
-                pumped.wait(10)  # the worker's attempt comes first
+                pumped.wait(WAIT_HANG_S)  # the worker's attempt comes first
             return real_pump(*args, **kwargs)
 
         def put(msg):
@@ -563,7 +544,7 @@ def _overtake_through_the_mailbox(pg, count, fired):
                     and msg.header.tag >= shmcoll.TAG_RESERVED_BASE):
                 state["armed"] = False
                 entered.clear()
-                fired.value = entered.wait(10)  # the worker missed in the mailbox and goes for the lock
+                fired.value = entered.wait(WAIT_HANG_S)  # the worker missed in the mailbox and goes for the lock
                 pumped.clear()
                 state["yield"] = True
             real_put(msg)
@@ -571,14 +552,14 @@ def _overtake_through_the_mailbox(pg, count, fired):
         t._pump, t._mailbox.put = pump, put
         handle = pg.spawn_all_reduce(data)
         assert pg.recv(0, 9).tolist() == [0, 1, 2]
-        handle.join(timeout=RUN / 2)
+        handle.join(timeout=WAIT_HANG_S)
     wrong = np.flatnonzero(data != np.arange(count, dtype=np.float32) * 3)
     return len(wrong), wrong[:3].tolist(), data[wrong[:3]].tolist()
 
 
 def test_frames_moved_to_the_mailbox_by_another_thread_keep_their_order():
     fired = CTX.Value("b", 0)
-    out = run_ranks(2, _overtake_through_the_mailbox, MIB, fired, group_timeout=5.0, timeout=RUN,
+    out = run_ranks(2, _overtake_through_the_mailbox, MIB, fired, group_timeout=WAIT_HANG_S,
                     env={**SHM, "SHMCOLL_CHUNK_BYTES": str(64 << 10)})
     assert fired.value, "the interleaving was not forced"
     for rank, (wrong, where, values) in enumerate(out):
@@ -601,7 +582,7 @@ def _everything(pg):
     for dtype in (np.float32, np.float16):
         for count in TINY_COUNTS:
             for op in ReduceKind:
-                data = _small_ints(r, count, dtype, op)
+                data = small_ints(r, count, dtype, op)
                 pg.all_reduce(data, op)
                 out["all_reduce", np.dtype(dtype).name, count, op.name] = data.tobytes()
     out["all_gather"] = pg.all_gather((np.arange(3001, dtype=np.int32) + 10_000 * r).reshape(-1, 1)).tobytes()
@@ -612,7 +593,7 @@ def _everything(pg):
         pg.broadcast(root, data)
         out["broadcast", root] = data.tobytes()
     fed = np.full(3001, float(r + 1), dtype=np.float32)
-    out["federated_count"] = pg.federated_average(fed, 30.0)
+    out["federated_count"] = pg.federated_average(fed, WAIT_HANG_S)
     out["federated"] = fed.tobytes()
     return out
 
@@ -621,13 +602,13 @@ def _everything(pg):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_collective_through_rings_of_two_64_byte_slots(n, board):
     """Board off: every all-reduce goes through the rings. A 64-byte board: the smallest ones use it."""
-    results = run_ranks(n, _everything, env={**TINIEST_RING, "SHMCOLL_SHM_BOARD_BYTES": board}, timeout=RUN)
+    results = run_ranks(n, _everything, env={**TINIEST_RING, "SHMCOLL_SHM_BOARD_BYTES": board})
     for rank, out in enumerate(results):
         for dtype in (np.float32, np.float16):
             for count in TINY_COUNTS:
                 for op in ReduceKind:
                     key = ("all_reduce", np.dtype(dtype).name, count, op.name)
-                    assert out[key] == _expected(n, count, dtype, op), (rank, key)
+                    assert out[key] == reduced(n, count, dtype, op).tobytes(), (rank, key)
         want = np.concatenate([np.arange(3001, dtype=np.int32) + 10_000 * q for q in range(n)])
         assert out["all_gather"] == want.tobytes(), rank
         for root in range(n):
@@ -672,7 +653,8 @@ def _killed_while_waited_on(rank, n, port, victim, call, stamps, ready, finish):
     pg = _init(rank, n, port)
     _warm_up(pg, ready)
     if rank == victim:
-        _inside(pg, [(rank - 1) % n], seq=1, nbytes=call.nbytes)  # the rank sending to us first is waiting inside call 1
+        # the rank sending to us first is waiting inside call 1
+        _inside(pg, [(rank - 1) % n], seq=1, nbytes=call.nbytes)
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
     out = attempt(lambda: call(pg))
@@ -690,15 +672,15 @@ def _killed_while_waited_on(rank, n, port, victim, call, stamps, ready, finish):
 def test_rank_killed_while_others_wait_on_it(call, n, victim):
     stamps = CTX.RawArray("d", n)
     results = run_ranks(n, _killed_while_waited_on, victim, call, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
-                        init=False, env=SHM, may_die={victim}, timeout=RUN)
+                        init=False, env=SHM, may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     for rank, out in enumerate(results):
         if rank == victim:
             continue
         print(f"\n[timing] {call.__name__} n={n}: rank {rank} {out['kind']} {out['fault_s']:.3f}s after the kill")
         assert out["kind"] == "PeerLost" and out["peer"] == victim, (rank, out)
-        assert out["fault_s"] < PROMPT, (rank, out)
-        assert out["then"]["kind"] == "PeerLost" and out["then"]["call_s"] < 0.5, (rank, out["then"])
+        assert out["fault_s"] < FAULT_NOTICE_S, (rank, out)
+        assert out["then"]["kind"] == "PeerLost" and out["then"]["call_s"] < BROKEN_CALL_S, (rank, out["then"])
         assert out["finished_together"], rank
 
 
@@ -719,24 +701,23 @@ def _p2p_to_killed(rank, n, port, direction, stamps, ready):
     return out
 
 
-def _wait_for_slot_traffic(pg, bound: float = 10.0) -> None:
-    """Until rank 0's ring to this rank is full (rank 0 is then waiting on us); bounded."""
+def _wait_for_slot_traffic(pg) -> None:
+    """Until rank 0's ring to this rank is full (rank 0 is then waiting on us)."""
     data = pg.transport._in[0].data  # the filled-slots semaphore of the ring from rank 0
-    end = time.monotonic() + bound
-    while data.value < pg.transport._layout.n_slots and time.monotonic() < end:
-        time.sleep(0.001)
+    wait_until(lambda: data.value >= pg.transport._layout.n_slots, WAIT_HANG_S, "rank 0's ring to this rank to fill",
+               interval=0.001)
 
 
 @pytest.mark.parametrize("direction", ["send", "recv"])
 def test_p2p_with_a_killed_peer_raises_peer_lost_promptly(direction):
     stamps = CTX.RawArray("d", 2)
     results = run_ranks(2, _p2p_to_killed, direction, stamps, CTX.Barrier(2), init=False, env=TINY_RING,
-                        may_die={1}, timeout=RUN)
+                        may_die={1})
     assert results[1] == Died(-signal.SIGKILL)
     out = results[0]
     print(f"\n[timing] p2p {direction}: {out['kind']} {out['fault_s']:.3f}s after the kill")
     assert out["kind"] == "PeerLost" and out["peer"] == 1, out
-    assert out["fault_s"] < PROMPT, out
+    assert out["fault_s"] < FAULT_NOTICE_S, out
 
 
 def _closes_early(rank, n, port, leaver, ready, finish):
@@ -754,13 +735,12 @@ def _closes_early(rank, n, port, leaver, ready, finish):
 
 def test_rank_that_closes_while_others_wait_on_it_is_peer_lost():
     n, leaver = 3, 2
-    results = run_ranks(n, _closes_early, leaver, CTX.Barrier(n), CTX.Barrier(n - 1), init=False, env=SHM,
-                        timeout=RUN)
+    results = run_ranks(n, _closes_early, leaver, CTX.Barrier(n), CTX.Barrier(n - 1), init=False, env=SHM)
     assert results[leaver]["inside"]
     for rank in range(n - 1):
         out = results[rank]
         assert out["kind"] == "PeerLost" and out["peer"] == leaver, (rank, out)
-        assert out["end"] - results[leaver]["end"] < PROMPT, (rank, out)
+        assert out["end"] - results[leaver]["end"] < FAULT_NOTICE_S, (rank, out)
         assert out["finished_together"], rank
 
 
@@ -780,7 +760,7 @@ def _leaves_after_final(rank, n, port, leaver, final, gates, pids, left, ready):
             if src == leaver:
                 calls.append(src)
                 if len(calls) == gates[rank]:
-                    gated.append(left.wait(RUN / 2) and _wait_gone(pids[leaver]))
+                    gated.append(left.wait(WAIT_HANG_S) and _wait_gone(pids[leaver]))
             return real(src, tag, *args, **kwargs)
 
         transport.recv_into = recv_into
@@ -806,7 +786,7 @@ def _leaves_after_final(rank, n, port, leaver, final, gates, pids, left, ready):
 def test_rank_that_finished_and_exited_does_not_disturb_the_others(final, n, leaver, gates):
     pids, left = CTX.RawArray("q", n), CTX.Event()
     results = run_ranks(n, _leaves_after_final, leaver, final, gates, pids, left, CTX.Barrier(n), init=False,
-                        env=SHM, timeout=RUN)
+                        env=SHM)
     for rank, out in enumerate(results):
         assert out["kind"] == "returned", (rank, out)
         if rank != leaver:

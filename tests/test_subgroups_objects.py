@@ -11,10 +11,11 @@ import pytest
 
 from shmcoll import ReduceKind
 
+from bounds import WAIT_HANG_S
 from harness import attempt, run_ranks
+from params import BANDWIDTH_PATHS, WORLD_SIZES
 
-SIZES = [1, 2, 3, 4]
-JOIN_S = 30.0
+pytestmark = pytest.mark.multiprocess
 
 
 def _thread(target, *args):
@@ -25,14 +26,14 @@ def _thread(target, *args):
     def run():
         try:
             box["result"] = target(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+        except BaseException as exc:  # re-raised on the main thread
             box["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
 
     def join():
-        thread.join(JOIN_S)
+        thread.join(WAIT_HANG_S)
         assert not thread.is_alive(), "worker thread did not finish in time"
         if "error" in box:
             raise box["error"]
@@ -117,13 +118,13 @@ def _every_collective(g, parent_rank: int, members: list[int]):
     assert g.all_gather_object(parent_rank) == members
     g.barrier()
     f = np.full(4, float(r), dtype=np.float64)
-    g.federated_average(f, 20.0)
+    g.federated_average(f, WAIT_HANG_S)
     assert np.all(f == (m - 1) / 2)
     if m > 1:  # point to point, renumbered
         g.send((r + 1) % m, 3, np.array([r], dtype=np.int64))
         assert g.recv((r - 1) % m, 3)[0] == (r - 1) % m
     h = g.spawn_all_reduce(np.ones(7, dtype=np.float64))
-    assert np.all(h.join(JOIN_S) == m)
+    assert np.all(h.join(WAIT_HANG_S) == m)
 
 
 def _split_all(pg, members):
@@ -140,7 +141,7 @@ def _split_all(pg, members):
 
 
 #: "large": the bandwidth algorithms (rings, two-level across hosts) even for these small arrays.
-LARGE_PATHS = {"SHMCOLL_ONE_SHOT_BYTES": "0", "SHMCOLL_SHM_BOARD_BYTES": "0", "SHMCOLL_CHUNK_BYTES": "64"}
+LARGE_PATHS = {**BANDWIDTH_PATHS, "SHMCOLL_CHUNK_BYTES": "64"}
 
 
 @pytest.mark.usefixtures("layout")
@@ -198,7 +199,7 @@ def _two_groups(pg, a, b):
     the parent all-reduces on the main thread."""
     ga, gb = pg.split(a), pg.split(b)
     joins = [_thread(_sub_all_reduces, g) for g in (ga, gb) if g is not None]
-    for i in range(40):
+    for _ in range(40):
         x = np.full(9, float(pg.rank), dtype=np.float32)
         pg.all_reduce(x)
         assert np.all(x == pg.world_size * (pg.world_size - 1) / 2)
@@ -325,22 +326,22 @@ def _spawned(pg):
     pg.all_reduce(after, ReduceKind.MAX)  # issued after the spawned ones: runs after them
     assert all(h.done() for h in handles)
     assert np.all(after == n - 1)
-    assert h_red.join(JOIN_S) is red and (r != 0 or np.all(red == n * (n + 1) // 2))
-    gathered = h_gat.join(JOIN_S)
+    assert h_red.join(WAIT_HANG_S) is red and (r != 0 or np.all(red == n * (n + 1) // 2))
+    gathered = h_gat.join(WAIT_HANG_S)
     assert (gathered is None) == (r != n - 1)
     assert gathered is None or list(gathered) == [v for q in range(n) for v in (q, q + 100)]
-    assert h_sca.join(JOIN_S).tolist() == [2 * r, 2 * r + 1]
-    assert h_a2a.join(JOIN_S).tolist() == [10 * q + r for q in range(n)]
-    out, lengths = h_agv.join(JOIN_S)
+    assert h_sca.join(WAIT_HANG_S).tolist() == [2 * r, 2 * r + 1]
+    assert h_a2a.join(WAIT_HANG_S).tolist() == [10 * q + r for q in range(n)]
+    out, lengths = h_agv.join(WAIT_HANG_S)
     assert lengths == list(range(n)) and out.tolist() == [q for q in range(n) for _ in range(q)]
-    assert h_cast.join(JOIN_S) is bdata and np.all(bdata == n - 1)
-    assert list(h_rs.join(JOIN_S)) == [(3 * r + k) * n * (n + 1) // 2 for k in range(3)]
-    assert list(h_gather.join(JOIN_S)) == [v for q in range(n) for v in (q, q + 100)]
+    assert h_cast.join(WAIT_HANG_S) is bdata and np.all(bdata == n - 1)
+    assert list(h_rs.join(WAIT_HANG_S)) == [(3 * r + k) * n * (n + 1) // 2 for k in range(3)]
+    assert list(h_gather.join(WAIT_HANG_S)) == [v for q in range(n) for v in (q, q + 100)]
     return True
 
 
 @pytest.mark.usefixtures("transport")
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
 def test_spawn_variants(n):
     assert run_ranks(n, _spawned) == [True] * n
 
@@ -354,7 +355,7 @@ def _spawn_error(pg, which):
              "gather": lambda: pg.spawn_gather(0, data), "all_to_all": lambda: pg.spawn_all_to_all(data),
              "all_gather_v": lambda: pg.spawn_all_gather_v(data.reshape(-1, 1) if pg.rank else data)}[which]
     handle = spawn()
-    return attempt(lambda: handle.join(JOIN_S))
+    return attempt(lambda: handle.join(WAIT_HANG_S))
 
 
 @pytest.mark.usefixtures("transport")

@@ -5,15 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed (.ci/run installs it)")
+from bounds import WAIT_HANG_S
+from harness import run_ranks
 
-from harness import run_ranks  # noqa: E402
+# every test runs over tcp, shm and hier
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("transport")]
 
-pytestmark = pytest.mark.usefixtures("transport")  # every test runs over tcp and over shm
 
+def _torch():
+    """torch, or a skip where it is not installed. Imported by the tests (their forked ranks inherit
+    it), not at collection: the quick tier, which collects this file, does not pay for it."""
+    return pytest.importorskip("torch", reason="torch is not installed (.ci/run installs it)")
 
 
 def _torch_calls(pg):
+    import torch
+
     r = pg.rank
     grads = torch.arange(10, dtype=torch.float32) + r
     pg.all_reduce(grads)
@@ -24,12 +31,14 @@ def _torch_calls(pg):
     spawned = torch.ones(1000, dtype=torch.float16)
     handle = pg.spawn_all_reduce(spawned)
     gathered = pg.all_gather(torch.tensor([r, r], dtype=torch.int64))
-    handle.join(timeout=30)
-    return grads.numpy().copy(), half.float().numpy().copy(), weights.numpy().copy(), spawned.float().numpy().copy(), gathered
+    handle.join(timeout=WAIT_HANG_S)
+    return (grads.numpy().copy(), half.float().numpy().copy(), weights.numpy().copy(), spawned.float().numpy().copy(),
+            gathered)
 
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_torch_tensors_reduce_in_place(n):
+    torch = _torch()
     for grads, half, weights, spawned, gathered in run_ranks(n, _torch_calls):
         np.testing.assert_array_equal(grads, sum(np.arange(10) + r for r in range(n)))
         np.testing.assert_array_equal(half, np.full((4, 3), sum(range(1, n + 1))))
@@ -38,9 +47,11 @@ def test_torch_tensors_reduce_in_place(n):
         np.testing.assert_array_equal(gathered, np.repeat(np.arange(n), 2))
 
 
-def _torch_more_calls(pg):
-    """The calls beyond all_reduce take tensors too: reduce in place through the tensor, the others
-    return numpy arrays of the tensor's dtype (bfloat16 included)."""
+def _torch_reduce_gather_scatter_calls(pg):
+    """reduce, reduce_scatter, all_to_all, gather and all_gather_v take tensors too: reduce in place through
+    the tensor, the others return numpy arrays of the tensor's dtype (bfloat16 included)."""
+    import torch
+
     n, r = pg.world_size, pg.rank
     red = torch.full((3, 2), float(r + 1), dtype=torch.bfloat16)
     pg.reduce(0, red)
@@ -52,8 +63,10 @@ def _torch_more_calls(pg):
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_torch_tensors_through_the_more_collectives(n):
-    for r, (red, scattered, swapped, gathered, out, lengths) in enumerate(run_ranks(n, _torch_more_calls)):
+def test_torch_tensors_through_reduce_gather_scatter_all_to_all(n):
+    _torch()
+    results = run_ranks(n, _torch_reduce_gather_scatter_calls)
+    for r, (red, scattered, swapped, gathered, out, lengths) in enumerate(results):
         if r == 0:
             np.testing.assert_array_equal(red, np.full((3, 2), n * (n + 1) / 2))
         assert scattered.dtype == np.float32

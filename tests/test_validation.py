@@ -14,8 +14,8 @@ import datetime
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -24,9 +24,8 @@ import shmcoll
 from shmcoll import TAG_RESERVED_BASE, DType, InvalidArgument, ReduceKind
 from shmcoll.types import BFLOAT16
 
+from bounds import WAIT_HANG_S
 from harness import run_ranks
-
-pytestmark = pytest.mark.timeout(90)
 
 GROUP_TIMEOUT = 10.0  # a bad call that wrongly starts a collective fails the check after this
 
@@ -77,7 +76,8 @@ NOT_REDUCIBLE = {"int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16"
                  "uint64": np.uint64, "bool": np.bool_, "complex64": np.complex64, "complex128": np.complex128}
 BAD_OPS = {"None": None, "'bogus'": "bogus", "7": 7, "-1": -1, "True": True, "1.0": 1.0, "DType.F32": DType.F32}
 BAD_DEADLINES = {"-1": -1, "-1e-9": -1e-9, "nan": math.nan, "inf": math.inf, "-inf": -math.inf,
-                 "timedelta(-1s)": datetime.timedelta(seconds=-1), "timedelta(-1us)": datetime.timedelta(microseconds=-1),
+                 "timedelta(-1s)": datetime.timedelta(seconds=-1),
+                 "timedelta(-1us)": datetime.timedelta(microseconds=-1),
                  "None": None, "'1'": "1", "True": True, "object": object(), "complex": 1j,
                  "np.nan": np.float64("nan")}
 
@@ -181,7 +181,8 @@ def _rows() -> list[Row]:
     for k, dt in {"np.float32": np.float32, "'F32'": "F32", "3": 3, "None": None, "ReduceKind.SUM": ReduceKind.SUM,
                   "np.dtype": np.dtype(np.float16)}.items():
         add(T, f"dtype={k}", lambda pg, dt=dt: pg.all_reduce_typed(bytearray(8), dt), r"DType")
-    for k, make in {"float32-array": lambda: np.zeros(2, np.float32), "int8-array": lambda: np.zeros(8, np.int8)}.items():
+    wrong_arrays = {"float32-array": lambda: np.zeros(2, np.float32), "int8-array": lambda: np.zeros(8, np.int8)}
+    for k, make in wrong_arrays.items():
         add(T, k, lambda pg, make=make: pg.all_reduce_typed(make(), DType.F32), r"uint8|bytes")
     for k, make in {"list": lambda: [0] * 8, "str": lambda: "abcdefgh", "None": lambda: None, "object": object,
                     "int": lambda: 8}.items():
@@ -338,14 +339,14 @@ def _bad_calls(pg, names):
                 try:
                     row.fn(pg)
                     rec["raised"] = None
-                except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                except BaseException as exc:  # reported to the parent
                     rec.update(raised=type(exc).__name__, invalid=isinstance(exc, InvalidArgument),
                                value_error=isinstance(exc, ValueError), message=str(exc))
             data = np.array([pg.rank + 1.0, 10.0 * i + bad_rank])
             try:
                 pg.all_reduce(data)
                 rec["check"] = data.tolist()
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:  # reported to the parent
                 rec["check"] = f"{type(exc).__name__}: {exc}"
             rec["want"] = [3.0, 2 * (10.0 * i + bad_rank)]
             out.append(rec)
@@ -358,10 +359,11 @@ def _bad_calls(pg, names):
     return out, stray
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("call", CALLS)
 def test_bad_calls_on_two_ranks_leave_the_group_usable(call):
     names = [r.name for r in ROWS if r.call == call and not r.bug]
-    results = run_ranks(2, _bad_calls, names, timeout=80, group_timeout=GROUP_TIMEOUT)
+    results = run_ranks(2, _bad_calls, names, group_timeout=GROUP_TIMEOUT)
     problems = []
     for rank, (records, stray) in enumerate(results):
         assert stray == [False, False], f"rank {rank} received a message a bad call sent"
@@ -403,7 +405,7 @@ def _valid_inputs(pg):
     pg.all_reduce_typed(empty_buf, DType.BF16)
     got["typed empty"] = len(empty_buf)
     h = pg.spawn_all_reduce(np.full(3, r + 1, dtype=np.int64), ReduceKind.MIN)
-    got["spawn"] = h.join(30).tolist()
+    got["spawn"] = h.join(WAIT_HANG_S).tolist()
     # read-only inputs are fine where nothing is written into them
     ro = readonly(np.arange(3, dtype=np.int16) + 10 * r)
     got["read-only all_gather"] = pg.all_gather(ro).tolist()
@@ -436,9 +438,10 @@ def _valid_inputs(pg):
     return got
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [1, 2])
 def test_valid_unusual_inputs(n):
-    for r, got in enumerate(run_ranks(n, _valid_inputs, timeout=60, group_timeout=GROUP_TIMEOUT)):
+    for r, got in enumerate(run_ranks(n, _valid_inputs, group_timeout=GROUP_TIMEOUT)):
         left = (r - 1) % n
         assert got["0-d all_reduce"] == sum(k + 1.0 for k in range(n))
         assert got["2-d all_reduce"] == (np.arange(6).reshape(2, 3) + n - 1).tolist()
@@ -474,7 +477,7 @@ def _every_call(pg):
         "recv_f32": lambda: pg.recv_f32(other, 0),
         "all_reduce": lambda: pg.all_reduce(f32()),
         "all_reduce_typed": lambda: pg.all_reduce_typed(bytearray(8), DType.F32),
-        "spawn_all_reduce": lambda: pg.spawn_all_reduce(f32()).join(10),
+        "spawn_all_reduce": lambda: pg.spawn_all_reduce(f32()).join(WAIT_HANG_S),
         "all_gather": lambda: pg.all_gather(f32()),
         "broadcast": lambda: pg.broadcast(0, f32()),
         "federated_average": lambda: pg.federated_average(f32(), 1.0),
@@ -503,14 +506,15 @@ def _after_close(pg):
             out[name] = "returned"
         except InvalidArgument as exc:
             out[name] = str(exc)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # reported to the parent
             out[name] = f"{type(exc).__name__}: {exc}"
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("n", [1, 2])
 def test_calls_after_close_raise_invalid_argument(n):
-    for rank, out in enumerate(run_ranks(n, _after_close, timeout=40, group_timeout=GROUP_TIMEOUT)):
+    for rank, out in enumerate(run_ranks(n, _after_close, group_timeout=GROUP_TIMEOUT)):
         assert set(out) == set(CALL_NAMES)
         for name, text in out.items():
             assert re.search(CLOSED_MSG, text), f"rank {rank}: {name} after close gave {text!r}"
@@ -520,7 +524,7 @@ def test_closed_group_in_process_and_context_manager():
     with shmcoll.init(rank=0, world_size=1, timeout=GROUP_TIMEOUT) as pg:
         data = f32()
         pg.all_reduce(data)
-    for name, call in _every_call(pg).items():
+    for call in _every_call(pg).values():
         with pytest.raises(InvalidArgument, match=CLOSED_MSG):
             call()
     pg.close()

@@ -12,42 +12,32 @@ import numpy as np
 import pytest
 
 from shmcoll import ReduceKind
-from shmcoll.types import BFLOAT16, WIRE_TYPES, wire_type_of
 
-from kernel_reference import reference_reduce
+from bounds import MISMATCH_NOTICE_S, WAIT_HANG_S
 from harness import CTX, run_ranks
+from params import (
+    BANDWIDTH_PATHS,
+    MOVE_DTYPES,
+    RANDOM_FLOAT_DTYPES,
+    RANDOM_FLOAT_TOL,
+    REDUCE_DTYPES,
+    SMALL_CHUNKS,
+    WORLD_SIZES,
+    ops_for,
+    reduced,
+    small_ints,
+)
 
-pytestmark = pytest.mark.usefixtures("layout")  # over tcp, shm and every simulated multi-host layout
+# over tcp, shm and every simulated multi-host layout
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("layout")]
 
-SIZES = [1, 2, 3, 4]
 BLOCKS = [0, 1, 7, 1001]  # rows per rank: empty, one, odd, several 4 KiB chunks
-SMALL_CHUNKS = {"SHMCOLL_CHUNK_BYTES": "4096"}
 #: Sizes pick the algorithm (board, one-shot, ring, two-level); "large" forces the bandwidth paths at
 #: every size; "overflow": a board entry of 128 bytes, so all_gather_v starts on the board and
 #: mostly finds a piece too large for it (it goes on over the rings), sometimes not.
 PATHS = {"sized": SMALL_CHUNKS,
-         "large": {**SMALL_CHUNKS, "SHMCOLL_ONE_SHOT_BYTES": "0", "SHMCOLL_SHM_BOARD_BYTES": "0"},
+         "large": {**SMALL_CHUNKS, **BANDWIDTH_PATHS},
          "overflow": {**SMALL_CHUNKS, "SHMCOLL_SHM_BOARD_BYTES": "128"}}
-REDUCE_DTYPES = [np.float16, BFLOAT16, np.float32, np.float64, np.int32, np.int64]
-MOVE_DTYPES = [w.user for w in WIRE_TYPES.values() if w.user is not None]  # every dtype that can travel
-INT_OPS = [ReduceKind.SUM, ReduceKind.PROD, ReduceKind.MIN, ReduceKind.MAX]
-
-
-def ops_for(dtype) -> list[ReduceKind]:
-    return list(ReduceKind) if wire_type_of(np.dtype(dtype)).is_float else INT_OPS
-
-
-def small_ints(rank: int, count: int, dtype, op: ReduceKind) -> np.ndarray:
-    """Integer values whose sums and products are exact in every dtype."""
-    rng = np.random.default_rng(1000 * rank + count + int(op))
-    high = 3 if op is ReduceKind.PROD else 9
-    return rng.integers(-high, high + 1, size=count).astype(np.float64).astype(dtype)
-
-
-def reduced(n: int, count: int, dtype, op: ReduceKind) -> np.ndarray:
-    """op over every rank's small_ints, as storage (the reference all_reduce is checked against)."""
-    wire = wire_type_of(np.dtype(dtype))
-    return reference_reduce([small_ints(r, count, dtype, op).view(wire.storage) for r in range(n)], wire.code, op)
 
 
 def storage(a: np.ndarray) -> bytes:
@@ -115,7 +105,7 @@ def _every_root(pg, b):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("b", BLOCKS)
 def test_every_size_and_root_float32(n, b, path):
     tail = (3,)
@@ -157,14 +147,14 @@ def _random_reductions(pg, dtype, rows):
 
 
 @pytest.mark.parametrize("n", [3, 4])
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", RANDOM_FLOAT_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_random_floats_accurate_and_repeatable(n, dtype):
     """Within rounding of the exact sum, and bitwise the same when the call is repeated (the
     reduction order is fixed by the algorithm, never by timing). 3001 rows: the large paths."""
     rows = 3001
     results = run_ranks(n, _random_reductions, dtype, rows, env=SMALL_CHUNKS)
     exact = sum(np.random.default_rng(r).standard_normal(n * rows).astype(dtype).astype(np.float64) for r in range(n))
-    tol = {np.float16: 1e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    tol = RANDOM_FLOAT_TOL[dtype]
     for r, (first, again, whole, whole_again) in enumerate(results):
         assert first.tobytes() == again.tobytes()
         np.testing.assert_allclose(first.astype(np.float64), exact[r * rows:(r + 1) * rows], rtol=tol, atol=tol * n)
@@ -218,9 +208,6 @@ def test_data_movement_every_dtype():
 
 # ---------------------------------------------------------------- mismatches
 
-PROMPT = 5.0  # seconds; the group timeout is far longer, so only real detection is this quick
-
-
 def _call(pg, name, root=0, rows=12, dtype="float32", op=ReduceKind.SUM, tail=()):
     data = np.ones((rows, *tail), dtype=dtype)
     calls = {
@@ -240,17 +227,17 @@ def _call(pg, name, root=0, rows=12, dtype="float32", op=ReduceKind.SUM, tail=()
 
 def _mismatched(pg, normal, odd_call, odd, finish, ready):
     pg.all_reduce(np.ones(8))  # sequence number 0: every rank connected and in step
-    ready.wait(PROMPT)  # nobody is still finishing call 0 when call 1's mismatch aborts the group
+    ready.wait(WAIT_HANG_S)  # nobody is still finishing call 0 when call 1's mismatch aborts the group
     name, kw = odd_call if pg.rank in odd else normal
     start = time.monotonic()
     try:
         _call(pg, name, **kw)
         out = {"kind": None}
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
+    except Exception as exc:  # reported to the parent
         out = {"kind": type(exc).__name__, "msg": str(exc)}
     out["s"] = time.monotonic() - start
     try:  # stay up until every rank has its outcome: a rank leaving early would read as a lost peer
-        finish.wait(PROMPT + 0.5)
+        finish.wait(MISMATCH_NOTICE_S)
         out["together"] = True
     except threading.BrokenBarrierError:
         out["together"] = False
@@ -290,13 +277,13 @@ MISMATCHES = [
 
 @pytest.mark.parametrize("name, n, odd, normal, odd_call", MISMATCHES, ids=[m[0] for m in MISMATCHES])
 def test_mismatch_raises_on_every_rank(name, n, odd, normal, odd_call):
-    results = run_ranks(n, _mismatched, normal, odd_call, odd, CTX.Barrier(n), CTX.Barrier(n),
-                        group_timeout=30.0, timeout=60.0)
+    # the group timeout (WAIT_HANG_S) is far longer than MISMATCH_NOTICE_S: only real detection is this quick
+    results = run_ranks(n, _mismatched, normal, odd_call, odd, CTX.Barrier(n), CTX.Barrier(n))
     for rank, out in enumerate(results):
         assert out["kind"] == "CollectiveMismatch", f"rank {rank}: {out}"
-        assert out["s"] < PROMPT, f"rank {rank} took {out['s']:.1f} s: {out}"
+        assert out["s"] < MISMATCH_NOTICE_S, f"rank {rank} took {out['s']:.1f} s: {out}"
         assert "sequence number 1" in out["msg"] or "shape" in out["msg"], out["msg"]
-        assert out["together"], f"rank {rank} did not finish within {PROMPT} s of the others"
+        assert out["together"], f"rank {rank} did not finish within {MISMATCH_NOTICE_S} s of the others"
 
 
 # ---------------------------------------------------------------- unusual but valid inputs
