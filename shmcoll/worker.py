@@ -42,7 +42,9 @@ class CollectiveHandle:
 
 
 class OrderedWorker:
-    def __init__(self):
+    """One daemon thread that runs submitted jobs one at a time, in submission order."""
+
+    def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._last: CollectiveHandle | None = None
