@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from shmcoll.algorithms.board_v import HEAD_BYTES
-from shmcoll.algorithms.select import Algorithm, Setting, select
+from shmcoll.algorithms.select import Algorithm, Setting, across_hosts, select
 from shmcoll.config import Tuning
 from shmcoll.plans import Where
 from shmcoll.transport.tcp import NetTransport
@@ -95,3 +95,8 @@ def test_where_of_a_tcp_group():
         t.close()
     assert (where.rank, where.size, where.topology) == (0, 1, None)
     assert where.setting == Setting(hosts=1, board_bytes=None, one_shot_bytes=123)
+
+
+def test_two_level_slices_cross_hosts_in_one_step_while_small():
+    assert across_hosts(ONE_SHOT, ONE_SHOT) is A.ONE_SHOT
+    assert across_hosts(ONE_SHOT + 1, ONE_SHOT) is A.RING

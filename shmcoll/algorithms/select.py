@@ -19,7 +19,8 @@ all-reduces (config.Tuning, SHMCOLL_ONE_SHOT_BYTES). No I/O: the table below is 
 | all_gather_v | BOARD_OR_RING (decided on the board) | BOARD_OR_RING | TWO_LEVEL |
 | federated_average | DEADLINE | DEADLINE | DEADLINE |
 
-"One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). A group
+"One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). Inside
+TWO_LEVEL all-reduce, each slice crosses hosts in one step or around a ring (`across_hosts`). A group
 with no board (TCP only, or a sub-group) takes the large column's algorithm, except all_reduce's
 ONE_SHOT. all_gather_v's pieces differ in size, so no rank can choose by size alone: on a board
 every rank publishes a head saying whether its piece fits, and all decide alike from the heads.
@@ -72,6 +73,13 @@ def select(coll: Collective, nbytes: int, where: Setting) -> Algorithm:
         if small is not None:
             return small
     return _CHOOSERS[coll](nbytes, where)
+
+
+def across_hosts(slice_bytes: int, one_shot_bytes: int) -> Algorithm:
+    """TWO_LEVEL all-reduce's middle phase: each column of ranks (local rank j of every host)
+    all-reduces its slice across hosts in one step while the slice is small, else around a ring.
+    Every rank of a column holds the same slice, so the column decides alike."""
+    return Algorithm.ONE_SHOT if slice_bytes <= one_shot_bytes else Algorithm.RING
 
 
 def _one_step_all_reduce(nbytes: int, where: Setting) -> Algorithm | None:

@@ -26,6 +26,7 @@ from .broadcast import chain_broadcast
 from .call import Call, segment_bounds
 from .direct import INT64_CODE, SIGNAL_CODE, shape_header, shapes_to_lengths
 from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
+from .select import Algorithm, across_hosts
 
 
 def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int) -> None:
@@ -44,7 +45,7 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
 
 
 def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], one_shot_bytes: int) -> None:
-    if piece.nbytes <= one_shot_bytes:
+    if across_hosts(piece.nbytes, one_shot_bytes) is Algorithm.ONE_SHOT:
         one_shot_all_reduce(c, piece, op, ranks)
     else:
         ring_all_reduce(c, piece, op, ranks)
