@@ -22,7 +22,7 @@ from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLos
 from .group import ProcessGroup
 from .net.mesh import connect_mesh, open_listener
 from .net.sockets import Deadline
-from .rendezvous.store import ABORT_KEY, StoreAbort, StoreClient, StoreServer
+from .rendezvous.store import ABORT_KEY, RendezvousStore, StoreAbort, StoreClient, StoreServer
 from .transport.base import Transport
 from .transport.hierarchical import HierarchicalTransport
 from .transport.mailbox import Mailbox
@@ -46,14 +46,18 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     cfg = load_config(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                       timeout=timeout, transport=transport)
     if cfg.world_size == 1:
-        group = ProcessGroup(NetTransport(0, 1, {}, timeout=cfg.timeout), tuning=cfg.tuning)
-    else:
-        group = _rendezvous(cfg, cfg.transport, time.monotonic() + cfg.timeout)
+        return alone(cfg)
+    return _rendezvous(cfg, time.monotonic() + cfg.timeout)
+
+
+def alone(cfg: Config) -> ProcessGroup:
+    """A group of one: nobody to meet, nothing to share."""
+    group = ProcessGroup(NetTransport(0, 1, {}, timeout=cfg.timeout), tuning=cfg.tuning)
     _open_groups.add(group)
     return group
 
 
-def _rendezvous(cfg: Config, choice: str, deadline: float) -> ProcessGroup:
+def _rendezvous(cfg: Config, deadline: float) -> ProcessGroup:
     server = None
     if cfg.rank == 0:
         try:
@@ -64,29 +68,37 @@ def _rendezvous(cfg: Config, choice: str, deadline: float) -> ProcessGroup:
                 f"rank 0 cannot serve the rendezvous on {cfg.master_addr}:{cfg.master_port}{source}: {exc} "
                 f"(is another job using this port? set SHMCOLL_MASTER_PORT to a free one)") from exc
     try:
-        client = _connect_store(cfg, deadline)
-        try:
-            transport = _build_transport(cfg, client, choice, deadline)
-        except BaseException as exc:
-            _publish_failure(cfg, client, exc)
-            client.close()
-            if server is not None:
-                server.linger(_LINGER_SECONDS)  # let the others read why before the store goes
-            raise
-        client.close()
-        group = ProcessGroup(transport, tuning=cfg.tuning)
-        try:
-            group._startup_barrier()  # every rank is past the store now, so rank 0 may close it
-        except BaseException:
-            group.close()
-            raise
-        return group
+        return join_over_store(cfg, _connect_store(cfg, deadline), deadline, server)
     finally:
         if server is not None:
             server.close()
 
 
-def _publish_failure(cfg: Config, client: StoreClient, exc: BaseException) -> None:
+def join_over_store(cfg: Config, client: RendezvousStore, deadline: float,
+                    server: StoreServer | None = None) -> ProcessGroup:
+    """Build this rank's transport through `client` (shmcoll's own store, or torch's through
+    shmcoll.torch) and close start-up with one barrier over it. A failure is published to the
+    other ranks first; rank 0's `server`, when it serves the store, lingers so they can read it."""
+    try:
+        transport = _build_transport(cfg, client, deadline)
+    except BaseException as exc:
+        _publish_failure(cfg, client, exc)
+        client.close()
+        if server is not None:
+            server.linger(_LINGER_SECONDS)  # let the others read why before the store goes
+        raise
+    client.close()
+    group = ProcessGroup(transport, tuning=cfg.tuning)
+    try:
+        group._startup_barrier()  # every rank is past the store now, so rank 0 may close it
+    except BaseException:
+        group.close()
+        raise
+    _open_groups.add(group)
+    return group
+
+
+def _publish_failure(cfg: Config, client: RendezvousStore, exc: BaseException) -> None:
     """Tell every rank still in the rendezvous why this one failed (unless it only relays another's)."""
     if isinstance(exc, CollectiveError) and exc.from_peer:
         return
@@ -126,7 +138,8 @@ def _connect_store(cfg: Config, deadline: float) -> StoreClient:
         raise PeerLost(f"the rendezvous at {_where(cfg)} dropped rank {cfg.rank} ({exc})", 0) from exc
 
 
-def _build_transport(cfg: Config, client: StoreClient, choice: str, deadline: float) -> Transport:
+def _build_transport(cfg: Config, client: RendezvousStore, deadline: float) -> Transport:
+    choice = cfg.transport
     try:
         hosts, pids = _hosts_and_pids(_gather(cfg, client, "host", json.dumps([cfg.host_id, os.getpid()]), deadline))
         if _use_shm(choice, hosts):
@@ -145,7 +158,7 @@ def _build_transport(cfg: Config, client: StoreClient, choice: str, deadline: fl
                        f"(rank 0 gave up or died): {exc}", 0) from exc
 
 
-def _gather(cfg: Config, client: StoreClient, kind: str, value: str, deadline: float,
+def _gather(cfg: Config, client: RendezvousStore, kind: str, value: str, deadline: float,
             ranks: list[int] | None = None) -> dict[int, str]:
     """Publish value under kind/<rank> and wait for every rank's (or those of `ranks`);
     CollectiveTimeout names the missing."""
@@ -172,7 +185,7 @@ def _use_shm(choice: str, hosts: dict[int, str]) -> bool:
     return choice == "shm" or (choice in ("auto", "hier") and one_host)
 
 
-def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pids: dict[int, int],
+def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str], pids: dict[int, int],
                     deadline: float) -> HierarchicalTransport:
     """Shared memory among this host's ranks, TCP to the others, one mailbox between them."""
     topology = Topology.from_host_ids(hosts)
@@ -187,7 +200,7 @@ def _hier_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pid
     return HierarchicalTransport(shm, net, topology, mailbox)
 
 
-def _tcp_transport(cfg: Config, client: StoreClient, deadline: float, peers: set[int] | None = None,
+def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, peers: set[int] | None = None,
                    mailbox: Mailbox | None = None, local: ShmTransport | None = None) -> NetTransport:
     """TCP to `peers` (default every other rank); under a hierarchy, `local` is this host's
     shared-memory transport and the mailbox the one both share."""
@@ -205,7 +218,7 @@ def _tcp_transport(cfg: Config, client: StoreClient, deadline: float, peers: set
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local)
 
 
-def _raise_if_aborted(client: StoreClient, deadline: float) -> None:
+def _raise_if_aborted(client: RendezvousStore, deadline: float) -> None:
     """StoreAbort when a rank published a start-up failure (or its connection to the store dropped)."""
     reason = client.get(ABORT_KEY, deadline)
     if reason is not None:
@@ -226,7 +239,7 @@ def _check_routable(cfg: Config, addrs: dict[int, tuple[str, int]]) -> None:
             f"on each host shows what the name resolves to)")
 
 
-def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pids: dict[int, int],
+def _shm_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str], pids: dict[int, int],
                    deadline: float, mailbox: Mailbox | None = None) -> ShmTransport:
     """The leader (lowest rank of the host) creates the segment; the host's ranks attach; the leader
     unlinks the names as soon as they all did (at once when it is alone), so nothing outlives the
@@ -254,7 +267,7 @@ def _shm_transport(cfg: Config, client: StoreClient, hosts: dict[int, str], pids
     return transport
 
 
-def _create(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: float) -> Segment:
+def _create(cfg: Config, client: RendezvousStore, key: str, n_local: int, deadline: float) -> Segment:
     """The leader's side (a failure reaches the other ranks through the store's abort key)."""
     t = cfg.tuning
     try:
@@ -272,7 +285,7 @@ def _create(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: 
     return segment
 
 
-def _attach(cfg: Config, client: StoreClient, key: str, n_local: int, deadline: float) -> Segment:
+def _attach(cfg: Config, client: RendezvousStore, key: str, n_local: int, deadline: float) -> Segment:
     values, missing = client.wait([key], deadline)
     if missing:
         raise CollectiveTimeout(f"the local leader never published its shared memory within {cfg.timeout:g} s")

@@ -185,6 +185,13 @@ def _resolve_transport(explicit, environ) -> str:
     return explicit
 
 
+def _host_and_secret(env: Mapping[str, str]) -> tuple[str, bytes | None]:
+    """This host's id (SHMCOLL_HOST_ID, else the kernel's boot id) and the job secret, if any."""
+    host = lookup(env, (HOST_ID_VAR,))
+    secret = lookup(env, (SECRET_VAR,), strip=False)
+    return host[1] if host else default_host_id(), secret[1].encode("utf-8") if secret else None
+
+
 def load_config(*, rank=None, world_size=None, master_addr=None, master_port=None, timeout=None,
                 transport=None, environ: Mapping[str, str] | None = None) -> Config:
     """Resolve one rank's Config: explicit arguments, then the environment, then defaults."""
@@ -192,17 +199,16 @@ def load_config(*, rank=None, world_size=None, master_addr=None, master_port=Non
     r, world, local, rank_src = resolve_ranks(rank, world_size, env)
     launcher = launcher_of(rank_src, env)
     addr, port, port_from = resolve_master(master_addr, master_port, world, launcher, env)
-    host = lookup(env, (HOST_ID_VAR,))
-    secret = lookup(env, (SECRET_VAR,), strip=False)
+    host_id, secret = _host_and_secret(env)
     return Config(
         rank=r,
         world_size=world,
         local_rank=local,
         master_addr=addr,
         master_port=port,
-        host_id=host[1] if host else default_host_id(),
+        host_id=host_id,
         timeout=_resolve_timeout(timeout, env),
-        secret=secret[1].encode("utf-8") if secret else None,
+        secret=secret,
         job_id=_resolve_job_id(env, addr, port, world, launcher),
         debug=_resolve_debug(env),
         tuning=load_tuning(env),
@@ -211,4 +217,28 @@ def load_config(*, rank=None, world_size=None, master_addr=None, master_port=Non
         launcher=launcher.name,
         master_port_from=port_from,
         torch_agent_store=torch_agent_store(master_port, env) if world > 1 else None,
+    )
+
+
+def framework_config(rank: int, world_size: int, timeout: float, job_id: str, store_address: str,
+                     environ: Mapping[str, str] | None = None) -> Config:
+    """A rank's Config when a framework has already numbered the ranks and hands shmcoll its store
+    (shmcoll.torch): rank, world size, timeout and job id come from it; the host grouping, secret,
+    transport and tuning come from the environment exactly as for init()."""
+    env = os.environ if environ is None else environ
+    host_id, secret = _host_and_secret(env)
+    return Config(
+        rank=rank,
+        world_size=world_size,
+        local_rank=None,
+        master_addr=store_address,
+        master_port=0,
+        host_id=host_id,
+        timeout=_resolve_timeout(timeout, env),
+        secret=secret,
+        job_id=job_id,
+        debug=_resolve_debug(env),
+        tuning=load_tuning(env),
+        transport=_resolve_transport(None, env),
+        launcher="torch.distributed",
     )

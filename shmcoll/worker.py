@@ -14,6 +14,8 @@ from typing import Any
 
 from .errors import CollectiveTimeout
 
+_CALLBACKS_LOCK = threading.Lock()
+
 
 class CollectiveHandle:
     """Result of a spawned collective: join() returns it or re-raises its error; done() polls."""
@@ -23,10 +25,24 @@ class CollectiveHandle:
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[CollectiveHandle], None]] = []
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self._event.set()
+        with _CALLBACKS_LOCK:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def add_done_callback(self, callback: Callable[[CollectiveHandle], None]) -> None:
+        """callback(handle) once the collective has finished: at once if it has, else on the
+        worker's thread as it finishes (keep it short: the next collective waits for it)."""
+        with _CALLBACKS_LOCK:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def done(self) -> bool:
         return self._event.is_set()

@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Protocol
 
 from ..net.gate import Gate
 from ..net.handshake import HandshakeDropped, client_handshake
@@ -41,6 +42,22 @@ def _recv_msg(sock: socket.socket, deadline: float) -> dict:
     if not isinstance(msg, dict):
         raise ValueError("store message is not an object")
     return msg
+
+
+class RendezvousStore(Protocol):
+    """What start-up needs of a store (bootstrap.py): shmcoll's StoreClient, or torch's store seen
+    through shmcoll.torch. Every call takes an absolute monotonic deadline; `wait` raises
+    StoreAbort once a rank has published a start-up failure under ABORT_KEY."""
+
+    local_address: str  # the address this rank reached the store from: where it listens
+
+    def set(self, key: str, value: str, deadline: float) -> None: ...
+
+    def get(self, key: str, deadline: float) -> str | None: ...
+
+    def wait(self, keys: list[str], deadline: float) -> tuple[dict[str, str], list[str]]: ...
+
+    def close(self) -> None: ...
 
 
 class StoreAbort(Exception):

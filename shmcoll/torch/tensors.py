@@ -1,0 +1,150 @@
+"""CPU tensors as the flat numpy arrays shmcoll's collectives take, and results back into them.
+
+A tensor's numpy view is built once from its data pointer and cached per tensor object (DDP's
+buckets and a training loop's buffers come back every step): a hit costs a dict lookup and two
+cheap checks instead of DLPack's export. The cached view holds no reference to the tensor, so the
+cache never keeps a tensor alive; a weak reference drops the entry when the tensor goes.
+
+Non-contiguous tensors travel through a contiguous copy and are written back; integer and bool
+types the kernels do not reduce travel widened to int64 (SUM and PRODUCT wrap as torch's own
+arithmetic does; bool SUM/MAX is OR, PRODUCT/MIN is AND).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgument
+from ..types import BFLOAT16, ReduceKind
+
+_NUMPY_OF: dict[torch.dtype, np.dtype] = {
+    torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64), torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64), torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_), torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128), torch.uint16: np.dtype(np.uint16),
+    torch.uint32: np.dtype(np.uint32), torch.uint64: np.dtype(np.uint64),
+    torch.bfloat16: np.dtype(BFLOAT16) if BFLOAT16 is not None else np.dtype(np.uint16),
+}
+_NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64}
+_WIDENED = {torch.int8, torch.int16, torch.uint8, torch.uint16, torch.uint32, torch.bool}
+_COMPLEX = {torch.complex64, torch.complex128}
+
+_OPS = {dist.ReduceOp.SUM.value: ReduceKind.SUM, dist.ReduceOp.AVG.value: ReduceKind.AVG,
+        dist.ReduceOp.PRODUCT.value: ReduceKind.PROD, dist.ReduceOp.MIN.value: ReduceKind.MIN,
+        dist.ReduceOp.MAX.value: ReduceKind.MAX}  # by RedOpType's int value: hashing the enum costs more
+
+
+_SUM = dist.ReduceOp.SUM
+
+
+class _Entry(NamedTuple):
+    ref: weakref.ref
+    data_ptr: int
+    numel: int
+    array: np.ndarray
+
+
+_views: dict[int, _Entry] = {}
+
+
+def flat_view(t: torch.Tensor) -> np.ndarray:
+    """The 1-D numpy array over a contiguous CPU tensor's elements (bytes for dtypes numpy lacks)."""
+    entry = _views.get(id(t))
+    if entry is not None and entry.ref() is t and entry.data_ptr == t.data_ptr() and entry.numel == t.numel():
+        return entry.array
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"shmcoll takes CPU tensors, not {t.device} ones")
+    array = _from_pointer(t)
+    key = id(t)
+    _views[key] = _Entry(weakref.ref(t, lambda ref: _forget(key, ref)), t.data_ptr(), t.numel(), array)
+    return array
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _views.get(key)
+    if entry is not None and entry.ref is ref:
+        del _views[key]
+
+
+def _from_pointer(t: torch.Tensor) -> np.ndarray:
+    nbytes = t.numel() * t.element_size()
+    dtype = _NUMPY_OF.get(t.dtype, np.dtype(np.uint8))
+    if nbytes == 0:
+        return np.empty(0, dtype)
+    raw = (ctypes.c_uint8 * nbytes).from_address(t.data_ptr())
+    return np.frombuffer(memoryview(raw), dtype=dtype)
+
+
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes, for calls that only move data (any dtype moves)."""
+    return flat_view(t).view(np.uint8)
+
+
+class Operand(NamedTuple):
+    """What a collective works on for one tensor, and how its result gets back into the tensor."""
+
+    array: np.ndarray
+    write_back: Callable[[], None] | None = None
+
+    def finish(self) -> None:
+        if self.write_back is not None:
+            self.write_back()
+
+
+def contiguous(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """t itself when contiguous; else a contiguous copy and the step that copies it back."""
+    if t.is_contiguous():
+        return t, None
+    staged = t.detach().contiguous()
+    return staged, _copier(staged, t)
+
+
+def _copier(source: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
+    """The step that copies source into target (detached: target may be a leaf that requires grad)."""
+    def copy() -> None:
+        target.detach().copy_(source)
+    return copy
+
+
+def bytes_operand(t: torch.Tensor) -> Operand:
+    staged, back = contiguous(t)
+    return Operand(byte_view(staged), back)
+
+
+def native_view(t: torch.Tensor) -> np.ndarray | None:
+    """t's flat view when shmcoll reduces it as it is (a native dtype, contiguous), else None."""
+    return flat_view(t) if t.dtype in _NATIVE and t.is_contiguous() else None
+
+
+def reduce_operand(t: torch.Tensor, kind: ReduceKind) -> Operand:
+    """The array to reduce for t: a view, or a copy (contiguous, or widened) written back after."""
+    if t.dtype in _NATIVE:
+        staged, back = contiguous(t)
+        return Operand(flat_view(staged), back)
+    if t.dtype in _WIDENED:
+        if kind is ReduceKind.AVG:
+            raise InvalidArgument(f"AVG is not defined for {t.dtype}; integers take SUM, PRODUCT, MIN, MAX")
+        wide = t.detach().to(torch.int64)
+        return Operand(flat_view(wide), _copier(wide, t))
+    if t.dtype in _COMPLEX and kind in (ReduceKind.SUM, ReduceKind.AVG):
+        staged, back = contiguous(t)
+        return Operand(flat_view(torch.view_as_real(staged)), back)
+    raise InvalidArgument(f"shmcoll cannot reduce {t.dtype} tensors with {kind.name}")
+
+
+def reduce_kind(op) -> ReduceKind:
+    """torch's ReduceOp as a ReduceKind; InvalidArgument for the ones shmcoll has no kernel for."""
+    if op == _SUM:  # the common op, and ReduceOp's cheapest test
+        return ReduceKind.SUM
+    kind = _OPS.get(getattr(getattr(op, "op", op), "value", None))
+    if kind is None:
+        raise InvalidArgument(f"shmcoll does not implement {op}: it reduces with SUM, AVG, PRODUCT, MIN and MAX")
+    return kind
