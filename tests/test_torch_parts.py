@@ -1,0 +1,199 @@
+"""The torch backend's parts, in one process: tensor views and their cache, op mapping, Work
+objects, the Completer, and torch's store seen as a rendezvous store. (Whole groups over real
+processes: test_torch_backend.py and test_torch_training.py.)"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shmcoll.errors import CollectiveTimeout, InvalidArgument
+from shmcoll.rendezvous.store import ABORT_KEY, StoreAbort
+from shmcoll.types import ReduceKind
+from shmcoll.worker import OrderedWorker
+
+from bounds import WAIT_HANG_S
+
+torch = pytest.importorskip("torch", reason="torch is not installed (.ci/run installs it)")
+dist = pytest.importorskip("torch.distributed")
+tv = pytest.importorskip("shmcoll.torch.tensors")
+work = pytest.importorskip("shmcoll.torch.work")
+store_mod = pytest.importorskip("shmcoll.torch.store")
+
+
+# ---- tensor views ----
+def test_flat_view_shares_the_tensors_memory():
+    t = torch.zeros(2, 3, dtype=torch.float32)
+    view = tv.flat_view(t)
+    view[4] = 7
+    assert view.shape == (6,) and t[1, 1].item() == 7
+
+
+def test_flat_view_is_cached_per_tensor_and_rebuilt_when_storage_moves():
+    t = torch.arange(4.0)
+    first = tv.flat_view(t)
+    assert tv.flat_view(t) is first
+    t.resize_(1000)  # new storage: the cached view would point at freed memory
+    second = tv.flat_view(t)
+    assert second is not first and second.size == 1000
+
+
+def test_the_cache_never_keeps_a_tensor_alive():
+    t = torch.ones(8)
+    tv.flat_view(t)
+    key = id(t)
+    assert key in tv._views
+    del t
+    gc.collect()
+    assert key not in tv._views
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, 2), (torch.float16, 2), (torch.float64, 8),
+                                             (torch.bool, 1), (torch.complex64, 8)])
+def test_byte_view_covers_every_byte(dtype, expected):
+    t = torch.zeros(5, dtype=dtype)
+    assert tv.byte_view(t).nbytes == 5 * expected
+
+
+def test_reduce_operand_stages_non_contiguous_tensors_and_writes_back():
+    base = torch.zeros(4, 4)
+    column = base[:, 1]
+    operand = tv.reduce_operand(column, ReduceKind.SUM)
+    operand.array[:] = [1, 2, 3, 4]
+    assert base[:, 1].tolist() == [0, 0, 0, 0]
+    operand.finish()
+    assert base[:, 1].tolist() == [1, 2, 3, 4]
+
+
+def test_reduce_operand_widens_small_integers_and_wraps_back():
+    t = torch.tensor([100, -100], dtype=torch.int8)
+    operand = tv.reduce_operand(t, ReduceKind.SUM)
+    assert operand.array.dtype == np.int64
+    operand.array[:] = [200, -200]  # as a sum over two ranks would give
+    operand.finish()
+    assert t.tolist() == [-56, 56]
+
+
+def test_reduce_operand_writes_into_a_non_contiguous_leaf_that_requires_grad():
+    leaf = torch.ones(2, 3, requires_grad=True)
+    operand = tv.reduce_operand(leaf.t(), ReduceKind.SUM)
+    operand.array[:] = np.arange(6)
+    operand.finish()
+    assert leaf.detach().t().reshape(-1).tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("op, kind", [("SUM", ReduceKind.SUM), ("AVG", ReduceKind.AVG), ("PRODUCT", ReduceKind.PROD),
+                                      ("MIN", ReduceKind.MIN), ("MAX", ReduceKind.MAX)])
+def test_reduce_kind_maps_torchs_ops(op, kind):
+    options = dist.AllreduceOptions()
+    options.reduceOp = getattr(dist.ReduceOp, op)
+    assert tv.reduce_kind(options.reduceOp) is kind
+    assert tv.reduce_kind(getattr(dist.ReduceOp, op)) is kind
+
+
+@pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
+def test_ops_without_a_kernel_are_invalid_arguments(op):
+    with pytest.raises(InvalidArgument, match="does not implement"):
+        tv.reduce_kind(getattr(dist.ReduceOp, op))
+
+
+def test_avg_of_integers_and_max_of_complex_are_refused():
+    with pytest.raises(InvalidArgument, match="AVG"):
+        tv.reduce_operand(torch.ones(2, dtype=torch.int16), ReduceKind.AVG)
+    with pytest.raises(InvalidArgument, match="complex"):
+        tv.reduce_operand(torch.ones(2, dtype=torch.complex64), ReduceKind.MAX)
+
+
+# ---- Work objects ----
+def _pending(job, finish=lambda result: [result]):
+    worker, completer = OrderedWorker(), work.Completer()
+    return work.PendingWork(worker.submit("test", job), finish, completer), worker, completer
+
+
+def test_pending_work_wait_returns_with_outputs_and_future_done():
+    release = threading.Event()
+    w, worker, completer = _pending(lambda: release.wait(WAIT_HANG_S) and torch.ones(2))
+    assert not w.is_completed()
+    release.set()
+    assert w.wait() is True
+    assert w.get_future().done() and w.get_future().value()[0].tolist() == [1, 1]
+    worker.stop(WAIT_HANG_S)
+    completer.stop(WAIT_HANG_S)
+
+
+def test_pending_work_reraises_the_collectives_error_from_wait_and_future():
+    def fail():
+        raise CollectiveTimeout("stuck peer")
+    w, worker, completer = _pending(fail)
+    with pytest.raises(CollectiveTimeout, match="stuck peer"):
+        w.wait()
+    with pytest.raises(Exception, match="stuck peer"):
+        w.get_future().wait()
+    assert w.is_completed() and not w.is_success()
+    worker.stop(WAIT_HANG_S)
+    completer.stop(WAIT_HANG_S)
+
+
+def test_wait_with_a_timeout_raises_while_the_call_runs():
+    release = threading.Event()
+    w, worker, completer = _pending(lambda: release.wait(WAIT_HANG_S))
+    with pytest.raises(CollectiveTimeout, match="still running"):
+        w.wait(0.01)
+    release.set()
+    assert w.wait()
+    worker.stop(WAIT_HANG_S)
+    completer.stop(WAIT_HANG_S)
+
+
+def test_a_callback_that_waits_on_a_later_collective_does_not_deadlock():
+    """PowerSGD's shape: a `then` callback issues another collective and waits for it."""
+    worker, completer = OrderedWorker(), work.Completer()
+    first = work.PendingWork(worker.submit("first", lambda: 1), lambda r: [torch.tensor(r)], completer)
+
+    def chained(fut):
+        second = work.PendingWork(worker.submit("second", lambda: 2), lambda r: [torch.tensor(r)], completer)
+        return fut.value()[0].item() + second.get_future().wait()[0].item()
+    assert first.get_future().then(chained).wait() == 3
+    worker.stop(WAIT_HANG_S)
+    completer.stop(WAIT_HANG_S)
+
+
+def test_done_work_is_complete_and_builds_its_future_on_demand():
+    outputs = [torch.ones(1)]
+    w = work.DoneWork(outputs)
+    assert w.wait() and w.is_completed() and w.is_success() and w.exception() is None
+    assert w.get_future().value()[0] is outputs[0]
+
+
+# ---- torch's store as the rendezvous store ----
+def test_torch_store_sets_gets_and_waits():
+    s = store_mod.TorchStore(dist.HashStore())
+    s.set("a", "1", time.monotonic() + 1)
+    assert s.get("a", 0) == "1" and s.get("b", 0) is None
+    values, missing = s.wait(["a", "b"], time.monotonic() + 0.05)
+    assert values == {"a": "1"} and missing == ["b"]
+
+
+def test_torch_store_wait_ends_on_a_published_failure():
+    s = store_mod.TorchStore(dist.HashStore())
+    threading.Timer(0.05, lambda: s.set(ABORT_KEY, "rank 1 failed", time.monotonic() + 1)).start()
+    started = time.monotonic()
+    with pytest.raises(StoreAbort, match="rank 1 failed"):
+        s.wait(["never"], started + WAIT_HANG_S)
+    assert time.monotonic() - started < WAIT_HANG_S / 2
+
+
+def test_each_group_gets_a_fresh_job_id():
+    first = store_mod.agree_job_id(store_mod.TorchStore(dist.HashStore()), 0, time.monotonic() + 1)
+    second = store_mod.agree_job_id(store_mod.TorchStore(dist.HashStore()), 0, time.monotonic() + 1)
+    assert first != second and first.isalnum()
+
+
+def test_the_store_host_is_found_through_prefix_stores():
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    assert store_mod.store_host(dist.PrefixStore("g/", dist.PrefixStore("h/", server))) == "127.0.0.1"
+    assert store_mod.address_toward("127.0.0.1") == "127.0.0.1"
