@@ -88,17 +88,29 @@ def test_reduce_operand_writes_into_a_non_contiguous_leaf_that_requires_grad():
 
 @pytest.mark.parametrize("op, kind", [("SUM", ReduceKind.SUM), ("AVG", ReduceKind.AVG), ("PRODUCT", ReduceKind.PROD),
                                       ("MIN", ReduceKind.MIN), ("MAX", ReduceKind.MAX)])
-def test_reduce_kind_maps_torchs_ops(op, kind):
+def test_reduce_op_maps_torchs_ops(op, kind):
     options = dist.AllreduceOptions()
     options.reduceOp = getattr(dist.ReduceOp, op)
-    assert tv.reduce_kind(options.reduceOp) is kind
-    assert tv.reduce_kind(getattr(dist.ReduceOp, op)) is kind
+    assert tv.reduce_op(options.reduceOp) == (kind, None)
+    assert tv.reduce_op(getattr(dist.ReduceOp, op)) == (kind, None)
+
+
+def test_premul_sum_is_a_sum_of_scaled_copies():
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = dist._make_nccl_premul_sum(0.25)
+    kind, factor = tv.reduce_op(options.reduceOp)
+    assert (kind, factor) == (ReduceKind.SUM, 0.25)
+    t = torch.full((3,), 8.0)
+    operand = tv.reduce_operand(t, kind, factor)
+    assert operand.array.tolist() == [2, 2, 2] and t.tolist() == [8, 8, 8]
+    with pytest.raises(InvalidArgument, match="floating-point"):
+        tv.reduce_operand(torch.ones(2, dtype=torch.int32), kind, factor)
 
 
 @pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
 def test_ops_without_a_kernel_are_invalid_arguments(op):
     with pytest.raises(InvalidArgument, match="does not implement"):
-        tv.reduce_kind(getattr(dist.ReduceOp, op))
+        tv.reduce_op(getattr(dist.ReduceOp, op))
 
 
 def test_avg_of_integers_and_max_of_complex_are_refused():

@@ -69,12 +69,12 @@ class ShmcollProcessGroup(dist.ProcessGroup):
 
     # ---- reductions ----
     def allreduce(self, tensors, opts=None) -> dist.Work:
-        t, kind, g = _only(tensors, "allreduce"), _kind(opts), self.shmcoll_group
-        view = tv.native_view(t)
+        t, (kind, factor), g = _only(tensors, "allreduce"), _op(opts), self.shmcoll_group
+        view = tv.native_view(t) if factor is None else None
         if view is not None and self._may_inline(view.nbytes):  # the common small call, kept short
             g.all_reduce(view, kind)
             return DoneWork(tensors)
-        operand = tv.reduce_operand(t, kind)
+        operand = tv.reduce_operand(t, kind, factor)
         arr = operand.array
 
         def finish(_):
@@ -86,10 +86,10 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         """Each tensor reduced on its own, in one call per dtype over their concatenation."""
         if not tensors:
             return DoneWork([])
-        kind, jobs, finishes, nbytes = _kind(opts), [], [], 0
+        (kind, factor), jobs, finishes, nbytes = _op(opts), [], [], 0
         for same in _by_dtype(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in same])
-            operand = tv.reduce_operand(flat, kind)
+            operand = tv.reduce_operand(flat, kind, factor)
             jobs.append(_bind(self.shmcoll_group.all_reduce, operand.array, kind))
             finishes.append(_splitter(operand, flat, same))
             nbytes += operand.array.nbytes
@@ -97,8 +97,8 @@ class ShmcollProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors, opts=None) -> dist.Work:
         t, root = _only(tensors, "reduce"), _root(opts, self._n)
-        kind = _kind(opts)
-        operand = tv.reduce_operand(t, kind)
+        kind, factor = _op(opts)
+        operand = tv.reduce_operand(t, kind, factor)
         arr = operand.array if self.rank() == root else operand.array.copy()  # torch leaves non-roots alone
         g = self.shmcoll_group
 
@@ -112,26 +112,27 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         out, ins = _only(output_tensors, "reduce_scatter"), _only(input_tensors, "reduce_scatter")
         self._check_parts(ins, out, "reduce_scatter")
         stacked = torch.cat([x.detach().reshape(-1) for x in ins])
-        return self._reduce_scatter_flat(out, stacked, _kind(opts), output_tensors)
+        return self._reduce_scatter_flat(out, stacked, _op(opts), output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None) -> dist.Work:
         if input.numel() != self._n * output.numel():
             raise InvalidArgument(f"reduce_scatter_tensor: the input has {input.numel()} elements, not world size "
                                   f"{self._n} x the output's {output.numel()}")
-        return self._reduce_scatter_flat(output, input, _kind(opts), [output])
+        return self._reduce_scatter_flat(output, input, _op(opts), [output])
 
     reduce_scatter_single = _reduce_scatter_base
 
-    def _reduce_scatter_flat(self, out, flat, kind: ReduceKind, outputs) -> dist.Work:
-        operand = tv.reduce_operand(flat, kind)
+    def _reduce_scatter_flat(self, out, flat, op: tuple[ReduceKind, float | None], outputs) -> dist.Work:
+        kind, factor = op
+        operand = tv.reduce_operand(flat, kind, factor)
         arr, g = operand.array, self.shmcoll_group
         return self._submit(arr.nbytes, lambda: g.reduce_scatter(arr, kind),
                             lambda piece: _write_then(out, piece, outputs), "reduce_scatter")
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        kind, jobs, finishes, nbytes = _kind(opts), [], [], 0
+        (kind, factor), jobs, finishes, nbytes = _op(opts), [], [], 0
         for out, inp in zip(outputs, inputs):
-            operand = tv.reduce_operand(inp, kind)
+            operand = tv.reduce_operand(inp, kind, factor)
             jobs.append(_bind(self.shmcoll_group.reduce_scatter, operand.array, kind))
             finishes.append(_bind_write(out))
             nbytes += operand.array.nbytes
@@ -351,8 +352,8 @@ def _only(tensors, call: str):
     return tensors[0]
 
 
-def _kind(opts) -> ReduceKind:
-    return ReduceKind.SUM if opts is None else tv.reduce_kind(opts.reduceOp)
+def _op(opts) -> tuple[ReduceKind, float | None]:
+    return (ReduceKind.SUM, None) if opts is None else tv.reduce_op(opts.reduceOp)
 
 
 def _root(opts, n: int) -> int:

@@ -43,6 +43,7 @@ _OPS = {dist.ReduceOp.SUM.value: ReduceKind.SUM, dist.ReduceOp.AVG.value: Reduce
 
 
 _SUM = dist.ReduceOp.SUM
+_PREMUL_SUM = dist.ReduceOp.PREMUL_SUM.value
 
 
 class _Entry(NamedTuple):
@@ -124,8 +125,14 @@ def native_view(t: torch.Tensor) -> np.ndarray | None:
     return flat_view(t) if t.dtype in _NATIVE and t.is_contiguous() else None
 
 
-def reduce_operand(t: torch.Tensor, kind: ReduceKind) -> Operand:
-    """The array to reduce for t: a view, or a copy (contiguous, or widened) written back after."""
+def reduce_operand(t: torch.Tensor, kind: ReduceKind, factor: float | None = None) -> Operand:
+    """The array to reduce for t: a view, or a copy (contiguous, widened, or multiplied by
+    PREMUL_SUM's factor) written back after."""
+    if factor is not None:
+        if not t.dtype.is_floating_point:
+            raise InvalidArgument(f"PREMUL_SUM takes floating-point tensors, not {t.dtype}")
+        scaled = t.detach().mul(factor).contiguous()
+        return Operand(flat_view(scaled), _copier(scaled, t))
     if t.dtype in _NATIVE:
         staged, back = contiguous(t)
         return Operand(flat_view(staged), back)
@@ -140,11 +147,16 @@ def reduce_operand(t: torch.Tensor, kind: ReduceKind) -> Operand:
     raise InvalidArgument(f"shmcoll cannot reduce {t.dtype} tensors with {kind.name}")
 
 
-def reduce_kind(op) -> ReduceKind:
-    """torch's ReduceOp as a ReduceKind; InvalidArgument for the ones shmcoll has no kernel for."""
+def reduce_op(op) -> tuple[ReduceKind, float | None]:
+    """torch's ReduceOp as a ReduceKind, with PREMUL_SUM's factor (a SUM of inputs multiplied by
+    it first; None for every other op). InvalidArgument for the ops shmcoll has no kernel for."""
     if op == _SUM:  # the common op, and ReduceOp's cheapest test
-        return ReduceKind.SUM
-    kind = _OPS.get(getattr(getattr(op, "op", op), "value", None))
+        return ReduceKind.SUM, None
+    value = getattr(getattr(op, "op", op), "value", None)
+    if value == _PREMUL_SUM:
+        return ReduceKind.SUM, float(op.factor)
+    kind = _OPS.get(value)
     if kind is None:
-        raise InvalidArgument(f"shmcoll does not implement {op}: it reduces with SUM, AVG, PRODUCT, MIN and MAX")
-    return kind
+        raise InvalidArgument(f"shmcoll does not implement {op}: it reduces with SUM, AVG, PRODUCT, MIN, MAX "
+                              f"and PREMUL_SUM")
+    return kind, None
