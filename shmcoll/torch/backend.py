@@ -219,15 +219,16 @@ class ShmcollProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> dist.Work:
         """all_to_all_single: equal blocks go straight through; uneven splits (in rows of dim 0)
         travel padded to the largest block any rank sends, agreed first."""
-        row = input.numel() // input.shape[0] * input.element_size() if input.dim() and input.shape[0] else 0
-        ins = _splits(input_split_sizes, input, self._n, "input")
-        outs = _splits(output_split_sizes, output, self._n, "output")
-        blocks_in = [k * row for k in ins]
-        blocks_out = [k * row for k in outs]
         src = tv.bytes_operand(input).array
-        even = not input_split_sizes and not output_split_sizes  # then so on every rank (torch's rule)
-        return self._all_to_all_bytes(_cut(src, blocks_in), blocks_out,
-                                      lambda data: _write_then(output, data, [output]), "all_to_all_single", even)
+        finish = lambda data: _write_then(output, data, [output])
+        if not input_split_sizes and not output_split_sizes:  # even, and so on every rank (torch's rule)
+            _splits(None, input, self._n, "input")
+            g = self.shmcoll_group
+            return self._submit(src.nbytes, lambda: g.all_to_all(src), finish, "all_to_all_single")
+        row = input.numel() // input.shape[0] * input.element_size() if input.dim() and input.shape[0] else 0
+        blocks_in = [k * row for k in _splits(input_split_sizes, input, self._n, "input")]
+        blocks_out = [k * row for k in _splits(output_split_sizes, output, self._n, "output")]
+        return self._all_to_all_padded(_cut(src, blocks_in), blocks_out, finish, "all_to_all_single")
 
     all_to_all_single = alltoall_base
 
@@ -241,16 +242,13 @@ class ShmcollProcessGroup(dist.ProcessGroup):
             for t, piece in zip(output_tensors, _cut(data, sizes)):
                 _write(t, piece)
             return output_tensors
-        return self._all_to_all_bytes(pieces, sizes, finish, "all_to_all")
+        return self._all_to_all_padded(pieces, sizes, finish, "all_to_all")
 
-    def _all_to_all_bytes(self, pieces: list[np.ndarray], sizes_out: list[int], finish: Finish, name: str,
-                          even: bool = False) -> dist.Work:
-        """Block j of `pieces` to rank j. Unless every rank knows the blocks are even (`even`),
-        one small all_reduce first agrees on the widest block, and every block travels padded."""
+    def _all_to_all_padded(self, pieces: list[np.ndarray], sizes_out: list[int], finish: Finish,
+                           name: str) -> dist.Work:
+        """Piece j to rank j, whatever the sizes: one small all_reduce agrees on the widest piece,
+        then every piece travels padded to it; sizes_out says how much of each arrival is data."""
         g, n = self.shmcoll_group, self._n
-        if even:
-            data = np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
-            return self._submit(data.nbytes, lambda: g.all_to_all(data), finish, name)
 
         def job():
             widest = np.array([max((p.nbytes for p in pieces), default=0)], dtype=np.int64)
@@ -326,8 +324,8 @@ class ShmcollProcessGroup(dist.ProcessGroup):
             return
         self._closed.set()
         timeout = self.shmcoll_group.transport.timeout
+        self.shmcoll_group.close()  # first: a call still queued or waiting then ends at once
         self._worker.stop(timeout)
-        self.shmcoll_group.close()  # ends a receive still waiting, so the receiver stops too
         self._receiver.stop(timeout)
         self._completer.stop(timeout)
 
