@@ -410,7 +410,7 @@ def _splitter(operand: tv.Operand, flat: torch.Tensor, same: list[torch.Tensor])
 def _write(t: torch.Tensor, data: np.ndarray) -> None:
     """data (the tensor's elements, as bytes or in a reduction's type) into t."""
     staged, back = tv.contiguous(t)
-    target = tv.flat_view(staged)
+    target = tv.owned_view(staged)
     if data.dtype == np.uint8 and target.dtype != np.uint8:
         target = target.view(np.uint8)
     elif target.dtype.kind == "c" and data.dtype.kind == "f":

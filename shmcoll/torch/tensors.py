@@ -1,9 +1,14 @@
 """CPU tensors as the flat numpy arrays shmcoll's collectives take, and results back into them.
 
-A tensor's numpy view is built once from its data pointer and cached per tensor object (DDP's
-buckets and a training loop's buffers come back every step): a hit costs a dict lookup and two
-cheap checks instead of DLPack's export. The cached view holds no reference to the tensor, so the
-cache never keeps a tensor alive; a weak reference drops the entry when the tensor goes.
+Two kinds of view:
+- `owned_view`: a numpy array whose base holds the tensor, so the array keeps it alive. Every
+  Operand holds one: a call queued on the worker, or a contiguous copy made for one call, must
+  not outlive its memory (torch lets a caller drop the tensors of an async call).
+- `flat_view`: built once from the data pointer and cached per tensor object, for the small
+  all_reduce that runs before the method returns (a training loop passes the same tensors every
+  step): a hit costs a dict lookup and two cheap checks instead of an export. It holds no
+  reference to the tensor, so the cache never keeps one alive (a weak reference drops the entry
+  when the tensor goes); only a caller that holds the tensor for the whole call may use it.
 
 Non-contiguous tensors travel through a contiguous copy and are written back; integer and bool
 types the kernels do not reduce travel widened to int64 (SUM and PRODUCT wrap as torch's own
@@ -12,7 +17,6 @@ arithmetic does; bool SUM/MAX is OR, PRODUCT/MIN is AND).
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -75,22 +79,44 @@ def _forget(key: int, ref: weakref.ref) -> None:
         del _views[key]
 
 
-def _from_pointer(t: torch.Tensor) -> np.ndarray:
+class _Memory:
+    """Lends a tensor's memory to numpy through __array_interface__, holding the tensor when told
+    to. Unlike Tensor.numpy(), this leaves the storage resizable: FSDP frees a flat parameter by
+    resizing its storage to 0, which a .numpy() view forbids."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor, keep: bool):
+        nbytes = t.numel() * t.element_size()
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (nbytes,), "typestr": "|u1",
+                                    "version": 3}
+        self.tensor = t if keep else None
+
+
+def _from_pointer(t: torch.Tensor, keep: bool = False) -> np.ndarray:
     nbytes = t.numel() * t.element_size()
     dtype = _NUMPY_OF.get(t.dtype, np.dtype(np.uint8))
     if nbytes == 0:
         return np.empty(0, dtype)
-    raw = (ctypes.c_uint8 * nbytes).from_address(t.data_ptr())
-    return np.frombuffer(memoryview(raw), dtype=dtype)
+    return np.asarray(_Memory(t, keep)).view(dtype)
+
+
+def owned_view(t: torch.Tensor) -> np.ndarray:
+    """The 1-D numpy array over a contiguous CPU tensor's elements (bytes for dtypes numpy lacks),
+    keeping the tensor alive."""
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"shmcoll takes CPU tensors, not {t.device} ones")
+    return _from_pointer(t, keep=True)
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes, for calls that only move data (any dtype moves)."""
-    return flat_view(t).view(np.uint8)
+    """The bytes of a contiguous tensor, for calls that only move data (any dtype moves)."""
+    return owned_view(t).view(np.uint8)
 
 
 class Operand(NamedTuple):
-    """What a collective works on for one tensor, and how its result gets back into the tensor."""
+    """What a collective works on for one tensor (an owned view: it keeps its memory alive), and
+    how its result gets back into the tensor."""
 
     array: np.ndarray
     write_back: Callable[[], None] | None = None
@@ -132,18 +158,18 @@ def reduce_operand(t: torch.Tensor, kind: ReduceKind, factor: float | None = Non
         if not t.dtype.is_floating_point:
             raise InvalidArgument(f"PREMUL_SUM takes floating-point tensors, not {t.dtype}")
         scaled = t.detach().mul(factor).contiguous()
-        return Operand(flat_view(scaled), _copier(scaled, t))
+        return Operand(owned_view(scaled), _copier(scaled, t))
     if t.dtype in _NATIVE:
         staged, back = contiguous(t)
-        return Operand(flat_view(staged), back)
+        return Operand(owned_view(staged), back)
     if t.dtype in _WIDENED:
         if kind is ReduceKind.AVG:
             raise InvalidArgument(f"AVG is not defined for {t.dtype}; integers take SUM, PRODUCT, MIN, MAX")
         wide = t.detach().to(torch.int64)
-        return Operand(flat_view(wide), _copier(wide, t))
+        return Operand(owned_view(wide), _copier(wide, t))
     if t.dtype in _COMPLEX and kind in (ReduceKind.SUM, ReduceKind.AVG):
         staged, back = contiguous(t)
-        return Operand(flat_view(torch.view_as_real(staged)), back)
+        return Operand(owned_view(torch.view_as_real(staged)), back)
     raise InvalidArgument(f"shmcoll cannot reduce {t.dtype} tensors with {kind.name}")
 
 
@@ -152,11 +178,12 @@ def reduce_op(op) -> tuple[ReduceKind, float | None]:
     it first; None for every other op). InvalidArgument for the ops shmcoll has no kernel for."""
     if op == _SUM:  # the common op, and ReduceOp's cheapest test
         return ReduceKind.SUM, None
-    value = getattr(getattr(op, "op", op), "value", None)
+    op_type = getattr(op, "op", op)
+    value = getattr(op_type, "value", None)
     if value == _PREMUL_SUM:
         return ReduceKind.SUM, float(op.factor)
     kind = _OPS.get(value)
     if kind is None:
-        raise InvalidArgument(f"shmcoll does not implement {op}: it reduces with SUM, AVG, PRODUCT, MIN, MAX "
-                              f"and PREMUL_SUM")
+        raise InvalidArgument(f"shmcoll does not implement {getattr(op_type, 'name', op)}: it reduces with SUM, "
+                              f"AVG, PRODUCT, MIN, MAX and PREMUL_SUM")
     return kind, None

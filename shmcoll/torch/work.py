@@ -32,13 +32,27 @@ def _seconds(timeout) -> float | None:
     return seconds if seconds > 0 else None
 
 
-def _future(result: Any = None, error: BaseException | None = None) -> torch.futures.Future:
+def _future(result: Any) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
+    future.set_result(result)
     return future
+
+
+class _Failed:
+    """A collective's error, carried as the value of PendingWork's source future."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _outcome(source: torch.futures.Future) -> Any:
+    """The source's outputs, or its error raised: raising inside `then` is how a future fails
+    for its C++ waiters too (DDP's reducer). Future.set_exception only wraps the error in a value
+    that Python unwraps; C++ would take that value for the outputs."""
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
 
 
 class DoneWork(dist.Work):
@@ -81,8 +95,11 @@ class PendingWork(dist.Work):
         self._settled = False
         self._outputs: list[torch.Tensor] = []
         self._error: BaseException | None = None
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._source: torch.futures.Future = torch.futures.Future()
+        self._future = self._source.then(_outcome)
         self._future_claimed = False
+        self._future_done = threading.Event()  # set first among the future's callbacks
+        self._future.add_done_callback(lambda _: self._future_done.set())
         handle.add_done_callback(lambda _: completer.post(self._complete_future))
 
     def _settle(self) -> None:
@@ -103,10 +120,7 @@ class PendingWork(dist.Work):
             if self._future_claimed:
                 return
             self._future_claimed = True
-        if self._error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(self._error)
+        self._source.set_result(self._outputs if self._error is None else _Failed(self._error))
 
     def wait(self, timeout=None) -> bool:
         """Returns once the collective is done and its outputs are in place; raises its error."""
@@ -115,6 +129,7 @@ class PendingWork(dist.Work):
             raise CollectiveTimeout(f"Work.wait({seconds} s) returned before the collective finished; "
                                     "it is still running")
         self._complete_future()
+        self._future_done.wait()  # another thread may be completing it: torch expects it done now
         if self._error is not None:
             raise self._error
         return True
