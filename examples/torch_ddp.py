@@ -1,16 +1,17 @@
-"""A PyTorch CPU model whose gradients shmcoll averages across ranks, in place, during backward.
+"""A PyTorch CPU model trained with plain DistributedDataParallel, its gradients averaged by the "shmcoll"
+torch.distributed backend (or by gloo, for comparison).
 
-What it shows: shmcoll takes CPU torch tensors directly (through DLPack, no copies): each
-parameter's gradient is handed to `pg.spawn_all_reduce(p.grad, ReduceKind.AVG)` from a
-post-accumulate-grad hook the moment autograd has finished it, so the averaging of the last layers
-runs while autograd computes the first ones; the handles are joined before `optimizer.step()`.
-Every rank trains on its shard of each global batch, and the result is single-process training on
-the whole global batch: rank 0 then trains the same model that way and prints both loss curves
-and the largest difference in the final parameters.
+What it shows: `import shmcoll.torch` registers the backend; from there it is ordinary torch:
+`dist.init_process_group("shmcoll")` (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
+`DistributedDataParallel(model)`, whose bucketed all-reduces run on shmcoll while autograd goes on. Every
+rank trains on its shard of each global batch, and the result is single-process training on the whole
+global batch: rank 0 then trains the same model that way and prints both loss curves and the largest
+difference in the final parameters.
 
 Run it:
-  shmcoll-run -n 2 examples/torch_ddp.py
-  python examples/torch_ddp.py                 # 1 rank, no launcher needed
+  shmcoll-run -n 2 python examples/torch_ddp.py              # shmcoll-run's SHMCOLL_* variables are used
+  torchrun --nproc-per-node 2 examples/torch_ddp.py --backend gloo
+  python examples/torch_ddp.py                               # 1 rank, no launcher needed
 
 Needs torch (CPU build is enough: pip install torch --index-url https://download.pytorch.org/whl/cpu);
 without it, it says so and exits with status 0.
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=["shmcoll", "gloo"], default="shmcoll")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=256, help="GLOBAL batch size (split across ranks)")
     p.add_argument("--hidden", type=int, default=256)
@@ -59,36 +62,25 @@ def batches(torch, args):
         yield x.to(getattr(torch, args.dtype)), (x @ teacher).argmax(dim=1)
 
 
-def train_distributed(pg, torch, args):
-    """Every rank: its shard of each global batch, gradients averaged with shmcoll during backward."""
-    from shmcoll import ReduceKind
-
-    model = make_model(torch, args)
+def train_distributed(torch, dist, args):
+    """Every rank: its shard of each global batch; DDP averages the gradients during backward."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = torch.nn.parallel.DistributedDataParallel(make_model(torch, args))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    handles = []
-
-    def average(param):  # called by autograd once param.grad holds this rank's whole gradient
-        handles.append(pg.spawn_all_reduce(param.grad, ReduceKind.AVG))  # in place, through DLPack
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(average)
-    shard = args.batch // pg.world_size
+    shard = args.batch // n
     losses, times = [], []
     for x, y in batches(torch, args):
         t = time.perf_counter()
-        x, y = x[pg.rank * shard:(pg.rank + 1) * shard], y[pg.rank * shard:(pg.rank + 1) * shard]
+        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()  # the hooks start the all-reduces as autograd goes, last layer first
-        for h in handles:
-            h.join()
-        handles.clear()
+        loss.backward()  # DDP's bucketed all-reduces run as autograd goes, last layer first
         opt.step()
         mean = loss.detach().to(torch.float64).reshape(1)
-        pg.all_reduce(mean, ReduceKind.AVG)  # the global batch's loss, for the printout
-        losses.append(float(mean))
+        dist.all_reduce(mean)  # the global batch's loss, for the printout (SUM: gloo has no AVG)
+        losses.append(float(mean) / n)
         times.append(time.perf_counter() - t)
-    return model, losses, times
+    return model.module, losses, times
 
 
 def train_single(torch, args):
@@ -105,40 +97,60 @@ def train_single(torch, args):
     return model, losses
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        import torch
-    except ImportError:
-        print("torch is not installed: pip install torch --index-url https://download.pytorch.org/whl/cpu "
-              "(this example needs it; the others do not)")
-        return 0
-    import shmcoll
+def use_launcher_env() -> None:
+    """env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun sets them). shmcoll-run sets
+    the SHMCOLL_* names instead: copy those over. Without a launcher: a group of one on a free port."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ and f"SHMCOLL_{name}" in os.environ:
+            os.environ[name] = os.environ[f"SHMCOLL_{name}"]
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
-    torch.set_num_threads(1)  # one core per rank, as in dp_train.py: N ranks then use N cores
-    launched = any(v in os.environ for v in ("SHMCOLL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                                             "SLURM_PROCID"))
-    with (shmcoll.init() if launched else shmcoll.init(rank=0, world_size=1)) as pg:
-        if args.batch % pg.world_size:
-            raise SystemExit(f"--batch {args.batch} must be divisible by the {pg.world_size} ranks")
-        if pg.rank == 0:
-            print(f"torch_ddp: {pg.world_size} rank(s), torch {torch.__version__}, global batch {args.batch} "
-                  f"({args.batch // pg.world_size} per rank), {args.dtype}, gradients averaged by shmcoll "
-                  f"during backward", flush=True)
-        model, losses, times = train_distributed(pg, torch, args)
-    if pg.rank != 0:
-        return 0
+
+def report(torch, args, n, model, losses, times) -> None:
+    """Rank 0: single-process training on the global batches, and how far the distributed run is from it."""
     ref, ref_losses = train_single(torch, args)
-    n = pg.world_size
     print(f" step  loss, {n} rank(s)        loss, 1 process        |difference|")
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         if (i + 1) % args.log_every == 0 or i + 1 == len(losses):
             print(f"{i + 1:5d}  {a:.15f}  {b:.15f}  {abs(a - b):.1e}")
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    param_diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+    param_diff = max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
     print(f"max |loss difference| over {len(losses)} steps: {loss_diff:.1e}; "
           f"max |parameter difference| after training: {param_diff:.1e} ({args.dtype})")
     print(f"median {1e3 * sorted(times)[len(times) // 2]:.1f} ms/step with {n} rank(s)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        print("torch is not installed: pip install torch --index-url https://download.pytorch.org/whl/cpu "
+              "(this example needs it; the others do not)")
+        return 0
+    if args.backend == "shmcoll":
+        import shmcoll.torch  # noqa: F401 (registers the backend "shmcoll")
+
+    torch.set_num_threads(1)  # one core per rank, as in dp_train.py: N ranks then use N cores
+    use_launcher_env()
+    dist.init_process_group(args.backend)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    try:
+        if args.batch % n:
+            raise SystemExit(f"--batch {args.batch} must be divisible by the {n} ranks")
+        if rank == 0:
+            print(f"torch_ddp: {n} rank(s), backend {args.backend}, torch {torch.__version__}, global batch "
+                  f"{args.batch} ({args.batch // n} per rank), {args.dtype}, DistributedDataParallel", flush=True)
+        model, losses, times = train_distributed(torch, dist, args)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        report(torch, args, n, model, losses, times)
     return 0
 
 

@@ -98,10 +98,14 @@ def test_federated_refuses_too_few_ranks():
 
 # ------------------------------------------------------------------------------------ torch_ddp
 
-def test_torch_ddp_matches_single_process_training():
+@pytest.mark.parametrize("backend", ["shmcoll", "gloo"])
+def test_torch_ddp_matches_single_process_training(backend):
+    """Plain DDP under shmcoll-run (its SHMCOLL_* variables turned into env://'s), through the shmcoll
+    backend and through gloo: the loss curve and the final parameters equal single-process training on
+    the global batch, to float64 rounding."""
     pytest.importorskip("torch", reason="torch is not installed (.ci/run installs it)")
-    out = ok(launch(2, "examples/torch_ddp.py", "--quick"))
-    assert "torch_ddp: 2 rank(s)" in out and "(128 per rank)" in out
+    out = ok(launch(2, "examples/torch_ddp.py", "--quick", "--backend", backend))
+    assert f"torch_ddp: 2 rank(s), backend {backend}," in out and "(128 per rank)" in out, out
     rows = re.findall(r"^ +(\d+) +([0-9.]+) +([0-9.]+) +\S+$", out, re.M)
     assert [int(r[0]) for r in rows] == list(range(1, 9)), out
     m = re.search(r"max \|loss difference\| over 8 steps: (\S+); max \|parameter difference\| after "
@@ -109,6 +113,7 @@ def test_torch_ddp_matches_single_process_training():
     assert m, out
     assert float(m.group(1)) < 1e-12 and float(m.group(2)) < 1e-12, m.group(0)
     assert float(rows[-1][1]) < float(rows[0][1])
+    assert out.count("max |loss difference|") == 1  # rank 0 reports, once
 
 
 def test_torch_ddp_without_torch_says_so_and_exits_0():
