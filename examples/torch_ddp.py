@@ -9,7 +9,7 @@ global batch: rank 0 then trains the same model that way and prints both loss cu
 difference in the final parameters.
 
 Run it:
-  shmcoll-run -n 2 python examples/torch_ddp.py              # shmcoll-run's SHMCOLL_* variables are used
+  shmcoll-run -n 2 python examples/torch_ddp.py
   torchrun --nproc-per-node 2 examples/torch_ddp.py --backend gloo
   python examples/torch_ddp.py                               # 1 rank, no launcher needed
 
@@ -97,12 +97,10 @@ def train_single(torch, args):
     return model, losses
 
 
-def use_launcher_env() -> None:
-    """env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun sets them). shmcoll-run sets
-    the SHMCOLL_* names instead: copy those over. Without a launcher: a group of one on a free port."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ and f"SHMCOLL_{name}" in os.environ:
-            os.environ[name] = os.environ[f"SHMCOLL_{name}"]
+def alone_without_launcher() -> None:
+    """env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: torchrun sets them, and importing
+    shmcoll.torch fills them in under shmcoll-run, mpirun or srun. Without a launcher: a group of one
+    on a free port."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -133,11 +131,10 @@ def main(argv=None) -> int:
         print("torch is not installed: pip install torch --index-url https://download.pytorch.org/whl/cpu "
               "(this example needs it; the others do not)")
         return 0
-    if args.backend == "shmcoll":
-        import shmcoll.torch  # noqa: F401 (registers the backend "shmcoll")
+    import shmcoll.torch  # noqa: F401 (registers the backend "shmcoll"; gloo runs get the launcher's variables)
 
     torch.set_num_threads(1)  # one core per rank, as in dp_train.py: N ranks then use N cores
-    use_launcher_env()
+    alone_without_launcher()
     dist.init_process_group(args.backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     try:

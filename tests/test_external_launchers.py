@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from bounds import LAUNCH_S, REAP_S, RUN_HANG_S, WAIT_HANG_S
-from harness import REPO, free_port
+from harness import REPO, free_port, launcher_cmd
 
 pytestmark = pytest.mark.multiprocess
 
@@ -182,3 +182,31 @@ def test_torchrun_shmcoll_master_port_overrides():
     argv = torchrun_cmd("--standalone", PROGRAM, "torchrun", "--expect-port", str(port))
     rc, out = run_bounded(argv, clean_env(SHMCOLL_MASTER_PORT=str(port), SHMCOLL_TRANSPORT="tcp"))
     assert_all_ok(rc, out, 2, transport="NetTransport")
+
+
+# --- the torch backend under each launcher -----------------------------------------------------
+
+TORCH_PROGRAM = str(REPO / "tests" / "programs" / "torch_backend_check.py")
+
+
+def test_torch_backend_under_mpirun(mpirun):
+    """Open MPI names ranks OMPI_COMM_WORLD_*: importing shmcoll.torch gives env:// its RANK and WORLD_SIZE."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (CI installs torch==2.13.0)")
+    argv = mpirun_cmd(mpirun, 2, "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={free_port()}",
+                      program=[sys.executable, TORCH_PROGRAM])
+    rc, out = run_bounded(argv, clean_env())
+    assert_all_ok(rc, out, 2, transport="shmcoll")
+
+
+def test_torch_backend_under_torchrun():
+    rc, out = run_bounded(torchrun_cmd("--standalone", TORCH_PROGRAM), clean_env())
+    assert_all_ok(rc, out, 2, transport="shmcoll")
+
+
+def test_torch_backend_under_shmcoll_run():
+    """shmcoll-run sets only SHMCOLL_* variables: env:// gets its rank, size and endpoint from them."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (CI installs torch==2.13.0)")
+    rc, out = run_bounded(launcher_cmd("-n", "3", sys.executable, TORCH_PROGRAM), clean_env())
+    assert_all_ok(rc, out, 3, transport="shmcoll")

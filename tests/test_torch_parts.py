@@ -228,3 +228,32 @@ def test_views_leave_the_storage_resizable():
     tv.flat_view(t)
     t.untyped_storage().resize_(0)
     assert t.untyped_storage().size() == 0
+
+
+# ---- env:// from the launchers' variables ----
+launch_env = pytest.importorskip("shmcoll.torch.launch_env")
+
+
+@pytest.mark.parametrize("given, filled", [
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+     {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, {"RANK": "3", "WORLD_SIZE": "4"}),
+    ({"SHMCOLL_RANK": "0", "SHMCOLL_WORLD_SIZE": "2", "SHMCOLL_MASTER_ADDR": "10.0.0.1",
+      "SHMCOLL_MASTER_PORT": "29500"},
+     {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}),
+])
+def test_env_gets_what_the_launcher_said_under_torchs_names(given, filled):
+    env = dict(given)
+    launch_env.fill_torch_env(env)
+    assert env == {**given, **filled}
+
+
+@pytest.mark.parametrize("given", [
+    {},  # no launcher: torch's own error says what env:// lacks
+    {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"},  # torchrun's: left alone
+    {"OMPI_COMM_WORLD_RANK": "1", "SLURM_NTASKS": "4"},  # mixed launchers: init() refuses, so no guess
+])
+def test_env_is_left_alone_without_a_launcher_or_when_set(given):
+    env = dict(given)
+    launch_env.fill_torch_env(env)
+    assert env == given

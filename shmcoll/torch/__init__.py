@@ -1,7 +1,8 @@
 """shmcoll as a torch.distributed backend: `import shmcoll.torch`, then
 `dist.init_process_group("shmcoll")` (see API.md, "torch.distributed backend").
 
-Importing registers the backend "shmcoll" for CPU tensors (again is harmless). torch calls
+Importing registers the backend "shmcoll" for CPU tensors (again is harmless), and fills in the
+env:// variables torch reads from the ones mpirun, srun or shmcoll-run set (launch_env.py). torch calls
 `create_group` for the default group and for every `new_group`: the ranks meet through the store
 torch hands over (store.py), group by host as `shmcoll.init()` does, and get their own shmcoll
 group, wrapped as a torch ProcessGroup (backend.py).
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from ..bootstrap import alone, join_over_store
 from ..config import framework_config
 from .backend import ShmcollProcessGroup
+from .launch_env import fill_torch_env
 from .store import TorchStore, agree_job_id
 
 BACKEND = "shmcoll"
@@ -42,3 +44,4 @@ def _register() -> None:
 
 
 _register()
+fill_torch_env()
