@@ -18,11 +18,23 @@ from shmcoll.worker import OrderedWorker
 
 from bounds import WAIT_HANG_S
 
-torch = pytest.importorskip("torch", reason="torch is not installed (.ci/run installs it)")
-dist = pytest.importorskip("torch.distributed")
-tv = pytest.importorskip("shmcoll.torch.tensors")
-work = pytest.importorskip("shmcoll.torch.work")
-store_mod = pytest.importorskip("shmcoll.torch.store")
+torch = dist = tv = work = store_mod = launch_env = None  # bound by _import_torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _import_torch():
+    """torch is imported when the first test here runs, not at collection: the pytest process
+    forks every multi-process test's ranks, which should not carry torch (nor an OpenMP thread
+    pool: one thread, so torch starts none)."""
+    global torch, dist, tv, work, store_mod, launch_env
+    torch = pytest.importorskip("torch", reason="torch is not installed (.ci/run installs it)")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import shmcoll.torch.launch_env as launch_env
+    import shmcoll.torch.store as store_mod
+    import shmcoll.torch.tensors as tv
+    import shmcoll.torch.work as work
 
 
 # ---- tensor views ----
@@ -52,10 +64,10 @@ def test_the_cache_never_keeps_a_tensor_alive():
     assert key not in tv._views
 
 
-@pytest.mark.parametrize("dtype, expected", [(torch.bfloat16, 2), (torch.float16, 2), (torch.float64, 8),
-                                             (torch.bool, 1), (torch.complex64, 8)])
+@pytest.mark.parametrize("dtype, expected", [("bfloat16", 2), ("float16", 2), ("float64", 8), ("bool", 1),
+                                             ("complex64", 8), ("float8_e4m3fn", 1)])
 def test_byte_view_covers_every_byte(dtype, expected):
-    t = torch.zeros(5, dtype=dtype)
+    t = torch.zeros(5, dtype=getattr(torch, dtype))
     assert tv.byte_view(t).nbytes == 5 * expected
 
 
@@ -231,8 +243,6 @@ def test_views_leave_the_storage_resizable():
 
 
 # ---- env:// from the launchers' variables ----
-launch_env = pytest.importorskip("shmcoll.torch.launch_env")
-
 
 @pytest.mark.parametrize("given, filled", [
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},

@@ -62,9 +62,9 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         self._last = handle
         return PendingWork(handle, finish, self._completer)
 
-    def _inline(self, job: Job, finish: Finish, name: str) -> dist.Work:
-        """A call that must not wait behind the worker's queue in a way torch can see: queued
-        when the worker is busy (call order), else run now."""
+    def _small(self, job: Job, finish: Finish, name: str) -> dist.Work:
+        """A call that moves nothing worth overlapping (a barrier): run now, or queued behind
+        what the worker still has (call order)."""
         return self._submit(0, job, finish, name)
 
     # ---- reductions ----
@@ -263,7 +263,7 @@ class ShmcollProcessGroup(dist.ProcessGroup):
     # ---- synchronisation and point to point ----
     def barrier(self, opts=None) -> dist.Work:
         g = self.shmcoll_group
-        return self._inline(g.barrier, lambda _: [], "barrier")
+        return self._small(g.barrier, lambda _: [], "barrier")
 
     def send(self, tensors, dstRank, tag) -> dist.Work:
         t = _only(tensors, "send")
