@@ -6,6 +6,8 @@ transport allows it) they build shared memory; across hosts the hierarchy: share
 plus TCP between hosts (transport="tcp": TCP between every pair). Each rank listens on the
 interface it used to reach rank 0 (so multi-homed hosts pick a routable one). Rank 0 shuts the
 store down as soon as the new transport has carried one barrier: by then every rank is done with it.
+Everything after the store is up is join_over_store, which takes any store with set/get/wait: the
+torch backend (shmcoll.torch) passes torch's own.
 """
 
 from __future__ import annotations
