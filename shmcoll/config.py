@@ -185,11 +185,20 @@ def _resolve_transport(explicit, environ) -> str:
     return explicit
 
 
-def _host_and_secret(env: Mapping[str, str]) -> tuple[str, bytes | None]:
-    """This host's id (SHMCOLL_HOST_ID, else the kernel's boot id) and the job secret, if any."""
+def _own_settings(env: Mapping[str, str], timeout, transport) -> dict:
+    """The Config fields shmcoll reads itself, whoever numbered the ranks: this host's id
+    (SHMCOLL_HOST_ID, else the kernel's boot id), the timeout, the job secret, debug, tuning and
+    transport."""
     host = lookup(env, (HOST_ID_VAR,))
     secret = lookup(env, (SECRET_VAR,), strip=False)
-    return host[1] if host else default_host_id(), secret[1].encode("utf-8") if secret else None
+    return {
+        "host_id": host[1] if host else default_host_id(),
+        "timeout": _resolve_timeout(timeout, env),
+        "secret": secret[1].encode("utf-8") if secret else None,
+        "debug": _resolve_debug(env),
+        "tuning": load_tuning(env),
+        "transport": _resolve_transport(transport, env),
+    }
 
 
 def load_config(*, rank=None, world_size=None, master_addr=None, master_port=None, timeout=None,
@@ -199,20 +208,14 @@ def load_config(*, rank=None, world_size=None, master_addr=None, master_port=Non
     r, world, local, rank_src = resolve_ranks(rank, world_size, env)
     launcher = launcher_of(rank_src, env)
     addr, port, port_from = resolve_master(master_addr, master_port, world, launcher, env)
-    host_id, secret = _host_and_secret(env)
     return Config(
         rank=r,
         world_size=world,
         local_rank=local,
         master_addr=addr,
         master_port=port,
-        host_id=host_id,
-        timeout=_resolve_timeout(timeout, env),
-        secret=secret,
         job_id=_resolve_job_id(env, addr, port, world, launcher),
-        debug=_resolve_debug(env),
-        tuning=load_tuning(env),
-        transport=_resolve_transport(transport, env),
+        **_own_settings(env, timeout, transport),
         local_world_size=resolve_local_world(local, world, env),
         launcher=launcher.name,
         master_port_from=port_from,
@@ -226,19 +229,5 @@ def framework_config(rank: int, world_size: int, timeout: float, job_id: str, st
     (shmcoll.torch): rank, world size, timeout and job id come from it; the host grouping, secret,
     transport and tuning come from the environment exactly as for init()."""
     env = os.environ if environ is None else environ
-    host_id, secret = _host_and_secret(env)
-    return Config(
-        rank=rank,
-        world_size=world_size,
-        local_rank=None,
-        master_addr=store_address,
-        master_port=0,
-        host_id=host_id,
-        timeout=_resolve_timeout(timeout, env),
-        secret=secret,
-        job_id=job_id,
-        debug=_resolve_debug(env),
-        tuning=load_tuning(env),
-        transport=_resolve_transport(None, env),
-        launcher="torch.distributed",
-    )
+    return Config(rank=rank, world_size=world_size, local_rank=None, master_addr=store_address, master_port=0,
+                  job_id=job_id, launcher="torch.distributed", **_own_settings(env, timeout, None))
