@@ -183,7 +183,7 @@ class ShmcollProcessGroup(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def _gather_concatenated(self, inputs, target, outputs) -> dist.Work:
-        sizes = [t.numel() * t.element_size() for t in inputs]
+        sizes = [t.nbytes for t in inputs]
         arr = np.concatenate([tv.bytes_operand(t).array for t in inputs]) if inputs else np.empty(0, np.uint8)
         g, total = self.shmcoll_group, sum(sizes)
 
@@ -212,7 +212,7 @@ class ShmcollProcessGroup(dist.ProcessGroup):
             ins = _only(input_tensors, "scatter")
             self._check_parts(ins, out, "scatter")
             arr = np.concatenate([tv.bytes_operand(x).array for x in ins])
-        g, nbytes = self.shmcoll_group, out.numel() * out.element_size()
+        g, nbytes = self.shmcoll_group, out.nbytes
         return self._submit(nbytes * self._n, lambda: g.scatter(root, arr),
                             lambda piece: _write_then(out, piece, output_tensors), "scatter")
 
@@ -236,7 +236,7 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         if len(input_tensors) != self._n or len(output_tensors) != self._n:
             raise InvalidArgument(f"all_to_all takes {self._n} input and output tensors (one per rank)")
         pieces = [tv.bytes_operand(t).array for t in input_tensors]
-        sizes = [t.numel() * t.element_size() for t in output_tensors]
+        sizes = [t.nbytes for t in output_tensors]
 
         def finish(data):
             for t, piece in zip(output_tensors, _cut(data, sizes)):
@@ -272,7 +272,7 @@ class ShmcollProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors, srcRank, tag) -> dist.Work:
         t = _only(tensors, "recv")
-        g, nbytes = self.shmcoll_group, t.numel() * t.element_size()
+        g, nbytes = self.shmcoll_group, t.nbytes
 
         def finish(data):
             if data.nbytes != nbytes:
@@ -302,20 +302,6 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         return self._desc
 
     def setGroupDesc(self, desc: str) -> None:
-        self._desc = desc
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    @property
-    def group_desc(self) -> str:
-        return self._desc
-
-    def _set_group_name(self, name: str) -> None:
-        self._name = name
-
-    def _set_group_desc(self, desc: str) -> None:
         self._desc = desc
 
     def shutdown(self) -> None:

@@ -87,16 +87,14 @@ class _Memory:
     __slots__ = ("__array_interface__", "tensor")
 
     def __init__(self, t: torch.Tensor, keep: bool):
-        nbytes = t.numel() * t.element_size()
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (nbytes,), "typestr": "|u1",
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.nbytes,), "typestr": "|u1",
                                     "version": 3}
         self.tensor = t if keep else None
 
 
 def _from_pointer(t: torch.Tensor, keep: bool = False) -> np.ndarray:
-    nbytes = t.numel() * t.element_size()
     dtype = _NUMPY_OF.get(t.dtype, np.dtype(np.uint8))
-    if nbytes == 0:
+    if t.nbytes == 0:
         return np.empty(0, dtype)
     return np.asarray(_Memory(t, keep)).view(dtype)
 
