@@ -38,8 +38,9 @@ from typing import Any
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
-from numba.extending import intrinsic
+from numba.core import cgutils, types
+from numba.extending import intrinsic, overload
+from numba.np.arrayobj import make_array
 
 from shmcoll.types import WIRE_TYPES, ReduceKind
 
@@ -440,3 +441,309 @@ def warm_up(code: int, op: ReduceKind) -> None:
     reduce_into(np.zeros(2, storage), np.zeros(2, storage), code, op)
     if op == ReduceKind.AVG:
         scale_into(np.zeros(1, storage), code, 1)
+
+
+# --- shared memory: ordered loads and stores, waiting and waking ----------------------------
+#
+# The board (transport/shm_board.py) is memory that other processes read while this one writes.
+# These give it real ordering on every CPU, not x86's store order by luck: a reader whose acquire
+# load sees a published word also sees every store the writer made before its release store.
+# Waiting spins on the word with the CPU's pause hint, then sleeps on a futex of the word's low
+# half (plain FUTEX_WAIT, not the private variant: the word lives in a segment several processes
+# map). A sleeper counts itself in a counter next to the word first, so a writer knows whether to
+# make the wake-up system call. Store, then look at the counter (writer); count, then look at the
+# word (sleeper): both sequentially consistent, so at least one of the two sees the other, and
+# FUTEX_WAIT itself refuses to sleep once the word has changed. Words are little-endian.
+
+_ARM = platform.machine().lower() in ("aarch64", "arm64")
+_SYS_FUTEX, _SYS_SCHED_YIELD = (98, 124) if _ARM else (202, 24)
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_CLOCK_MONOTONIC = 1
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_PAUSES_PER_LOOK = 16  # pause hints between two looks at a word while spinning (about 1 us)
+_LOOKS_PER_YIELD = 8  # every so many looks, give the core away: ranks may outnumber cores
+
+
+def _element_pointer(context, builder, sig, args):
+    """The address of arr[index] for an intrinsic called as f(arr, index, ...)."""
+    ary = make_array(sig.args[0])(context, builder, args[0])
+    index = context.cast(builder, args[1], sig.args[1], types.intp)
+    return cgutils.get_item_pointer(context, builder, sig.args[0], ary, [index], wraparound=False)
+
+
+def _atomic_load(ordering: str):
+    @intrinsic
+    def load(typingctx, arr, index):
+        def codegen(context, builder, sig, args):
+            return builder.load_atomic(_element_pointer(context, builder, sig, args), ordering,
+                                       arr.dtype.bitwidth // 8)
+
+        return arr.dtype(arr, index), codegen
+
+    return load
+
+
+_load_acquire = _atomic_load("acquire")
+_load_seq_cst = _atomic_load("seq_cst")
+
+
+@intrinsic
+def _store_seq_cst(typingctx, arr, index, value):
+    def codegen(context, builder, sig, args):
+        stored = context.cast(builder, args[2], sig.args[2], arr.dtype)
+        builder.store_atomic(stored, _element_pointer(context, builder, sig, args), "seq_cst", arr.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@intrinsic
+def _add_seq_cst(typingctx, arr, index, value):
+    def codegen(context, builder, sig, args):
+        added = context.cast(builder, args[2], sig.args[2], arr.dtype)
+        builder.atomic_rmw("add", _element_pointer(context, builder, sig, args), added, "seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@intrinsic
+def _cpu_relax(typingctx):
+    """x86's pause or arm's yield: the spinning core lets its sibling run and saves power."""
+    def codegen(context, builder, sig, args):
+        if _ARM:
+            hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I32]),
+                                                  "llvm.aarch64.hint")
+            builder.call(hint, [ir.Constant(_I32, 1)])
+        else:
+            pause = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                   "llvm.x86.sse2.pause")
+            builder.call(pause, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def _syscall(typingctx, number, a1, a2, a3, a4, a5):
+    """libc's syscall(2), found by name when the code is loaded (so it can live in numba's cache)."""
+    sig = types.int64(number, a1, a2, a3, a4, a5)
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, [_I64], var_arg=True), "syscall")
+        return builder.call(fn, [context.cast(builder, a, t, types.int64) for a, t in zip(args, sig.args)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _now_ns(typingctx):
+    """CLOCK_MONOTONIC in nanoseconds (clock_gettime: the vDSO, no system call)."""
+    def codegen(context, builder, sig, args):
+        ts = cgutils.alloca_once(builder, ir.ArrayType(_I64, 2))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32, ts.type]), "clock_gettime")
+        builder.call(fn, [ir.Constant(_I32, _CLOCK_MONOTONIC), ts])
+        zero = ir.Constant(_I32, 0)
+        sec = builder.load(builder.gep(ts, [zero, zero]))
+        nsec = builder.load(builder.gep(ts, [zero, ir.Constant(_I32, 1)]))
+        return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
+
+    return types.int64(), codegen
+
+
+@intrinsic
+def _memcpy(typingctx, dst, src, nbytes):
+    """libc's memcpy between two addresses (array.ctypes.data + offset): numba's own slice copy
+    moves one element at a time, a third of memory speed for bytes."""
+    sig = types.void(dst, src, nbytes)
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8p, [i8p, i8p, _I64]), "memcpy")
+        dst, src, n = (context.cast(builder, a, t, types.int64) for a, t in zip(args, sig.args))
+        builder.call(fn, [builder.inttoptr(dst, i8p), builder.inttoptr(src, i8p), n])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def _reached(seen, target, at_least):
+    return seen == target or (at_least and seen > target)
+
+
+@_jit
+def wait_word(mem, word, target, at_least, sleepers, spin_ns, slice_ns):
+    """Until u64 word `word` of mem equals target (or, at_least, passes it); acquire ordering.
+    Spins for spin_ns, then sleeps counted in u32 counter `sleepers`; False once slice_ns have
+    passed without it (the caller then looks for failures and waits again)."""
+    words = mem.view(np.uint64)
+    start = _now_ns()
+    looks = 0
+    while not _reached(_load_acquire(words, word), target, at_least):
+        if _now_ns() - start >= spin_ns:
+            return _sleep_on_word(mem, word, target, at_least, sleepers, start + slice_ns)
+        looks += 1
+        if looks % _LOOKS_PER_YIELD == 0:
+            _syscall(_SYS_SCHED_YIELD, 0, 0, 0, 0, 0)
+        else:
+            for _ in range(_PAUSES_PER_LOOK):
+                _cpu_relax()
+    return True
+
+
+@_jit
+def _sleep_on_word(mem, word, target, at_least, sleepers, end_ns):
+    words, counters = mem.view(np.uint64), mem.view(np.uint32)
+    timeout = np.empty(2, np.int64)  # struct timespec
+    _add_seq_cst(counters, sleepers, 1)
+    while True:
+        seen = _load_seq_cst(words, word)
+        if _reached(seen, target, at_least):
+            break
+        left = end_ns - _now_ns()
+        if left <= 0:
+            break
+        timeout[0], timeout[1] = left // 1_000_000_000, left % 1_000_000_000
+        _syscall(_SYS_FUTEX, words.ctypes.data + 8 * word, _FUTEX_WAIT, seen & 0xFFFFFFFF, timeout.ctypes.data, 0)
+    _add_seq_cst(counters, sleepers, -1)
+    return _reached(seen, target, at_least)
+
+
+@_jit
+def store_and_wake(mem, word, value, sleepers):
+    """Set u64 word `word` of mem to value, ordered after every store before it; wake its sleepers."""
+    words, counters = mem.view(np.uint64), mem.view(np.uint32)
+    _store_seq_cst(words, word, value)
+    if _load_seq_cst(counters, sleepers) != 0:
+        _syscall(_SYS_FUTEX, words.ctypes.data + 8 * word, _FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
+
+
+@_jit
+def load_word(mem, word):
+    """u64 word `word` of mem, with acquire ordering (reads after it see what its writer published)."""
+    return _load_acquire(mem.view(np.uint64), word)
+
+
+# --- the board's all-reduce step, compiled whole ---------------------------------------------
+#
+# A board entry (transport/shm_layout.py): the published word (1 + sequence number), the frame
+# header, a u32 count of sleepers waiting for the word, then the payload.
+
+BOARD_HEADER_AT, BOARD_HEADER_BYTES, BOARD_SLEEPERS_AT, BOARD_PAYLOAD_AT = 8, 116, 124, 128
+_SRC_FIELD = (12, 16)  # bytes of the header that name the source rank: the one field ranks differ in
+_SEQ_AT = 28  # where the header holds the sequence number (8 bytes, little-endian)
+#: board_all_reduce's results besides a position to resume at (>= 0): done, or -(2 + r) when
+#: rank r's entry describes another call.
+BOARD_DONE = -1
+
+
+def _reduce_entry(dst, src, code, op):
+    """dst = op(dst, src) inside a compiled step: the loop family by dtype, then code and op."""
+
+
+@overload(_reduce_entry)
+def _reduce_entry_overload(dst, src, code, op):
+    if dst.dtype == types.uint16:
+        def half(dst, src, code, op):
+            loops = 0 if code == 1 else 4
+            if op == 1:
+                loops += 1
+            elif op in (2, 3):
+                loops += op
+            if loops == 0:
+                _f16_sum(dst, src)
+            elif loops == 1:
+                _f16_prod(dst, src)
+            elif loops == 2:
+                _f16_min(dst, src)
+            elif loops == 3:
+                _f16_max(dst, src)
+            elif loops == 4:
+                _bf16_sum(dst, src)
+            elif loops == 5:
+                _bf16_prod(dst, src)
+            elif loops == 6:
+                _bf16_min(dst, src)
+            else:
+                _bf16_max(dst, src)
+
+        return half
+
+    def native(dst, src, code, op):  # AVG reduces as SUM; the caller divides
+        if op == 1:
+            _native_prod(dst, src)
+        elif op == 2:
+            _native_min(dst, src)
+        elif op == 3:
+            _native_max(dst, src)
+        else:
+            _native_sum(dst, src)
+
+    return native
+
+
+@_jit
+def board_all_reduce(mem, data, header, where, rank, seq, code, op, position, spin_ns, slice_ns, done_sleepers):
+    """One all-reduce on the board, from publishing our entry to marking it read, in one call.
+
+    data: this rank's 1-D input (storage dtype), reduced in place. header: our 116-byte frame
+    header (its sequence number is filled in here). where[r]: rank r's entry offsets for even and
+    odd sequence numbers and the index of its "done" word. Folds every entry in rank order, so
+    every rank computes bitwise the same result. Returns BOARD_DONE, -(2 + r) when rank r made
+    another call, or a position to call again with after a wait slice ran out.
+    """
+    parity, nbytes = seq % 2, data.nbytes
+    mine = where[rank, parity]
+    if position == 0:
+        if not _entry_free(mem, where, rank, mine, spin_ns, slice_ns, done_sleepers):
+            return 0
+        _write_entry(mem, mine, header, seq, data)
+        position = 1
+    for r in range(position - 1, where.shape[0]):
+        at = where[r, parity]
+        if r != rank:
+            if not wait_word(mem, at // 8, seq + 1, False, (at + BOARD_SLEEPERS_AT) // 4, spin_ns, slice_ns):
+                return r + 1
+            if not _same_call(mem, at, mine):
+                return -2 - r
+        if r == 0:
+            if rank != 0:
+                _memcpy(data.ctypes.data, mem.ctypes.data + at + BOARD_PAYLOAD_AT, nbytes)
+        else:
+            _reduce_entry(data, mem[at + BOARD_PAYLOAD_AT:at + BOARD_PAYLOAD_AT + nbytes].view(data.dtype), code, op)
+    store_and_wake(mem, where[rank, 2], seq + 1, done_sleepers)
+    return BOARD_DONE
+
+
+@_jit
+def _entry_free(mem, where, rank, mine, spin_ns, slice_ns, done_sleepers):
+    """Whether every peer has finished the call our entry last held (1 + its number is still in
+    the published word), so that overwriting it cannot change what a peer is reading."""
+    previous = _load_acquire(mem.view(np.uint64), mine // 8)
+    if previous == 0:
+        return True
+    for r in range(where.shape[0]):
+        if r != rank and not wait_word(mem, where[r, 2], previous, True, done_sleepers, spin_ns, slice_ns):
+            return False
+    return True
+
+
+@_jit
+def _write_entry(mem, at, header, seq, data):
+    head = at + BOARD_HEADER_AT
+    _memcpy(mem.ctypes.data + head, header.ctypes.data, BOARD_HEADER_BYTES)
+    for k in range(8):
+        mem[head + _SEQ_AT + k] = (seq >> (8 * k)) & 0xFF
+    _memcpy(mem.ctypes.data + at + BOARD_PAYLOAD_AT, data.ctypes.data, data.nbytes)
+    store_and_wake(mem, at // 8, seq + 1, (at + BOARD_SLEEPERS_AT) // 4)
+
+
+@_jit
+def _same_call(mem, theirs, mine):
+    """Whether two published entries describe the same call (headers equal but for the source rank)."""
+    for k in range(BOARD_HEADER_BYTES):
+        if (k < _SRC_FIELD[0] or k >= _SRC_FIELD[1]) and \
+                mem[theirs + BOARD_HEADER_AT + k] != mem[mine + BOARD_HEADER_AT + k]:
+            return False
+    return True

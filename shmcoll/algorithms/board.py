@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..transport import frame
 from ..types import ReduceKind
 from .call import Call
 from .ring import scale_if_avg
@@ -18,14 +19,11 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 
 
 def board_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
-    board, guard = c.board, c.board_guard()
-    seq = c.meta.seq
-    board.publish(c.meta, c.code, data, c.deadline, guard)
-    if c.rank != 0:  # rank 0's own input is already in place
-        data[...] = board.read(0, seq, c.meta, c.deadline, guard).view(data.dtype)
-    for src in range(1, c.size):
-        kernels.reduce_into(data, board.read(src, seq, c.meta, c.deadline, guard).view(data.dtype), c.code, op)
-    board.finish(seq)
+    header = np.frombuffer(bytearray(frame.pack(frame.DATA, c.rank, 0, c.meta, c.code, data.shape, data.nbytes)),
+                           np.uint8)
+    status = c.board.all_reduce_step(c.meta.seq, data, header, c.code, int(op))
+    if status != kernels.BOARD_DONE:
+        c.board.all_reduce_rest(status, c.meta.seq, data, header, c.code, int(op), c.deadline, c.board_guard(), c.meta)
     scale_if_avg(c, data, op, c.size)
 
 

@@ -4,39 +4,103 @@ Each local rank owns two board entries, used alternately by sequence number. For
 collective every rank writes its whole input into its entry once (payload, frame header, then the
 "published" word), and every rank reads every entry straight out of shared memory, in rank order,
 so reductions are bitwise identical everywhere. A rank reuses an entry only when every peer has
-finished the call that last read it (each rank's "done" word says which). Loads and stores are
-plain: on x86 (total store order) a reader that sees the published word sees the payload too.
+finished the call that last read it (each rank's "done" word says which).
+
+Ordering, on any CPU (the words are loaded and stored by kernels.py's atomics):
+  * a writer stores its payload and header, then the published word with a release (sequentially
+    consistent) store; a reader loads the published word with acquire before it reads the entry,
+    so seeing the word implies seeing the entry whole;
+  * a reader reads every entry, then stores its done word the same way; a writer loads every
+    peer's done word with acquire before it overwrites its entry, so no peer still reads the old one.
+Waits spin briefly, then sleep on a futex of the word that the writer wakes (kernels.wait_word),
+in slices of at most WAIT_SLICE_NS, between which aborts, dead peers and the deadline are checked.
+The all-reduce runs as one compiled step (kernels.board_all_reduce); the other calls publish and
+read through the methods below.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from .. import kernels
 from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout
 from . import frame
 from .frame import HEADER_SIZE, Meta
-from .shm_layout import BOARD_HEADER_OFFSET, SLOT_HEADER_BYTES, W_DONE, Layout
+from .shm_layout import (
+    BOARD_HEADER_OFFSET,
+    BOARD_SLEEPERS_OFFSET,
+    SLOT_HEADER_BYTES,
+    W_DONE,
+    W_DONE_SLEEPERS,
+    Layout,
+)
 
-_MAX_SLEEP = 1e-3  # longest nap between looks once spinning has not paid off
+#: Longest compiled wait before the waiter looks at aborts, dead peers and its deadline.
+WAIT_SLICE_NS = 10_000_000
 _SRC_START, _SRC_END = frame.SRC_FIELD  # the one header field that differs between ranks' entries
+#: The u32 counter of ranks asleep on some done word (W_DONE_SLEEPERS's low half).
+DONE_SLEEPERS = 2 * W_DONE_SLEEPERS
+assert (kernels.BOARD_HEADER_AT, kernels.BOARD_HEADER_BYTES, kernels.BOARD_SLEEPERS_AT, kernels.BOARD_PAYLOAD_AT) \
+    == (BOARD_HEADER_OFFSET, HEADER_SIZE, BOARD_SLEEPERS_OFFSET, SLOT_HEADER_BYTES)
+assert frame.SRC_FIELD == kernels._SRC_FIELD
 
 
 class Board:
     def __init__(self, mem: np.ndarray, layout: Layout, rank: int, local_of: dict[int, int], spin_s: float):
-        self._mem, self._layout, self._rank, self._local_of = mem, layout, rank, local_of
+        self.mem, self._layout, self._rank, self._local_of = mem, layout, rank, local_of
         self._me = local_of[rank]
-        self._words = mem.view(np.uint64)
-        self._spin_s = spin_s
-        self._last_written = [0, 0]  # per parity: 1 + the sequence number of our last entry there
+        self.spin_ns = int(spin_s * 1e9)  # how long a wait spins before it sleeps
+        self._nbytes = 0
+        self._header = b""
+        #: per local group rank: its entry offsets for even and odd sequence numbers and its done
+        #: word (the compiled all-reduce's map; it runs only when every rank is local)
+        self.where = np.zeros((max(local_of) + 1, 3), dtype=np.int64)
+        for r, local in local_of.items():
+            self.where[r] = layout.board_offset(local, 0), layout.board_offset(local, 1), W_DONE + local
 
     @property
     def capacity(self) -> int:
         return self._layout.board_bytes
 
+    # ---- the compiled all-reduce ----
+    def all_reduce_step(self, seq: int, data: np.ndarray, header: np.ndarray, code: int, op: int) -> int:
+        """The whole all-reduce in one compiled call when no wait outlasts a slice (the usual case):
+        kernels.BOARD_DONE, else the status all_reduce_rest goes on from. data: 1-D storage array,
+        reduced in place; header: our frame header as uint8 (the step fills in the sequence number)."""
+        return kernels.board_all_reduce(self.mem, data, header, self.where, self._rank, seq, code, op, 0,
+                                        self.spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+
+    def all_reduce_rest(self, status: int, seq: int, data: np.ndarray, header: np.ndarray, code: int, op: int,
+                        deadline: float, check: Callable[[int], None], want: Meta) -> None:
+        """Finish an all-reduce whose first step returned `status`: check (check(src) raises on
+        failure) between compiled wait slices, until done or the deadline."""
+        position, failure = 0, None
+        while status != kernels.BOARD_DONE:
+            if status < 0:
+                self._all_reduce_mismatch(-2 - status, seq, data, want)
+            if failure is not None and status == position:
+                raise failure  # a failure seen after the awaited entry came (a peer that published, then left) is none
+            position, failure = status, None
+            src = self._rank if position == 0 else position - 1
+            try:
+                check(src)
+            except CollectiveError as exc:
+                failure = exc
+            if failure is None and time.monotonic() > deadline:
+                raise CollectiveTimeout(f"waited for rank {src}'s board entry until the deadline")
+            spin, wait = (0, 0) if failure is not None else (0, WAIT_SLICE_NS)
+            status = kernels.board_all_reduce(self.mem, data, header, self.where, self._rank, seq, code, op,
+                                              position, spin, wait, DONE_SLEEPERS)
+
+    def _all_reduce_mismatch(self, src: int, seq: int, data: np.ndarray, want: Meta) -> None:
+        self._header = self._read_header(self._entry(self._rank, seq))
+        self._nbytes = data.nbytes
+        self._mismatch(self._read_header(self._entry(src, seq)), src, want)
+
+    # ---- publishing and reading, for the other board calls ----
     def publish(self, meta: Meta, code: int, data: np.ndarray, deadline: float, check: Callable[[], None],
                 with_payload: bool = True) -> None:
         """Write our entry for meta.seq (data: a 1-D array of wire type `code`) once no peer can
@@ -45,22 +109,21 @@ class Board:
         seq, payload = meta.seq, data.view(np.uint8)
         header = self._header = frame.pack(frame.DATA, self._rank, 0, meta, code, data.shape, data.nbytes)
         self._nbytes = data.nbytes
-        previous = self._last_written[seq % 2]
-        if previous and not self._all_done(previous):
-            self._wait(lambda: self._all_done(previous), deadline, check, "peers to finish reading our board entry")
-        at = self._layout.board_offset(self._me, seq)
-        self._mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE] = np.frombuffer(header, np.uint8)
+        at = self._entry(self._rank, seq)
+        previous = int(kernels.load_word(self.mem, at // 8))
+        if previous:
+            self._wait_all_done(previous, deadline, check, "peers to finish reading our board entry")
+        self.mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE] = np.frombuffer(header, np.uint8)
         if with_payload:
-            self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + len(payload)] = payload
-        self._words[at // 8] = seq + 1  # last: publishes the entry
-        self._last_written[seq % 2] = seq + 1
+            self.mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + len(payload)] = payload
+        kernels.store_and_wake(self.mem, at // 8, seq + 1, (at + BOARD_SLEEPERS_OFFSET) // 4)
 
     def read(self, src: int, seq: int, want: Meta, deadline: float, check: Callable[[int], None]) -> np.ndarray:
         """Rank src's payload (uint8 view into shared memory) for seq; CollectiveMismatch if its call differs."""
         at, raw = self._published(src, seq, deadline, check)
         if raw[_SRC_END:] != self._header[_SRC_END:] or raw[:_SRC_START] != self._header[:_SRC_START]:
             self._mismatch(raw, src, want)  # the same call makes the same header, but for the source rank
-        return self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + self._nbytes]
+        return self.mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + self._nbytes]
 
     def read_any_size(self, src: int, seq: int, want: Meta, deadline: float,
                       check: Callable[[int], None]) -> np.ndarray:
@@ -71,15 +134,21 @@ class Board:
         problem = frame.describe_mismatch(header.meta, want, src)
         if problem:
             raise CollectiveMismatch(problem)
-        return self._mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + min(header.nbytes, self.capacity)]
+        return self.mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + min(header.nbytes, self.capacity)]
 
     def _published(self, src: int, seq: int, deadline: float, check: Callable[[int], None]) -> tuple[int, bytes]:
         """Wait for src's entry of seq; its offset and raw frame header."""
-        at = self._layout.board_offset(self._local_of[src], seq)
-        word = at // 8
-        if self._words[word] != seq + 1:
-            self._wait(lambda: self._words[word] == seq + 1, deadline, lambda: check(src), f"rank {src}'s board entry")
-        return at, self._mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE].tobytes()
+        at = self._entry(src, seq)
+        if src != self._rank:
+            self._wait(at // 8, seq + 1, False, (at + BOARD_SLEEPERS_OFFSET) // 4, deadline, lambda: check(src),
+                       f"rank {src}'s board entry")
+        return at, self._read_header(at)
+
+    def _read_header(self, at: int) -> bytes:
+        return self.mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE].tobytes()
+
+    def _entry(self, rank: int, seq: int) -> int:
+        return int(self.where[rank, seq % 2])
 
     def _mismatch(self, raw: bytes, src: int, want: Meta) -> None:
         header = frame.unpack(raw, src)
@@ -87,52 +156,57 @@ class Board:
         raise CollectiveMismatch(problem or f"rank {src} published {header.nbytes} bytes of dtype code "
                                             f"{header.dtype}, this rank {self._nbytes}")
 
-    def _all_done(self, mark: int) -> bool:
-        return all(self._words[W_DONE + w] >= mark for w in self._local_of.values() if w != self._me)
-
     def published(self, src: int, seq: int) -> bool:
         """Whether rank src has published its entry for seq (it is inside that call)."""
-        return self._words[self._layout.board_offset(self._local_of[src], seq) // 8] == seq + 1
+        return kernels.load_word(self.mem, self._entry(src, seq) // 8) == seq + 1
 
     def finish(self, seq: int) -> None:
         """We have read every entry of seq: peers may overwrite theirs."""
-        self._words[W_DONE + self._me] = seq + 1
+        kernels.store_and_wake(self.mem, W_DONE + self._me, seq + 1, DONE_SLEEPERS)
 
     def wait_all_finished(self, seq: int, deadline: float, check: Callable[[], None]) -> None:
         """Until every peer has finished seq. A call that goes on over the rings after a board step
         waits here first, so no peer still waiting on the board takes its ring frames for a
         mismatch. check must not consume frames (peers past this point may already send them)."""
-        if not self._all_done(seq + 1):
-            self._wait(lambda: self._all_done(seq + 1), deadline, check, "peers to finish the board step")
+        self._wait_all_done(seq + 1, deadline, check, "peers to finish the board step")
 
     def probe(self, want: Meta) -> str | None:
         """A peer that published an entry for want.seq describing another call: how it differs."""
-        for src, local in self._local_of.items():
-            at = self._layout.board_offset(local, want.seq)
-            if local == self._me or self._words[at // 8] != want.seq + 1:
+        for src in self._local_of:
+            at = self._entry(src, want.seq)
+            if src == self._rank or kernels.load_word(self.mem, at // 8) != want.seq + 1:
                 continue
-            raw = self._mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE].tobytes()
-            problem = frame.describe_mismatch(frame.unpack(raw, src).meta, want, src)
+            problem = frame.describe_mismatch(frame.unpack(self._read_header(at), src).meta, want, src)
             if problem:
                 return problem
         return None
 
-    def _wait(self, ready: Callable[[], bool], deadline: float, check: Callable[[], None], what: str) -> None:
-        """Spin (yielding the core) for a while, then nap with growing pauses; check() raises on failure."""
-        end_spin = time.perf_counter() + self._spin_s
-        while time.perf_counter() < end_spin:
+    # ---- waiting ----
+    def _wait_all_done(self, mark: int, deadline: float, check: Callable[[], None], what: str) -> None:
+        for peer, local in self._local_of.items():
+            if peer != self._rank:
+                self._wait(W_DONE + local, mark, True, DONE_SLEEPERS, deadline, check, what)
+
+    def _wait(self, word: int, target: int, at_least: bool, sleepers: int, deadline: float,
+              check: Callable[[], None], what: str) -> None:
+        """Until the word reaches target: compiled wait slices, check() between them (it raises on failure)."""
+        if kernels.wait_word(self.mem, word, target, at_least, sleepers, self.spin_ns, WAIT_SLICE_NS):
+            return
+        self._between_slices(lambda: kernels.wait_word(self.mem, word, target, at_least, sleepers, 0, 0),
+                             deadline, check, what)
+        while not kernels.wait_word(self.mem, word, target, at_least, sleepers, 0, WAIT_SLICE_NS):
+            self._between_slices(lambda: kernels.wait_word(self.mem, word, target, at_least, sleepers, 0, 0),
+                                 deadline, check, what)
+
+    @staticmethod
+    def _between_slices(ready: Callable[[], bool], deadline: float, check: Callable[[], None], what: str) -> None:
+        """After a wait slice ran out: raise on failure or past the deadline. A failure seen after
+        the awaited word arrived (a peer that published, then left) is no failure."""
+        try:
+            check()
+        except CollectiveError:
             if ready():
                 return
-            os.sched_yield()
-        nap = 20e-6
-        while not ready():
-            try:
-                check()
-            except CollectiveError:
-                if ready():  # it came after our last look (a peer that published, then left)
-                    return
-                raise
-            if time.monotonic() > deadline:
-                raise CollectiveTimeout(f"waited for {what} until the deadline")
-            time.sleep(nap)
-            nap = min(2 * nap, _MAX_SLEEP)
+            raise
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(f"waited for {what} until the deadline")

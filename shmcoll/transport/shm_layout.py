@@ -1,11 +1,11 @@
 """Shared-memory layout of one host's segment: where each header field, channel and slot lives.
 
 No I/O, so the arithmetic is unit-tested alone. One segment per host holds a host header (magic,
-geometry, the abort flag and reason, each local rank's pid and state), a board (two entries per
-local rank, alternating by sequence number, where small collectives publish their whole input for
-every peer to read) and one channel per ordered pair of local ranks. A channel is a ring of
-fixed-size slots; each slot is a 128-byte header (the wire frame header of the message, then the
-chunk's offset and length) followed by its payload.
+geometry, the abort flag and reason, each local rank's pid, state and last board call read), a
+board (two entries per local rank, alternating by sequence number, where small collectives publish
+their whole input for every peer to read; shm_board.py) and one channel per ordered pair of local
+ranks. A channel is a ring of fixed-size slots; each slot is a 128-byte header (the wire frame
+header of the message, then the chunk's offset and length) followed by its payload.
 Which slot is next is counted privately by the one writer and the one reader of a channel; the two
 POSIX semaphores of the channel (slots filled, slots free) carry both the waiting and the ordering.
 """
@@ -17,17 +17,19 @@ from dataclasses import dataclass
 
 from .frame import HEADER_SIZE
 
-MAGIC = 0x53484D434F4C4C31  # "SHMCOLL1"
+MAGIC = 0x53484D434F4C4C32  # "SHMCOLL2"
 HOST_HEADER_BYTES = 8192
 SLOT_HEADER_BYTES = 128
 CHUNK = struct.Struct("<QI")  # offset of this chunk in the message, its length; after the frame header
 assert HEADER_SIZE + CHUNK.size == SLOT_HEADER_BYTES
-BOARD_HEADER_OFFSET = 8  # in a board entry: the published word, then the frame header
-assert BOARD_HEADER_OFFSET + HEADER_SIZE <= SLOT_HEADER_BYTES
+BOARD_HEADER_OFFSET = 8  # in a board entry: the published word, then the frame header,
+BOARD_SLEEPERS_OFFSET = BOARD_HEADER_OFFSET + HEADER_SIZE  # then a u32: ranks asleep on the published word
+assert BOARD_SLEEPERS_OFFSET + 4 <= SLOT_HEADER_BYTES
 MAX_LOCAL = 256
 
 # u64 word indices in the host header
-W_MAGIC, W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS, W_ABORT, W_ABORT_LEN = range(6)
+W_MAGIC, W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS, W_ABORT, W_ABORT_LEN, W_DONE_SLEEPERS = range(7)
+# (W_DONE_SLEEPERS: its low u32 counts the ranks asleep on some rank's W_DONE word)
 W_PIDS = 64  # MAX_LOCAL words: each local rank's pid
 W_STATES = W_PIDS + MAX_LOCAL  # MAX_LOCAL words: STATE_* below
 W_DONE = W_STATES + MAX_LOCAL  # MAX_LOCAL words: 1 + the sequence number of the last board call each rank finished
