@@ -22,6 +22,7 @@ from . import validate as v
 from .algorithms.barrier import dissemination_barrier
 from .config import Tuning
 from .errors import CollectiveMismatch, InvalidArgument
+from .lean import LeanAllReduce
 from .runner import Runner
 from .transport import sub
 from .transport.base import Transport
@@ -39,6 +40,7 @@ class ProcessGroup:
         tuning = tuning or Tuning()
         self._runner = Runner(transport, tuning, list(on_close or []))
         self._where = plans.Where.of(transport, tuning)
+        self._lean = LeanAllReduce.for_group(self._runner, transport, self._where.setting)
 
     # ---- identity ----
     @property
@@ -106,7 +108,8 @@ class ProcessGroup:
     def all_reduce(self, data, op: ReduceKind = ReduceKind.SUM):
         """In place: every rank ends with op over every rank's data, bitwise identical everywhere.
         Returns data."""
-        self._runner.run(self._all_reduce_plan(data, op))
+        if self._lean is None or not self._lean(data, op):  # lean.py: the common case, compiled
+            self._runner.run(self._all_reduce_plan(data, op))
         return data
 
     def spawn_all_reduce(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:

@@ -8,7 +8,6 @@ completed itself: comparing the ranks' errors shows who fell behind, or who call
 from __future__ import annotations
 
 import collections
-import threading
 
 from .transport.frame import Meta, describe_call
 
@@ -18,18 +17,18 @@ RECORDED = 5
 
 class FlightRecorder:
     def __init__(self, size: int = RECORDED):
-        self._done: collections.deque[tuple[Meta, float]] = collections.deque(maxlen=size)
-        self._lock = threading.Lock()  # the spawn worker and the caller's thread both record
+        # deque.append and list(deque) are atomic in CPython: the spawn worker and the caller's
+        # thread both record without a lock
+        self._done: collections.deque[tuple[Meta, int, float]] = collections.deque(maxlen=size)
 
-    def completed(self, meta: Meta, seconds: float) -> None:
-        with self._lock:
-            self._done.append((meta, seconds))
+    def completed(self, meta: Meta, seconds: float, seq: int | None = None) -> None:
+        """Call `meta` completed in `seconds`; seq, when given, replaces meta's (a template's) sequence number."""
+        self._done.append((meta, meta.seq if seq is None else seq, seconds))
 
     def recent(self) -> str:
         """'#7 all_reduce(...) in 41 us, #8 barrier(...) in 9 us' (oldest first), or 'none'."""
-        with self._lock:
-            done = list(self._done)
-        return ", ".join(f"#{m.seq} {describe_call(m)} in {_human(s)}" for m, s in done) or "none"
+        done = list(self._done)
+        return ", ".join(f"#{seq} {describe_call(m._replace(seq=seq))} in {_human(s)}" for m, seq, s in done) or "none"
 
 
 def heard_from(last_heard: list[float], me: int, since: float) -> list[int]:

@@ -8,11 +8,12 @@ caller's thread once the ordered worker (worker.py) is idle; spawned ones run on
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from .algorithms.call import Call
 from .config import Tuning
@@ -50,12 +51,12 @@ class Runner:
 
     def __init__(self, transport: Transport, tuning: Tuning, on_close: list[Callable[[], None]]):
         self.transport, self.tuning, self._on_close = transport, tuning, on_close
-        self._seq = 0
+        self._seq = itertools.count()  # next() is atomic: the caller's thread and spawn_* share it
         self._broken: CollectiveError | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._worker = OrderedWorker()
-        self._recorder = FlightRecorder()
+        self.recorder = FlightRecorder()  # the calls completed last, for a failure's report
 
     # ---- running calls ----
     def run(self, plan: Plan) -> Any:
@@ -87,11 +88,17 @@ class Runner:
         except (CollectiveTimeout, PeerLost) as exc:
             raise self.fail(exc, None, start, what) from exc
 
+    def lean_seq(self) -> int | None:
+        """The sequence number of a call that runs at once on this thread without a Plan (lean.py),
+        or None when it must take the general path: the group is closed or broken, a spawned call
+        is still running, or calls are traced (SHMCOLL_DEBUG)."""
+        if self._broken is not None or self._closed or self.tuning.debug or not self._worker.idle():
+            return None
+        return next(self._seq)
+
     def _next_meta(self, plan: Plan) -> Meta:
         self.check_usable()
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
+        seq = next(self._seq)
         return Meta(seq=seq, coll=plan.coll, dtype=plan.code, elements=plan.elements, op=int(plan.op), root=plan.root)
 
     def _execute(self, meta: Meta, body: Callable[[Call], Any], tag: int | None = None) -> Any:
@@ -107,16 +114,20 @@ class Runner:
         except BaseException as exc:  # Ctrl-C or a bug mid-call: peers must not wait for us
             self.fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
             raise
-        if time.monotonic() > call.deadline:  # e.g. a stopped process resumed: its peers gave up on this call
-            raise self.fail(CollectiveTimeout("it finished only after its deadline, when the other ranks had "
-                                              "already given up on it (was this process stopped or starved?)"),
-                            meta, start)
+        if time.monotonic() > call.deadline:
+            self.late(meta, start)
         if meta.seq != STARTUP_SEQ:
-            self._recorder.completed(meta, time.monotonic() - start)
+            self.recorder.completed(meta, time.monotonic() - start)
         self._debug("end", meta, start)
         return result
 
     # ---- failures ----
+    def late(self, meta: Meta, start: float) -> NoReturn:
+        """A call that finished after its deadline (a stopped process resumed, say) fails: its peers
+        have already given up on it."""
+        raise self.fail(CollectiveTimeout("it finished only after its deadline, when the other ranks had already "
+                                          "given up on it (was this process stopped or starved?)"), meta, start)
+
     def check_usable(self) -> None:
         if self._closed:
             raise InvalidArgument("this ProcessGroup is closed")
@@ -133,7 +144,7 @@ class Runner:
         if isinstance(exc, CollectiveTimeout):
             detail += f" (timeout {t.timeout:g} s); {self._silence_report()}"
         if isinstance(exc, (CollectiveTimeout, CollectiveMismatch)):
-            detail += f"; {diagnosis(self._recorder, t.last_heard(), rank, start)}"
+            detail += f"; {diagnosis(self.recorder, t.last_heard(), rank, start)}"
         error = same_kind(exc, f"rank {rank}: {what} failed: {detail}")
         if self._broken is None:
             self._broken = error

@@ -76,6 +76,11 @@ class OrderedWorker:
             self._jobs.put((job, handle))
         return handle
 
+    def idle(self) -> bool:
+        """Whether everything submitted so far has finished (no waiting)."""
+        last = self._last
+        return last is None or last._event.is_set()
+
     def wait_idle(self, timeout: float) -> bool:
         """True once everything submitted so far has finished (successfully or not)."""
         last = self._last

@@ -1,0 +1,128 @@
+"""The all_reduce call path for the common case, with nothing on it that can be worked out once.
+
+The common case: a C-contiguous, writable numpy array of a reducible dtype, a ReduceKind, an array
+that fits the shared-memory board, every rank on this host. That is the loss, metric, norm and flag
+of every training step, and there Python's overhead is most of the time a call takes. What such a
+call needs besides its data (wire code, its description for errors, the frame header but for the
+sequence number) is derived once per (dtype, element count, op) and kept. A call then takes a
+sequence number and runs the board's compiled all-reduce step (kernels.board_all_reduce); only a
+wait that outlasts a slice comes back to Python for the failure checks.
+
+Anything else, or anything unusual (a spawned call still running, a broken or closed group,
+SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the general path:
+validate.py, plans.py, runner.py. Errors are the same on both paths: the failure path builds the
+same guard and reports through the same Runner.fail.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, NoReturn
+
+import numpy as np
+
+from . import kernels
+from .algorithms.select import Algorithm, Setting, select
+from .errors import CollectiveError, InvalidArgument
+from .runner import Runner
+from .transport import frame
+from .transport.base import Transport
+from .transport.frame import Meta
+from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS
+from .types import Collective, ReduceKind
+from .validate import reducible_wire
+
+
+class _Prepared(NamedTuple):
+    """What one (dtype, element count, op) of the common case needs, worked out on its first call."""
+
+    storage: np.dtype  # the dtype the board step sees (16-bit floats as their uint16 bits)
+    code: int
+    op: int
+    meta: Meta  # the call's description, sequence number 0
+    header: np.ndarray  # its frame header, sequence number 0
+    average: bool
+
+
+class LeanAllReduce:
+    """all_reduce's common case on one group (ProcessGroup.all_reduce tries it first)."""
+
+    def __init__(self, runner: Runner, transport: Transport, setting: Setting):
+        self._runner, self._t, self._setting = runner, transport, setting
+        self._prepared: dict[tuple, _Prepared | None] = {}
+        board = transport.board
+        self._alone = board is None  # a group of one: nothing to exchange
+        if board is not None:  # what every step passes to the compiled call, looked up once
+            self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.where, board.spin_ns
+
+    @classmethod
+    def for_group(cls, runner: Runner, transport: Transport, setting: Setting) -> LeanAllReduce | None:
+        """One for a group alone or whose every rank shares this host's board, else None."""
+        board = transport.board
+        if transport.world_size == 1 or (board is not None and setting.hosts == 1
+                                         and len(board.where) == transport.world_size):
+            return cls(runner, transport, setting)
+        return None
+
+    def __call__(self, data, op) -> bool:
+        """Run data's all_reduce and return True, or return False, having done nothing, when the
+        call is not the common case."""
+        if type(data) is not np.ndarray or type(op) is not ReduceKind:
+            return False
+        flags = data.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return False
+        key = (data.dtype, data.size, op)
+        p = self._prepared.get(key)
+        if p is None:
+            if key in self._prepared:
+                return False  # not the common case: known from an earlier call
+            p = self._prepared[key] = self._prepare(data, op)
+            if p is None:
+                return False
+        seq = self._runner.lean_seq()
+        if seq is None:
+            return False
+        flat = data if data.ndim == 1 and data.dtype is p.storage else data.reshape(-1).view(p.storage)
+        start = time.monotonic()
+        try:
+            if not self._alone:
+                status = kernels.board_all_reduce(self._mem, flat, p.header, self._where, self._t.rank, seq, p.code,
+                                                  p.op, 0, self._spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+                if status != kernels.BOARD_DONE:
+                    self._rest(status, seq, flat, p, start)
+                if p.average:
+                    kernels.scale_into(flat, p.code, self._t.world_size)
+        except BaseException as exc:
+            self._failed(exc, p.meta._replace(seq=seq), start)
+        end = time.monotonic()
+        if end > start + self._t.timeout:
+            self._runner.late(p.meta._replace(seq=seq), start)
+        self._runner.recorder.completed(p.meta, end - start, seq)
+        return True
+
+    def _prepare(self, data: np.ndarray, op: ReduceKind) -> _Prepared | None:
+        """None when calls like this one are not the common case (or are invalid: the general path says so)."""
+        try:
+            wire, kind = reducible_wire(data, op, "data")
+        except InvalidArgument:
+            return None
+        if not self._alone and select(Collective.ALL_REDUCE, data.nbytes, self._setting) != Algorithm.BOARD:
+            return None
+        meta = Meta(seq=0, coll=Collective.ALL_REDUCE, dtype=wire.code, elements=data.size, op=int(kind), root=0)
+        header = frame.pack(frame.DATA, self._t.rank, 0, meta, wire.code, (data.size,), data.nbytes)
+        return _Prepared(np.dtype(wire.storage), wire.code, int(kind), meta, np.frombuffer(bytearray(header), np.uint8),
+                         kind == ReduceKind.AVG)
+
+    def _rest(self, status: int, seq: int, flat: np.ndarray, p: _Prepared, start: float) -> None:
+        """A wait outlasted the first slice: go on with the failure checks between slices."""
+        meta = p.meta._replace(seq=seq)
+        guard = self._t.board_guard(self._t.tag_of(seq), meta)
+        self._board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, start + self._t.timeout, guard, meta)
+
+    def _failed(self, exc: BaseException, meta: Meta, start: float) -> NoReturn:
+        """As Runner's general path fails a call: break the group, tell the peers, raise."""
+        if isinstance(exc, CollectiveError):
+            raise self._runner.fail(exc, meta, start) from exc
+        self._runner.fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
+        raise exc  # Ctrl-C or a bug mid-call: peers must not wait for us, and the caller sees it
