@@ -22,7 +22,7 @@ from . import validate as v
 from .algorithms.barrier import dissemination_barrier
 from .config import Tuning
 from .errors import CollectiveMismatch, InvalidArgument
-from .lean import LeanAllReduce
+from .lean import LeanPath
 from .runner import Runner
 from .transport import sub
 from .transport.base import Transport
@@ -40,7 +40,7 @@ class ProcessGroup:
         tuning = tuning or Tuning()
         self._runner = Runner(transport, tuning, list(on_close or []))
         self._where = plans.Where.of(transport, tuning)
-        self._lean = LeanAllReduce.for_group(self._runner, transport, self._where.setting)
+        self._lean = LeanPath.for_group(self._runner, transport, self._where.setting)
 
     # ---- identity ----
     @property
@@ -108,7 +108,7 @@ class ProcessGroup:
     def all_reduce(self, data, op: ReduceKind = ReduceKind.SUM):
         """In place: every rank ends with op over every rank's data, bitwise identical everywhere.
         Returns data."""
-        if self._lean is None or not self._lean(data, op):  # lean.py: the common case, compiled
+        if self._lean is None or not self._lean.all_reduce(data, op):  # lean.py: the common case, compiled
             self._runner.run(self._all_reduce_plan(data, op))
         return data
 
@@ -175,7 +175,8 @@ class ProcessGroup:
     # ---- data movement ----
     def barrier(self) -> None:
         """Returns on every rank only after every rank has entered it."""
-        self._runner.run(plans.barrier(self._where))
+        if self._lean is None or not self._lean.barrier():
+            self._runner.run(plans.barrier(self._where))
 
     def broadcast(self, root: int, data):
         """In place: every rank ends with root's data (same dtype and length everywhere). Returns data."""

@@ -747,3 +747,18 @@ def _same_call(mem, theirs, mine):
                 mem[theirs + BOARD_HEADER_AT + k] != mem[mine + BOARD_HEADER_AT + k]:
             return False
     return True
+
+
+def warm_board() -> None:
+    """Compile (or load from numba's disk cache) the board's compiled step, for every reducible
+    wire type and the barrier's bytes, and its waits, as warm_up does for the loops: a rank alone
+    publishes into a scratch entry."""
+    mem = np.zeros(4 * BOARD_PAYLOAD_AT, np.uint8)
+    where = np.array([[BOARD_PAYLOAD_AT, 2 * BOARD_PAYLOAD_AT, 1]], np.int64)  # entries, done word 1
+    header = np.zeros(BOARD_HEADER_BYTES, np.uint8)
+    for code, wire in WIRE_TYPES.items():
+        if wire.reducible or wire.storage == np.uint8:
+            board_all_reduce(mem, np.zeros(2, wire.storage), header, where, 0, 0, code, 0, 0, 0, 0, 0)
+    wait_word(mem, 1, 1, True, 0, 0, 0)
+    store_and_wake(mem, 1, 1, 0)
+    load_word(mem, 1)

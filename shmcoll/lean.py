@@ -1,12 +1,13 @@
-"""The all_reduce call path for the common case, with nothing on it that can be worked out once.
+"""The call path of the common small calls, with nothing on it that can be worked out once.
 
-The common case: a C-contiguous, writable numpy array of a reducible dtype, a ReduceKind, an array
-that fits the shared-memory board, every rank on this host. That is the loss, metric, norm and flag
-of every training step, and there Python's overhead is most of the time a call takes. What such a
-call needs besides its data (wire code, its description for errors, the frame header but for the
-sequence number) is derived once per (dtype, element count, op) and kept. A call then takes a
-sequence number and runs the board's compiled all-reduce step (kernels.board_all_reduce); only a
-wait that outlasts a slice comes back to Python for the failure checks.
+The common case: all_reduce of a C-contiguous, writable numpy array of a reducible dtype with a
+ReduceKind, small enough for the shared-memory board, and barrier; every rank on this host (or a
+group of one). That is the loss, metric, norm and flag of every training step, and there Python's
+overhead is most of the time a call takes. What such a call needs besides its data (wire code, its
+description for errors, the frame header but for the sequence number) is derived once per (dtype,
+element count, op) and kept. A call then takes a sequence number and runs the board's compiled step
+(kernels.board_all_reduce; a barrier is an all-reduce of nothing); only a wait that outlasts a
+slice comes back to Python for the failure checks.
 
 Anything else, or anything unusual (a spawned call still running, a broken or closed group,
 SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the general path:
@@ -29,12 +30,15 @@ from .transport import frame
 from .transport.base import Transport
 from .transport.frame import Meta
 from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS
-from .types import Collective, ReduceKind
+from .types import U8, Collective, ReduceKind
 from .validate import reducible_wire
+
+_NOTHING = np.empty(0, np.uint8)  # a barrier's data
 
 
 class _Prepared(NamedTuple):
-    """What one (dtype, element count, op) of the common case needs, worked out on its first call."""
+    """What one kind of call (a barrier; an all_reduce's dtype, element count and op) needs,
+    worked out on its first call."""
 
     storage: np.dtype  # the dtype the board step sees (16-bit floats as their uint16 bits)
     code: int
@@ -44,8 +48,8 @@ class _Prepared(NamedTuple):
     average: bool
 
 
-class LeanAllReduce:
-    """all_reduce's common case on one group (ProcessGroup.all_reduce tries it first)."""
+class LeanPath:
+    """The common small calls of one group (ProcessGroup.all_reduce and barrier try it first)."""
 
     def __init__(self, runner: Runner, transport: Transport, setting: Setting):
         self._runner, self._t, self._setting = runner, transport, setting
@@ -54,9 +58,10 @@ class LeanAllReduce:
         self._alone = board is None  # a group of one: nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.where, board.spin_ns
+        self._barrier = self._prepare_call(Collective.BARRIER, U8.code, _NOTHING, ReduceKind.SUM, 0)
 
     @classmethod
-    def for_group(cls, runner: Runner, transport: Transport, setting: Setting) -> LeanAllReduce | None:
+    def for_group(cls, runner: Runner, transport: Transport, setting: Setting) -> LeanPath | None:
         """One for a group alone or whose every rank shares this host's board, else None."""
         board = transport.board
         if transport.world_size == 1 or (board is not None and setting.hosts == 1
@@ -64,7 +69,7 @@ class LeanAllReduce:
             return cls(runner, transport, setting)
         return None
 
-    def __call__(self, data, op) -> bool:
+    def all_reduce(self, data, op) -> bool:
         """Run data's all_reduce and return True, or return False, having done nothing, when the
         call is not the common case."""
         if type(data) is not np.ndarray or type(op) is not ReduceKind:
@@ -77,13 +82,41 @@ class LeanAllReduce:
         if p is None:
             if key in self._prepared:
                 return False  # not the common case: known from an earlier call
-            p = self._prepared[key] = self._prepare(data, op)
+            p = self._prepared[key] = self._prepare_all_reduce(data, op)
             if p is None:
                 return False
+        flat = data if data.ndim == 1 and data.dtype is p.storage else data.reshape(-1).view(p.storage)
+        return self._run(flat, p)
+
+    def barrier(self) -> bool:
+        """Run a barrier and return True, or return False, having done nothing, when it must take
+        the general path."""
+        return self._run(_NOTHING, self._barrier)
+
+    def _prepare_all_reduce(self, data: np.ndarray, op: ReduceKind) -> _Prepared | None:
+        """None when calls like this one are not the common case (or are invalid: the general path says so)."""
+        try:
+            wire, kind = reducible_wire(data, op, "data")
+        except InvalidArgument:
+            return None
+        if not self._alone and select(Collective.ALL_REDUCE, data.nbytes, self._setting) != Algorithm.BOARD:
+            return None
+        return self._prepare_call(Collective.ALL_REDUCE, wire.code, data.reshape(-1).view(wire.storage), kind,
+                                  data.size)
+
+    def _prepare_call(self, coll: Collective, code: int, flat: np.ndarray, kind: ReduceKind,
+                      elements: int) -> _Prepared:
+        """The description and header the general path (runner.py's Meta, board.py's frame) gives this call."""
+        meta = Meta(seq=0, coll=coll, dtype=code, elements=elements, op=int(kind), root=0)
+        header = frame.pack(frame.DATA, self._t.rank, 0, meta, code, flat.shape, flat.nbytes)
+        return _Prepared(flat.dtype, code, int(kind), meta, np.frombuffer(bytearray(header), np.uint8),
+                         kind == ReduceKind.AVG)
+
+    def _run(self, flat: np.ndarray, p: _Prepared) -> bool:
+        """As Runner.run runs the general path's board call: sequence number, deadline, failures, record."""
         seq = self._runner.lean_seq()
         if seq is None:
             return False
-        flat = data if data.ndim == 1 and data.dtype is p.storage else data.reshape(-1).view(p.storage)
         start = time.monotonic()
         try:
             if not self._alone:
@@ -100,19 +133,6 @@ class LeanAllReduce:
             self._runner.late(p.meta._replace(seq=seq), start)
         self._runner.recorder.completed(p.meta, end - start, seq)
         return True
-
-    def _prepare(self, data: np.ndarray, op: ReduceKind) -> _Prepared | None:
-        """None when calls like this one are not the common case (or are invalid: the general path says so)."""
-        try:
-            wire, kind = reducible_wire(data, op, "data")
-        except InvalidArgument:
-            return None
-        if not self._alone and select(Collective.ALL_REDUCE, data.nbytes, self._setting) != Algorithm.BOARD:
-            return None
-        meta = Meta(seq=0, coll=Collective.ALL_REDUCE, dtype=wire.code, elements=data.size, op=int(kind), root=0)
-        header = frame.pack(frame.DATA, self._t.rank, 0, meta, wire.code, (data.size,), data.nbytes)
-        return _Prepared(np.dtype(wire.storage), wire.code, int(kind), meta, np.frombuffer(bytearray(header), np.uint8),
-                         kind == ReduceKind.AVG)
 
     def _rest(self, status: int, seq: int, flat: np.ndarray, p: _Prepared, start: float) -> None:
         """A wait outlasted the first slice: go on with the failure checks between slices."""

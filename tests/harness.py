@@ -127,6 +127,7 @@ def warm_kernels() -> None:
         return
     from shmcoll import kernels
 
+    kernels.warm_board()
     for code, wire in WIRE_TYPES.items():
         if wire.reducible:
             for op in ReduceKind:

@@ -19,20 +19,23 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 
 
 def board_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
+    _compiled_step(c, data, op)
+    scale_if_avg(c, data, op, c.size)
+
+
+def board_barrier(c: Call) -> None:
+    """An all-reduce of nothing: publish, wait for every entry, finish (lean.py's barrier, too)."""
+    _compiled_step(c, _EMPTY, ReduceKind.SUM)
+
+
+def _compiled_step(c: Call, data: np.ndarray, op: ReduceKind) -> None:
+    """The board's compiled all-reduce (kernels.board_all_reduce) over data, a 1-D storage array;
+    the frame header is the one lean.py prepares for the same call, so ranks may take either path."""
     header = np.frombuffer(bytearray(frame.pack(frame.DATA, c.rank, 0, c.meta, c.code, data.shape, data.nbytes)),
                            np.uint8)
     status = c.board.all_reduce_step(c.meta.seq, data, header, c.code, int(op))
     if status != kernels.BOARD_DONE:
         c.board.all_reduce_rest(status, c.meta.seq, data, header, c.code, int(op), c.deadline, c.board_guard(), c.meta)
-    scale_if_avg(c, data, op, c.size)
-
-
-def board_barrier(c: Call) -> None:
-    board, guard = c.board, c.board_guard()
-    board.publish(c.meta, c.code, _EMPTY, c.deadline, guard)
-    for src in range(c.size):
-        board.read(src, c.meta.seq, c.meta, c.deadline, guard)
-    board.finish(c.meta.seq)
 
 
 def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:
