@@ -189,7 +189,8 @@ def test_compare_ratios_and_targets_alone():
     assert recs[8]["gloo_over_shmcoll"] == 50.0 and recs[8]["gloo_target_met"] is True
     assert recs[1 << 20]["openmpi_target_met"] is True and recs[1 << 20]["gloo_target_met"] is False
     assert recs[96]["openmpi_target_met"] is None and recs[96]["gloo_target_min"] is None
-    assert targets(4, 8) == (2.0, None) and targets(3, 8) == (None, None)
+    assert targets(4, 8) == (2.0, None) and targets(4, 1 << 20) == (1.0, None) and targets(3, 8) == (None, None)
+    assert targets(4, 96) == (None, None)
 
 
 # ---- the peer machinery shared with shmcoll-bench --compare ----
