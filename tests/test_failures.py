@@ -433,6 +433,38 @@ def test_sigkill_while_others_wait_in_barrier(transport, aftermath):
     aftermath.check(pids)
 
 
+def _killed_before_small_all_reduce(rank, n, port, victim, stamps, ready, finish):
+    """Over shared memory the survivors wait inside the compiled board step, asleep on a futex."""
+    pg = _init(rank, n, port)
+    _check_group_works(pg, ready)
+    data = np.full(2, float(rank), dtype=np.float32)
+    if rank == victim:
+        inside = _inside(pg, [r for r in range(n) if r != victim], seq=1, nbytes=data.nbytes)
+        stamps[n] = float(inside)
+        stamps[rank] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGKILL)
+        return {"kind": f"victim survived its own SIGKILL (inside={inside})"}
+    out = attempt(lambda: pg.all_reduce(data))
+    out["fault_s"] = out["end"] - stamps[victim]
+    out["broken"] = _broken(pg)
+    out["finished_together"] = finish_together(finish)
+    out.update(_close(pg))
+    return out
+
+
+def test_sigkill_while_others_wait_in_a_small_all_reduce(transport, aftermath):
+    n, victim = 3, 1
+    stamps = CTX.RawArray("d", n + 1)
+    results, pids = _run(n, _killed_before_small_all_reduce, victim, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
+                         may_die={victim})
+    assert results[victim] == Died(-signal.SIGKILL)
+    outs = {r: out for r, out in enumerate(results) if r != victim}
+    _report(f"SIGKILL before small all_reduce n={n} victim={victim}", outs)
+    assert stamps[n] == 1.0, "the victim died before the others were inside the all_reduce"
+    _assert_survivors(outs, victim)
+    aftermath.check(pids)
+
+
 # ---------------------------------------------------------------------------------------------
 # SIGSTOP of one rank -> CollectiveTimeout within the group timeout, naming op, sequence, silent rank
 # ---------------------------------------------------------------------------------------------
