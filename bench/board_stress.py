@@ -6,7 +6,7 @@ What it exercises: the shared-memory board's compiled step (kernels.board_all_re
 protocol without locks: an entry reused every other round, the done words that say when it may be,
 futex sleeps and wake-ups, and the ordering between payload and published word. Round r alternates
 an int64 SUM and a float64 MAX, at one of a few sizes from 8 bytes to 64 KiB (the board's default
-capacity), the same on every rank. Each rank builds its input from (r, rank), so it knows the exact
+entry holds 256 KiB), the same on every rank. Each rank builds its input from (r, rank), so it knows the exact
 result and compares every element. Every --delay-every rounds on average a rank is held back (by a
 busy wait, or by a sleep that gives its core away, drawn from (seed, r, rank)), so ranks arrive in
 every order and waiters both spin and sleep. Each rank prints its rounds, time per round and count
@@ -25,7 +25,7 @@ import numpy as np
 import shmcoll
 from shmcoll import ReduceKind
 
-#: elements (8 bytes each) of the rounds, in turn: from one word to a full default board entry
+#: elements (8 bytes each) of the rounds, in turn: from one word to 64 KiB
 COUNTS = (1, 2, 16, 1000, 8192)
 _STEP = 1_000_003  # how much a rank's SUM input grows per round (so no round repeats the last)
 _MAX_DELAY_US = 300

@@ -44,7 +44,7 @@ import pytest
 
 import shmcoll
 import shmcoll.bootstrap
-from shmcoll import CollectiveError, ReduceKind
+from shmcoll import CollectiveError, ReduceKind, kernels
 from shmcoll.types import WIRE_TYPES
 
 from bounds import (
@@ -111,8 +111,9 @@ def _close(pg) -> dict:
 def _arm(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> None:
     """Deliver `sig` to this rank just before its `after_sends`-th frame from now on; stamp the time.
     A frame is a transport send or, over shared memory, an entry published on the board (the small
-    collectives' way). With min_items, only sends of at least that many elements count (data frames,
-    not the signalling frames of an agreement step)."""
+    collectives' way: by Board.publish, or by the compiled step that all_reduce and barrier run).
+    With min_items, only sends of at least that many elements count (data frames, not the
+    signalling frames of an agreement step)."""
     count = itertools.count(1)
 
     def counts(args) -> bool:
@@ -131,8 +132,9 @@ def _arm(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> None:
 
     transport = pg.transport
     transport.send = armed(transport.send)
-    if transport.board is not None:
+    if transport.board is not None:  # the board's calls: published in Python, or in one compiled step
         transport.board.publish = armed(transport.board.publish)
+        kernels.board_all_reduce = armed(kernels.board_all_reduce)
 
 
 def _inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0) -> bool:
@@ -452,7 +454,9 @@ def _killed_before_small_all_reduce(rank, n, port, victim, stamps, ready, finish
     return out
 
 
-def test_sigkill_while_others_wait_in_a_small_all_reduce(transport, aftermath):
+@pytest.mark.parametrize("kind", ["shm", "tcp"])  # (across hosts a small call never waits on the board)
+def test_sigkill_while_others_wait_in_a_small_all_reduce(kind, monkeypatch, aftermath):
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", kind)
     n, victim = 3, 1
     stamps = CTX.RawArray("d", n + 1)
     results, pids = _run(n, _killed_before_small_all_reduce, victim, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),

@@ -15,5 +15,5 @@ rank, n = dist.get_rank(), dist.get_world_size()
 t = torch.full((5,), float(rank + 1))
 dist.all_reduce(t)
 assert t.tolist() == [n * (n + 1) / 2] * 5, t
-print(f"OK rank={rank} world={n} transport={dist.get_backend()}", flush=True)
+os.write(1, f"OK rank={rank} world={n} transport={dist.get_backend()}\n".encode())  # one write: lines never interleave
 dist.destroy_process_group()
