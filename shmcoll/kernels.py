@@ -460,8 +460,8 @@ _SYS_FUTEX, _SYS_SCHED_YIELD = (98, 124) if _ARM else (202, 24)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _CLOCK_MONOTONIC = 1
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
-_PAUSES_PER_LOOK = 16  # pause hints between two looks at a word while spinning (about 1 us)
-_LOOKS_PER_YIELD = 8  # every so many looks, give the core away: ranks may outnumber cores
+_PAUSES_PER_LOOK = 4  # pause hints between two looks at a word while spinning (a few hundred ns)
+_LOOKS_PER_YIELD = 16  # every so many looks, give the core away: ranks may outnumber cores
 
 
 def _element_pointer(context, builder, sig, args):
