@@ -16,7 +16,7 @@ from bounds import TEST_HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess  # every test here launches a job
-ROUNDS = 20_000
+ROUNDS = 8_000
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
