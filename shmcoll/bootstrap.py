@@ -19,7 +19,7 @@ import os
 import time
 import weakref
 
-from .config import Config, load_config
+from .config import Config, load_config, spin_seconds
 from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLost, ShmSetupError, error_of_kind
 from .group import ProcessGroup
 from .net.mesh import connect_mesh, open_listener
@@ -256,7 +256,7 @@ def _shm_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str], 
         if len(local) == 1:
             segment.unlink()  # nobody else will attach
         transport = ShmTransport(segment, {r: i for i, r in enumerate(local)}, cfg.rank, cfg.world_size,
-                                 timeout=cfg.timeout, spin_s=cfg.tuning.spin_us * 1e-6, mailbox=mailbox)
+                                 timeout=cfg.timeout, spin_s=spin_seconds(cfg.tuning, len(local)), mailbox=mailbox)
         _gather(cfg, client, f"shm-attached/{cfg.host_id}", "1", deadline, local)
     except BaseException:
         unlink_names(name_prefix(cfg.job_id, pids[local[0]]), len(local))

@@ -61,8 +61,7 @@ class Tuning:
     debug: bool = False  # SHMCOLL_DEBUG: log each collective's start and end to stderr
     shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
     shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each ring (one ring per ordered pair of local ranks)
-    spin_us: int = 200  # SHMCOLL_SPIN_US: microseconds a waiter spins (yielding) before sleeping; long
-    # enough that a board wait rarely naps: a nap oversleeps (60-100 us), and its peer then waits on it in turn
+    spin_us: int | None = None  # SHMCOLL_SPIN_US: microseconds a waiter spins before it sleeps (unset: spin_seconds)
     shm_board_bytes: int = 256 << 10  # SHMCOLL_SHM_BOARD_BYTES: calls up to this size use the board
 
 
@@ -131,6 +130,25 @@ def _resolve_int_setting(environ, name: str, default: int, low: int) -> int:
     return value
 
 
+#: How long a shared-memory wait spins before it sleeps, when every local rank has a core of its own:
+#: through a peer's millisecond of lateness, because a process woken from sleep takes 100 us and more
+#: to run again here (bench/straggler_wake.py: 130 us after a late rank's arrival at 200 us of spin,
+#: 31 us at 1500), and a rank that spins on its own core takes nothing from anyone (MPI spins always).
+SPIN_US_OWN_CORE = 2000
+#: ... and when ranks outnumber cores: a spinning rank delays the one it waits for (it yields, but
+#: keeps competing for the core), so it goes to sleep sooner.
+SPIN_US_SHARED_CORES = 200
+
+
+def spin_seconds(tuning: Tuning, local_ranks: int) -> float:
+    """How long this rank's shared-memory waits spin: SHMCOLL_SPIN_US if set, else by whether the
+    host's ranks outnumber the cores this process may run on."""
+    if tuning.spin_us is not None:
+        return tuning.spin_us * 1e-6
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (SPIN_US_OWN_CORE if local_ranks <= cores else SPIN_US_SHARED_CORES) * 1e-6
+
+
 def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
     """The tuning knobs from the environment (defaults where unset)."""
     env = os.environ if environ is None else environ
@@ -140,7 +158,7 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
         debug=_resolve_debug(env),
         shm_slot_bytes=_resolve_int_setting(env, SHM_SLOT_BYTES_VAR, Tuning.shm_slot_bytes, 64) // 64 * 64,
         shm_slots=_resolve_int_setting(env, SHM_SLOTS_VAR, Tuning.shm_slots, 2),
-        spin_us=_resolve_int_setting(env, SPIN_US_VAR, Tuning.spin_us, 0),
+        spin_us=_resolve_int_setting(env, SPIN_US_VAR, 0, 0) if lookup(env, (SPIN_US_VAR,)) else None,
         shm_board_bytes=_resolve_int_setting(env, BOARD_BYTES_VAR, Tuning.shm_board_bytes, 0) // 64 * 64,
     )
 

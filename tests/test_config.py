@@ -4,6 +4,7 @@ plain dicts."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 
 import pytest
@@ -526,3 +527,16 @@ def test_torch_agent_store_is_reported_only_where_torch_serves_one():
         assert load_config(environ=make(0)).torch_agent_store is None
     e = {**torchrun_env(1), "SHMCOLL_MASTER_ADDR": "10.1.1.1"}  # shmcoll elsewhere; torch's store stays
     assert load_config(environ=e).torch_agent_store == ("localhost", 39271)
+
+
+def test_shared_memory_waits_spin_long_only_when_every_rank_has_a_core():
+    cores = len(os.sched_getaffinity(0))
+    unset = cfg.load_tuning({})
+    assert unset.spin_us is None
+    assert cfg.spin_seconds(unset, cores) == cfg.SPIN_US_OWN_CORE * 1e-6
+    assert cfg.spin_seconds(unset, cores + 1) == cfg.SPIN_US_SHARED_CORES * 1e-6
+    assert cfg.SPIN_US_SHARED_CORES < cfg.SPIN_US_OWN_CORE
+    chosen = cfg.load_tuning({"SHMCOLL_SPIN_US": "0"})
+    assert chosen.spin_us == 0 and cfg.spin_seconds(chosen, 1) == 0.0 == cfg.spin_seconds(chosen, cores + 1)
+    with pytest.raises(cfg.InvalidArgument, match="SHMCOLL_SPIN_US"):
+        cfg.load_tuning({"SHMCOLL_SPIN_US": "-5"})
