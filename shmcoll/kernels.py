@@ -1,10 +1,11 @@
-"""Reduction kernels: ``dst = op(dst, src)`` in place, one numba loop per (wire code, op).
+"""Reduction kernels: ``dst = op(dst, src)`` in place, one numba loop per (wire code, op); and,
+at the end, the shared-memory board's atomics, waits and compiled all-reduce step, which call them.
 
 Why numba: the loops run on every chunk a collective moves, so they must run near memory speed
 and release the GIL (``nogil=True``) so a spawned all-reduce really overlaps the caller's work.
 ``cache=True`` keeps the machine code on disk, so the many processes of a job compile nothing after
 the first one. Nothing compiles at import: a loop compiles (or loads from the cache) on its first
-call, or when ``warm_up`` asks for it.
+call, or when ``warm_up`` (``warm_board`` for the board's step) asks for it.
 
 Every numba function of the library lives in this one file on purpose: numba's disk cache is
 invalidated when the file of a jitted function changes, not when a file it calls into changes, so a
