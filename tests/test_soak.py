@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess  # every test here launches a job
 
 
 @pytest.mark.parametrize("transport, n, hosts, minutes", [
-    ("hier", 4, 2, 0.5),  # the 30-second soak: shared memory and TCP at once
+    ("hier", 4, 2, 0.35),  # the 20-second soak: shared memory and TCP at once
     ("shm", 3, 1, 0.15),
     ("tcp", 2, 1, 0.12),
 ])
