@@ -643,45 +643,38 @@ def _reduce_entry(dst, src, code, op):
     """dst = op(dst, src) inside a compiled step: the loop family by dtype, then code and op."""
 
 
+def _by_op(loops):
+    """A compiled (dst, src, op) running the loop for op of one family (SUM, PROD, MIN, MAX as in
+    _PER_OP); AVG reduces as SUM, the caller divides."""
+    sum_, prod, min_, max_ = loops
+
+    def by_op(dst, src, op):
+        if op == 1:
+            prod(dst, src)
+        elif op == 2:
+            min_(dst, src)
+        elif op == 3:
+            max_(dst, src)
+        else:
+            sum_(dst, src)
+
+    return numba.njit(nogil=True, inline="always")(by_op)
+
+
+_F16_BY_OP, _BF16_BY_OP, _NATIVE_BY_OP = (_by_op(_PER_OP[code]) for code in (1, 2, 3))
+
+
 @overload(_reduce_entry)
 def _reduce_entry_overload(dst, src, code, op):
     if dst.dtype == types.uint16:
         def half(dst, src, code, op):
-            loops = 0 if code == 1 else 4
-            if op == 1:
-                loops += 1
-            elif op in (2, 3):
-                loops += op
-            if loops == 0:
-                _f16_sum(dst, src)
-            elif loops == 1:
-                _f16_prod(dst, src)
-            elif loops == 2:
-                _f16_min(dst, src)
-            elif loops == 3:
-                _f16_max(dst, src)
-            elif loops == 4:
-                _bf16_sum(dst, src)
-            elif loops == 5:
-                _bf16_prod(dst, src)
-            elif loops == 6:
-                _bf16_min(dst, src)
+            if code == 1:
+                _F16_BY_OP(dst, src, op)
             else:
-                _bf16_max(dst, src)
+                _BF16_BY_OP(dst, src, op)
 
         return half
-
-    def native(dst, src, code, op):  # AVG reduces as SUM; the caller divides
-        if op == 1:
-            _native_prod(dst, src)
-        elif op == 2:
-            _native_min(dst, src)
-        elif op == 3:
-            _native_max(dst, src)
-        else:
-            _native_sum(dst, src)
-
-    return native
+    return lambda dst, src, code, op: _NATIVE_BY_OP(dst, src, op)
 
 
 @_jit
