@@ -18,18 +18,17 @@ same guard and reports through the same Runner.fail.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple
 
 import numpy as np
 
 from . import kernels
 from .algorithms.select import Algorithm, Setting, select
-from .errors import CollectiveError, InvalidArgument
+from .errors import InvalidArgument
 from .runner import Runner
-from .transport import frame
 from .transport.base import Transport
 from .transport.frame import Meta
-from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS
+from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS, entry_header
 from .types import U8, Collective, ReduceKind
 from .validate import reducible_wire
 
@@ -106,10 +105,9 @@ class LeanPath:
 
     def _prepare_call(self, coll: Collective, code: int, flat: np.ndarray, kind: ReduceKind,
                       elements: int) -> _Prepared:
-        """The description and header the general path (runner.py's Meta, board.py's frame) gives this call."""
+        """The description and header the general path (runner.py's Meta, board.py's step) gives this call."""
         meta = Meta(seq=0, coll=coll, dtype=code, elements=elements, op=int(kind), root=0)
-        header = frame.pack(frame.DATA, self._t.rank, 0, meta, code, flat.shape, flat.nbytes)
-        return _Prepared(flat.dtype, code, int(kind), meta, np.frombuffer(bytearray(header), np.uint8),
+        return _Prepared(flat.dtype, code, int(kind), meta, entry_header(self._t.rank, meta, code, flat),
                          kind == ReduceKind.AVG)
 
     def _run(self, flat: np.ndarray, p: _Prepared) -> bool:
@@ -127,7 +125,7 @@ class LeanPath:
                 if p.average:
                     kernels.scale_into(flat, p.code, self._t.world_size)
         except BaseException as exc:
-            self._failed(exc, p.meta._replace(seq=seq), start)
+            self._runner.failed(exc, p.meta._replace(seq=seq), start)
         end = time.monotonic()
         if end > start + self._t.timeout:
             self._runner.late(p.meta._replace(seq=seq), start)
@@ -139,10 +137,3 @@ class LeanPath:
         meta = p.meta._replace(seq=seq)
         guard = self._t.board_guard(self._t.tag_of(seq), meta)
         self._board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, start + self._t.timeout, guard, meta)
-
-    def _failed(self, exc: BaseException, meta: Meta, start: float) -> NoReturn:
-        """As Runner's general path fails a call: break the group, tell the peers, raise."""
-        if isinstance(exc, CollectiveError):
-            raise self._runner.fail(exc, meta, start) from exc
-        self._runner.fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
-        raise exc  # Ctrl-C or a bug mid-call: peers must not wait for us, and the caller sees it

@@ -109,11 +109,8 @@ class Runner:
         self._debug("start", meta, start)
         try:
             result = body(call)
-        except CollectiveError as exc:
-            raise self.fail(exc, meta, start) from exc
-        except BaseException as exc:  # Ctrl-C or a bug mid-call: peers must not wait for us
-            self.fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
-            raise
+        except BaseException as exc:
+            self.failed(exc, meta, start)
         if time.monotonic() > call.deadline:
             self.late(meta, start)
         if meta.seq != STARTUP_SEQ:
@@ -122,6 +119,14 @@ class Runner:
         return result
 
     # ---- failures ----
+    def failed(self, exc: BaseException, meta: Meta, start: float) -> NoReturn:
+        """A call's body raised exc: break the group, tell the peers, raise the contract's error (a
+        CollectiveError) or exc itself (Ctrl-C or a bug mid-call: peers must not wait for us)."""
+        if isinstance(exc, CollectiveError):
+            raise self.fail(exc, meta, start) from exc
+        self.fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
+        raise exc
+
     def late(self, meta: Meta, start: float) -> NoReturn:
         """A call that finished after its deadline (a stopped process resumed, say) fails: its peers
         have already given up on it."""
