@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..transport import frame
+from ..transport.shm_board import entry_header
 from ..types import ReduceKind
 from .call import Call
 from .ring import scale_if_avg
@@ -30,9 +30,8 @@ def board_barrier(c: Call) -> None:
 
 def _compiled_step(c: Call, data: np.ndarray, op: ReduceKind) -> None:
     """The board's compiled all-reduce (kernels.board_all_reduce) over data, a 1-D storage array;
-    the frame header is the one lean.py prepares for the same call, so ranks may take either path."""
-    header = np.frombuffer(bytearray(frame.pack(frame.DATA, c.rank, 0, c.meta, c.code, data.shape, data.nbytes)),
-                           np.uint8)
+    lean.py runs the same step with the same header (entry_header), so ranks may take either path."""
+    header = entry_header(c.rank, c.meta, c.code, data)
     status = c.board.all_reduce_step(c.meta.seq, data, header, c.code, int(op))
     if status != kernels.BOARD_DONE:
         c.board.all_reduce_rest(status, c.meta.seq, data, header, c.code, int(op), c.deadline, c.board_guard(), c.meta)

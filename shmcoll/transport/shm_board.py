@@ -48,6 +48,12 @@ assert (kernels.BOARD_HEADER_AT, kernels.BOARD_HEADER_BYTES, kernels.BOARD_SLEEP
 assert frame.SRC_FIELD == kernels._SRC_FIELD
 
 
+def entry_header(rank: int, meta: Meta, code: int, data: np.ndarray) -> np.ndarray:
+    """The frame header rank's board entry carries for the call `meta` over data (1-D, wire type
+    `code`), as writable uint8: every path of a board call builds it here, so ranks compare alike."""
+    return np.frombuffer(bytearray(frame.pack(frame.DATA, rank, 0, meta, code, data.shape, data.nbytes)), np.uint8)
+
+
 class Board:
     def __init__(self, mem: np.ndarray, layout: Layout, rank: int, local_of: dict[int, int], spin_s: float):
         self.mem, self._layout, self._rank, self._local_of = mem, layout, rank, local_of
@@ -96,9 +102,7 @@ class Board:
                                               position, spin, wait, DONE_SLEEPERS)
 
     def _all_reduce_mismatch(self, src: int, seq: int, data: np.ndarray, want: Meta) -> None:
-        self._header = self._read_header(self._entry(self._rank, seq))
-        self._nbytes = data.nbytes
-        self._mismatch(self._read_header(self._entry(src, seq)), src, want)
+        self._mismatch(self._read_header(self._entry(src, seq)), src, want, data.nbytes)
 
     # ---- publishing and reading, for the other board calls ----
     def publish(self, meta: Meta, code: int, data: np.ndarray, deadline: float, check: Callable[[], None],
@@ -107,7 +111,7 @@ class Board:
         still be reading the entry it replaces. Without payload only the call's description goes
         out (a broadcast's receivers: everyone still checks that everyone made the same call)."""
         seq, payload = meta.seq, data.view(np.uint8)
-        header = self._header = frame.pack(frame.DATA, self._rank, 0, meta, code, data.shape, data.nbytes)
+        header = self._header = entry_header(self._rank, meta, code, data).tobytes()
         self._nbytes = data.nbytes
         at = self._entry(self._rank, seq)
         previous = int(kernels.load_word(self.mem, at // 8))
@@ -122,7 +126,7 @@ class Board:
         """Rank src's payload (uint8 view into shared memory) for seq; CollectiveMismatch if its call differs."""
         at, raw = self._published(src, seq, deadline, check)
         if raw[_SRC_END:] != self._header[_SRC_END:] or raw[:_SRC_START] != self._header[:_SRC_START]:
-            self._mismatch(raw, src, want)  # the same call makes the same header, but for the source rank
+            self._mismatch(raw, src, want, self._nbytes)  # the same call makes the same header, but for the source rank
         return self.mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + self._nbytes]
 
     def read_any_size(self, src: int, seq: int, want: Meta, deadline: float,
@@ -150,11 +154,13 @@ class Board:
     def _entry(self, rank: int, seq: int) -> int:
         return int(self.where[rank, seq % 2])
 
-    def _mismatch(self, raw: bytes, src: int, want: Meta) -> None:
+    @staticmethod
+    def _mismatch(raw: bytes, src: int, want: Meta, nbytes: int) -> None:
+        """Raise CollectiveMismatch: rank src's entry header (raw) differs from this rank's call (nbytes of data)."""
         header = frame.unpack(raw, src)
         problem = frame.describe_mismatch(header.meta, want, src)
         raise CollectiveMismatch(problem or f"rank {src} published {header.nbytes} bytes of dtype code "
-                                            f"{header.dtype}, this rank {self._nbytes}")
+                                            f"{header.dtype}, this rank {nbytes}")
 
     def published(self, src: int, seq: int) -> bool:
         """Whether rank src has published its entry for seq (it is inside that call)."""
@@ -189,12 +195,11 @@ class Board:
 
     def _wait(self, word: int, target: int, at_least: bool, sleepers: int, deadline: float,
               check: Callable[[], None], what: str) -> None:
-        """Until the word reaches target: compiled wait slices, check() between them (it raises on failure)."""
-        if kernels.wait_word(self.mem, word, target, at_least, sleepers, self.spin_ns, WAIT_SLICE_NS):
-            return
-        self._between_slices(lambda: kernels.wait_word(self.mem, word, target, at_least, sleepers, 0, 0),
-                             deadline, check, what)
-        while not kernels.wait_word(self.mem, word, target, at_least, sleepers, 0, WAIT_SLICE_NS):
+        """Until the word reaches target: compiled wait slices (spinning in the first only), check()
+        between them (it raises on failure)."""
+        spin = self.spin_ns
+        while not kernels.wait_word(self.mem, word, target, at_least, sleepers, spin, WAIT_SLICE_NS):
+            spin = 0
             self._between_slices(lambda: kernels.wait_word(self.mem, word, target, at_least, sleepers, 0, 0),
                                  deadline, check, what)
 
