@@ -9,8 +9,8 @@ element count, op) and kept. A call then takes a sequence number and runs the bo
 (kernels.board_all_reduce; a barrier is an all-reduce of nothing); only a wait that outlasts a
 slice comes back to Python for the failure checks.
 
-Anything else, or anything unusual (a spawned call still running, a broken or closed group,
-SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the general path:
+Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
+or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the general path:
 validate.py, plans.py, runner.py. Errors are the same on both paths: the failure path builds the
 same guard and reports through the same Runner.fail.
 """
@@ -115,6 +115,13 @@ class LeanPath:
         seq = self._runner.lean_seq()
         if seq is None:
             return False
+        try:
+            self._step(flat, p, seq)
+        finally:
+            self._runner.lean_done()
+        return True
+
+    def _step(self, flat: np.ndarray, p: _Prepared, seq: int) -> None:
         start = time.monotonic()
         try:
             if not self._alone:
@@ -130,7 +137,6 @@ class LeanPath:
         if end > start + self._t.timeout:
             self._runner.late(p.meta._replace(seq=seq), start)
         self._runner.recorder.completed(p.meta, end - start, seq)
-        return True
 
     def _rest(self, status: int, seq: int, flat: np.ndarray, p: _Prepared, start: float) -> None:
         """A wait outlasted the first slice: go on with the failure checks between slices."""

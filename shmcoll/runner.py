@@ -9,9 +9,11 @@ caller's thread once the ordered worker (worker.py) is idle; spawned ones run on
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
@@ -31,6 +33,8 @@ SILENT_AFTER = 2.0
 #: so the first user collective is still number 0.
 STARTUP_TAG = (1 << 32) - 1
 STARTUP_SEQ = 1 << 62
+
+_runners: weakref.WeakSet[Runner] = weakref.WeakSet()  # every live group's, for the fork hook below
 
 
 class Plan(NamedTuple):
@@ -54,25 +58,46 @@ class Runner:
         self._seq = itertools.count()  # next() is atomic: the caller's thread and spawn_* share it
         self._broken: CollectiveError | None = None
         self._closed = False
+        self._owner: int | None = None  # set in a forked child: the parent's pid, which owns the group
         self._lock = threading.Lock()
+        self._calling = threading.Lock()  # held while a thread numbers and runs a call of this group
         self._worker = OrderedWorker()
         self.recorder = FlightRecorder()  # the calls completed last, for a failure's report
+        _runners.add(self)
 
     # ---- running calls ----
     def run(self, plan: Plan) -> Any:
         """A blocking collective: numbered now, run on this thread after every spawned one before it."""
-        meta = self._next_meta(plan)
-        if not self._worker.wait_idle(self.transport.timeout):
-            raise self.fail(CollectiveTimeout("spawned collectives issued before it did not finish"), meta,
-                            time.monotonic())
-        self.check_usable()  # a spawned collective may have failed meanwhile
-        return self._execute(meta, plan.body)
+        self._enter(plan.coll)
+        try:
+            meta = self._next_meta(plan)
+            if not self._worker.wait_idle(self.transport.timeout):
+                raise self.fail(CollectiveTimeout("spawned collectives issued before it did not finish"), meta,
+                                time.monotonic())
+            self.check_usable()  # a spawned collective may have failed meanwhile
+            return self._execute(meta, plan.body)
+        finally:
+            self._calling.release()
 
     def spawn(self, plan: Plan) -> CollectiveHandle:
         """A non-blocking collective: numbered now (call order is what matches ranks), run on the
         ordered worker; the handle's join() returns the body's result."""
-        meta = self._next_meta(plan)
-        return self._worker.submit(plan.coll.label, lambda: self._execute(meta, plan.body))
+        self._enter(plan.coll)
+        try:
+            meta = self._next_meta(plan)
+            return self._worker.submit(plan.coll.label, lambda: self._execute(meta, plan.body))
+        finally:
+            self._calling.release()
+
+    def _enter(self, coll: Collective) -> None:
+        """Claim the group for this thread's call, or refuse it before it takes a sequence number.
+        Ranks match collectives by call order, and two threads calling at once would make that
+        order a race between them: data of one call could meet another's on a peer."""
+        if not self._calling.acquire(blocking=False):
+            raise InvalidArgument(
+                f"{coll.label}: another thread is inside a collective of this group right now. Calls on one group "
+                f"must come one at a time (ranks match them by call order): call from one thread, use spawn_* "
+                f"for background work, or give each thread its own group with split()")
 
     def startup_barrier(self, body: Callable[[Call], Any]) -> None:
         """init()'s last step, on the tag and sequence number of its own."""
@@ -92,9 +117,18 @@ class Runner:
         """The sequence number of a call that runs at once on this thread without a Plan (lean.py),
         or None when it must take the general path: the group is closed or broken, a spawned call
         is still running, or calls are traced (SHMCOLL_DEBUG)."""
-        if self._broken is not None or self._closed or self.tuning.debug or not self._worker.idle():
+        if self._broken is not None or self._closed or self.tuning.debug:
+            return None
+        if not self._calling.acquire(blocking=False):
+            return None  # another thread's call: the general path says so
+        if not self._worker.idle():
+            self._calling.release()
             return None
         return next(self._seq)
+
+    def lean_done(self) -> None:
+        """The end of a call lean_seq numbered."""
+        self._calling.release()
 
     def _next_meta(self, plan: Plan) -> Meta:
         self.check_usable()
@@ -134,6 +168,10 @@ class Runner:
                                           "given up on it (was this process stopped or starved?)"), meta, start)
 
     def check_usable(self) -> None:
+        if self._owner is not None:
+            raise InvalidArgument(
+                f"this ProcessGroup belongs to process {self._owner}, which forked this one: a forked child "
+                f"cannot use its parent's group (call shmcoll.init() in the child for a group of its own)")
         if self._closed:
             raise InvalidArgument("this ProcessGroup is closed")
         if self._broken is not None:
@@ -174,7 +212,10 @@ class Runner:
 
     # ---- life cycle ----
     def close(self) -> None:
-        """Stop the worker, release the transport, run the close hooks; idempotent."""
+        """Stop the worker, release the transport, run the close hooks; idempotent. In a forked
+        child it does nothing: the sockets, shared memory and peers are the parent's."""
+        if self._owner is not None:
+            return
         with self._lock:
             if self._closed:
                 return
@@ -190,3 +231,16 @@ def same_kind(exc: CollectiveError, message: str) -> CollectiveError:
     if isinstance(exc, PeerLost):
         return PeerLost(message, exc.peer)
     return type(exc)(message)
+
+
+def _disown_inherited_groups() -> None:
+    """In a forked child: every group it inherited belongs to the parent. The child must not close,
+    abort or say goodbye on it (its exit, sys.exit included, would end the parent's job), and a
+    call on it is refused (check_usable)."""
+    parent = os.getppid()
+    for runner in list(_runners):
+        runner._owner, runner._closed = parent, True
+        runner._lock, runner._calling = threading.Lock(), threading.Lock()  # a parent thread may have held them
+
+
+os.register_at_fork(after_in_child=_disown_inherited_groups)
