@@ -1,7 +1,8 @@
 """One host's shared memory: the segment and the two semaphores of every channel.
 
-The local leader creates everything, every local rank attaches, and then the names are unlinked at
-once: the kernel frees the memory when the last process using it exits, so nothing is left in
+The local leader creates everything (every page of the segment reserved at once, so that a
+/dev/shm filling up later cannot kill a rank with SIGBUS), every local rank attaches, and then the
+names are unlinked at once: the kernel frees the memory when the last process using it exits, so nothing is left in
 /dev/shm even after `kill -9` of every rank. Names carry the creator's pid and the job id; a leader
 also removes names left by creators that no longer exist (a crash in the short create-to-unlink
 window), so even that cannot accumulate.
@@ -31,6 +32,8 @@ from .shm_layout import (
 
 SHM_DIR = "/dev/shm"
 NAME_TAG = "shmcoll"
+_ROOM_ADVICE = (f"Give the container more (docker run --shm-size=1g), free space in {SHM_DIR}, lower "
+                f"SHMCOLL_SHM_SLOT_BYTES / SHMCOLL_SHM_SLOTS, or use transport='tcp'.")
 
 
 def pid_alive(pid: int) -> bool:
@@ -73,6 +76,21 @@ def free_bytes() -> int:
     except OSError:
         return 1 << 62  # no /dev/shm to measure (another OS): let the create call decide
     return st.f_bavail * st.f_frsize
+
+
+def reserve(fd: int, layout: Layout) -> None:
+    """Back every page of the new segment now. ftruncate leaves it sparse: pages are found on first
+    touch, and if /dev/shm has filled up meanwhile (a container's 64 MB, DataLoader workers passing
+    batches through it) that touch kills the rank with SIGBUS in the middle of a collective. A
+    reservation that fails here is an error at init that says what to do."""
+    if not hasattr(os, "posix_fallocate"):
+        return  # not Linux: the size check in create_segment is all there is
+    try:
+        os.posix_fallocate(fd, 0, layout.total_bytes)
+    except OSError as exc:
+        raise ShmSetupError(
+            f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB of shared memory for {layout.n_local} local ranks "
+            f"in {SHM_DIR} ({exc.strerror}; {free_bytes() / 2**20:.1f} MiB free now). {_ROOM_ADVICE}") from exc
 
 
 def sweep_stale() -> list[str]:
@@ -124,6 +142,8 @@ class Segment:
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=self.layout.total_bytes if create else 0)
         self._names.append((name, False))
         try:
+            if create:
+                reserve(shm.fd, self.layout)
             if shm.size < self.layout.total_bytes:
                 raise ShmSetupError(f"segment {name} is {shm.size} bytes, expected {self.layout.total_bytes}")
             self._mmap = mmap.mmap(shm.fd, self.layout.total_bytes)
@@ -179,8 +199,7 @@ def create_segment(job_id: str, layout: Layout) -> Segment:
     if need > free:
         raise ShmSetupError(
             f"shared memory for {layout.n_local} local ranks needs {need / 2**20:.1f} MiB but {SHM_DIR} has only "
-            f"{free / 2**20:.1f} MiB free. Give the container more (docker run --shm-size=1g), free space in "
-            f"{SHM_DIR}, lower SHMCOLL_SHM_SLOT_BYTES / SHMCOLL_SHM_SLOTS, or use transport='tcp'.")
+            f"{free / 2**20:.1f} MiB free. {_ROOM_ADVICE}")
     try:
         return Segment(name_prefix(job_id), layout, create=True)
     except (posix_ipc.Error, OSError) as exc:
