@@ -1,7 +1,8 @@
 """init(): read the configuration, meet the other ranks through the rendezvous store, and return a
 ProcessGroup over the chosen transport.
 
-Rank 0 serves the store. Every rank publishes its host id; when all ranks share a host (and the
+Rank 0 serves the store. Every rank publishes its host id and release (ranks running different
+installs fail here, before anything is built); when all ranks share a host (and the
 transport allows it) they build shared memory; across hosts the hierarchy: shared memory per host
 plus TCP between hosts (transport="tcp": TCP between every pair). Each rank listens on the
 interface it used to reach rank 0 (so multi-homed hosts pick a routable one). Rank 0 shuts the
@@ -20,16 +21,25 @@ import time
 import weakref
 
 from .config import Config, load_config, spin_seconds
-from .errors import CollectiveError, CollectiveTimeout, InvalidArgument, PeerLost, ShmSetupError, error_of_kind
+from .errors import (
+    CollectiveError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    InvalidArgument,
+    PeerLost,
+    ShmSetupError,
+    error_of_kind,
+)
 from .group import ProcessGroup
 from .net.mesh import connect_mesh, open_listener
 from .net.sockets import Deadline
 from .rendezvous.store import ABORT_KEY, RendezvousStore, StoreAbort, StoreClient, StoreServer
+from .transport import frame
 from .transport.base import Transport
 from .transport.hierarchical import HierarchicalTransport
 from .transport.mailbox import Mailbox
 from .transport.shm import ShmTransport
-from .transport.shm_layout import Layout, fit_layout
+from .transport.shm_layout import MAGIC, Layout, fit_layout
 from .transport.shm_segment import Segment, attach_segment, create_segment, free_bytes, name_prefix, unlink_names
 from .transport.tcp import NetTransport
 from .transport.topology import Topology
@@ -143,7 +153,9 @@ def _connect_store(cfg: Config, deadline: float) -> StoreClient:
 def _build_transport(cfg: Config, client: RendezvousStore, deadline: float) -> Transport:
     choice = cfg.transport
     try:
-        hosts, pids = _hosts_and_pids(_gather(cfg, client, "host", json.dumps([cfg.host_id, os.getpid()]), deadline))
+        published = _gather(cfg, client, "host", json.dumps([cfg.host_id, os.getpid(), release()]), deadline)
+        _check_same_release(published)
+        hosts, pids = _hosts_and_pids(published)
         if _use_shm(choice, hosts):
             return _shm_transport(cfg, client, hosts, pids, deadline)
         if choice in ("auto", "hier"):
@@ -173,8 +185,29 @@ def _gather(cfg: Config, client: RendezvousStore, kind: str, value: str, deadlin
     return {r: values[f"{kind}/{r}"] for r in ranks}
 
 
+def release() -> str:
+    """What every rank of a job must share: the library's version and the formats ranks exchange
+    (the frames on every transport, the shared-memory layout, named by its magic)."""
+    from . import __version__  # the package's; it is initialised by the time a rank meets the others
+
+    return f"shmcoll {__version__} (frame format {frame.VERSION}, shm layout {MAGIC.to_bytes(8, 'big').decode()})"
+
+
+def _check_same_release(published: dict[int, str]) -> None:
+    """CollectiveMismatch on every rank, before any segment or connection exists, when ranks run
+    different installs (hosts of one job may not have been upgraded together)."""
+    ranks_of: dict[str, list[int]] = {}
+    for r, value in sorted(published.items()):
+        fields = json.loads(value)
+        ranks_of.setdefault(fields[2] if len(fields) > 2 else "an older shmcoll (it sent no version)", []).append(r)
+    if len(ranks_of) > 1:
+        installs = "; ".join(f"ranks {ranks} run {what}" for what, ranks in ranks_of.items())
+        raise CollectiveMismatch(f"the ranks of this job run different shmcoll installs: {installs}. Install the "
+                                 f"same version on every host")
+
+
 def _hosts_and_pids(published: dict[int, str]) -> tuple[dict[int, str], dict[int, int]]:
-    """Each rank's host id and process id, as published: [host id, pid]."""
+    """Each rank's host id and process id, as published: [host id, pid, release]."""
     pairs = {r: json.loads(v) for r, v in published.items()}
     return {r: str(p[0]) for r, p in pairs.items()}, {r: int(p[1]) for r, p in pairs.items()}
 
