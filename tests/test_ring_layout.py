@@ -19,11 +19,13 @@ from shmcoll.transport.shm_layout import (
     ABORT_TEXT_BYTES,
     ABORT_TEXT_OFFSET,
     BOARD_HEADER_OFFSET,
+    BUDGET_PER_RANK,
     HOST_HEADER_BYTES,
     MAX_LOCAL,
     SLOT_HEADER_BYTES,
     Layout,
     fit_layout,
+    shm_budget,
 )
 
 KIB = 1 << 10
@@ -336,3 +338,17 @@ def test_property_fit_layout(n_local, slot_bytes, n_slots, board_bytes, data):
     if got.slot_bytes < slot_bytes:  # slot size shrinks only once the slot count is down to two
         assert got.n_slots == 2
     _check_geometry(got)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 16, 32, 64, 128])
+def test_the_reserved_segment_grows_linearly_with_the_ranks(n):
+    budget = shm_budget(n, free=1 << 50)  # a roomy /dev/shm: only the per-rank bound counts
+    assert budget == n * BUDGET_PER_RANK
+    got = fit_layout(n, 256 * KIB, 8, budget)
+    assert got.total_bytes <= n * BUDGET_PER_RANK
+    if n <= 16:
+        assert got == Layout(n, 256 * KIB, 8)  # the default geometry, untouched, up to 16 ranks
+
+
+def test_the_budget_is_half_of_a_small_dev_shm():
+    assert shm_budget(8, free=100 << 20) == 50 << 20

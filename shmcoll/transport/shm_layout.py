@@ -26,6 +26,10 @@ BOARD_HEADER_OFFSET = 8  # in a board entry: the published word, then the frame 
 BOARD_SLEEPERS_OFFSET = BOARD_HEADER_OFFSET + HEADER_SIZE  # then a u32: ranks asleep on the published word
 assert BOARD_SLEEPERS_OFFSET + 4 <= SLOT_HEADER_BYTES
 MAX_LOCAL = 256
+#: Reserved memory per local rank at most: the segment is backed at init (shm_segment.reserve), and
+#: the default geometry's n*(n-1) channels (116 MiB at 8 ranks, 488 MiB at 16, 8 GiB at 64) would
+#: make that grow with the square of the ranks. Beyond 16 ranks the channels shrink to stay linear.
+BUDGET_PER_RANK = 32 << 20
 
 # u64 word indices in the host header
 W_MAGIC, W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS, W_ABORT, W_ABORT_LEN, W_DONE_SLEEPERS = range(7)
@@ -96,6 +100,12 @@ class Layout:
         """Byte offset of slot number `slot` (counted from 0 forever; wraps around the ring)."""
         channel = self.channels_offset + self.channel_index(src, dst) * self.channel_bytes
         return channel + (slot % self.n_slots) * self.slot_stride
+
+
+def shm_budget(n_local: int, free: int) -> int:
+    """Bytes a segment may reserve: half of what /dev/shm has free, and at most BUDGET_PER_RANK
+    per local rank."""
+    return min(free // 2, n_local * BUDGET_PER_RANK)
 
 
 def fit_layout(n_local: int, slot_bytes: int, n_slots: int, budget: int, board_bytes: int = 64 << 10) -> Layout:
