@@ -326,7 +326,11 @@ def _attach(cfg: Config, client: RendezvousStore, key: str, n_local: int, deadli
     if missing:
         raise CollectiveTimeout(f"the local leader never published its shared memory within {cfg.timeout:g} s")
     prefix, slot_bytes, n_slots, board_bytes = json.loads(values[key])
-    return attach_segment(prefix, Layout(n_local, int(slot_bytes), int(n_slots), int(board_bytes)))
+    try:
+        return attach_segment(prefix, Layout(n_local, int(slot_bytes), int(n_slots), int(board_bytes)))
+    except ShmSetupError:
+        _raise_if_aborted(client, deadline)  # the names are gone because start-up failed elsewhere: say why
+        raise
 
 
 @atexit.register
