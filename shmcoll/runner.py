@@ -155,10 +155,16 @@ class Runner:
     # ---- failures ----
     def failed(self, exc: BaseException, meta: Meta, start: float) -> NoReturn:
         """A call's body raised exc: break the group, tell the peers, raise the contract's error (a
-        CollectiveError) or exc itself (Ctrl-C or a bug mid-call: peers must not wait for us)."""
+        CollectiveError) or exc itself (Ctrl-C or a bug mid-call: peers must not wait for us). Ctrl-C
+        or an exit (KeyboardInterrupt, SystemExit) means this rank is leaving: peers get PeerLost."""
         if isinstance(exc, CollectiveError):
             raise self.fail(exc, meta, start) from exc
-        self.fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
+        if isinstance(exc, Exception):
+            self.fail(CollectiveError(f"interrupted by {type(exc).__name__}: {exc}"), meta, start)
+        else:
+            rank = self.transport.rank
+            self.fail(PeerLost(f"rank {rank} was interrupted by {type(exc).__name__} and left the group", rank),
+                      meta, start)
         raise exc
 
     def late(self, meta: Meta, start: float) -> NoReturn:
