@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 import bounds
+import faults
 import harness
 
 
@@ -94,3 +95,12 @@ class Job:
 def job(tmp_path):
     """A Job in this test's temporary directory: `job.program(body)` writes a rank program."""
     return Job(tmp_path)
+
+
+@pytest.fixture
+def aftermath():
+    """faults.Aftermath: what must hold once a fault scenario is over (its check), and the clean-up of
+    whatever a failed check found."""
+    after = faults.Aftermath()
+    yield after
+    after.clean_up()

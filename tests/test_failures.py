@@ -5,20 +5,20 @@ simulates two hosts, the first half of the ranks on one, the rest on the other).
 
 Conventions of this file:
 
-* Faults are injected from inside the victim at a precise point: `_arm` wraps the victim's
+* Faults are injected from inside the victim at a precise point: `arm_signal` wraps the victim's
   `transport.send` so the victim signals itself (SIGKILL / SIGSTOP) just before its k-th frame of the
   collective, i.e. partway through a large, chunked call whose other ranks are already exchanging
   data with it. Where a test needs the victim to fail *before* its call while the others already wait,
-  it first takes the others' first frames of that call (`_inside`), so nothing relies on sleep().
+  it first takes the others' first frames of that call (`peers_inside`), so nothing relies on sleep().
 * Before the call under test every rank finishes a warm-up collective and meets the others at an
-  out-of-band barrier (`_check_group_works`), so no fault lands on frames of an earlier call.
+  out-of-band barrier (`check_group_works`), so no fault lands on frames of an earlier call.
 * Ranks that raised stay alive (`finish_together`, a bounded multiprocessing barrier) until every
   other live rank is done, so what a rank sees comes from the library's own failure handling, never
   from a peer process that already exited and closed its sockets.
 * Group timeouts are long (bounds.NEVER_S) wherever waiting them out must fail the test, and every
   wait in the test itself is bounded (run_ranks' timeout, pytest-timeout, bounded barrier waits).
 * Every bound on a time (how soon a fault reaches every rank, ...) is harness's, scaled from one place.
-* After every scenario (`_Aftermath.check`): nothing its ranks created is left in /dev/shm, no
+* After every scenario (`Aftermath.check`): nothing its ranks created is left in /dev/shm, no
   process is left behind, and (checked in the ranks) every survivor's group refuses the next call at
   once saying it is broken, and close() leaves no shmcoll thread and no child process.
 * Monotonic clocks are system wide on Linux, so `fault_s` (victim's fault to survivor's error) is
@@ -28,9 +28,7 @@ Conventions of this file:
 
 from __future__ import annotations
 
-import itertools
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -39,12 +37,11 @@ import threading
 import time
 
 import numpy as np
-import posix_ipc
 import pytest
 
 import shmcoll
 import shmcoll.bootstrap
-from shmcoll import CollectiveError, ReduceKind, kernels
+from shmcoll import ReduceKind
 from shmcoll.types import WIRE_TYPES
 
 from bounds import (
@@ -57,217 +54,40 @@ from bounds import (
     TIMEOUT_LATE_S,
     WAIT_HANG_S,
 )
+from faults import (
+    BIG,
+    CHUNKS,
+    arm_signal,
+    assert_broken,
+    assert_closed_cleanly,
+    assert_nothing_running,
+    assert_survivors,
+    call_after_failure,
+    check_group_works,
+    close_group,
+    init_group,
+    leftovers,
+    peers_inside,
+    report_timing,
+    run_tracked,
+    tracked,
+)
 from harness import (
     CTX,
     Died,
     ShmCreations,
-    WaitTimedOut,
     attempt,
-    child_processes,
     finish_together,
     run_ranks,
     shm_names_of,
     simulated_host_id,
-    wait_until,
 )
 
 pytestmark = pytest.mark.multiprocess
 
 STOP_TIMEOUT = 3.0  # group timeout for the SIGSTOP tests (above group.SILENT_AFTER, so the stopped rank is named)
 SETUP_TIMEOUT = 2.0  # group timeout for the start-up tests
-BIG = 1 << 20  # float32 elements (4 MiB): many chunks per ring step with...
-CHUNKS = {"SHMCOLL_CHUNK_BYTES": str(64 << 10)}  # ...64 KiB frames
 FORWARDER = "a rank that forwards the root's data"
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers run inside the ranks
-# ---------------------------------------------------------------------------------------------
-
-def _init(rank: int, n: int, port: int, timeout: float = NEVER_S):
-    return shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port, timeout=timeout)
-
-
-def _broken(pg) -> dict:
-    """The next call on a group that just failed: must raise at once, same class, saying 'broken'."""
-    return attempt(lambda: pg.barrier())
-
-
-def _shmcoll_threads() -> list[str]:
-    """shmcoll threads alive in this process (the rendezvous store's included)."""
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("shmcoll-"))
-
-
-def _leftovers() -> dict:
-    return {"threads": _shmcoll_threads(), "children": child_processes()}
-
-
-def _close(pg) -> dict:
-    start = time.monotonic()
-    pg.close()
-    return {"close_s": time.monotonic() - start, **_leftovers()}
-
-
-def _arm(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> None:
-    """Deliver `sig` to this rank just before its `after_sends`-th frame from now on; stamp the time.
-    A frame is a transport send or, over shared memory, an entry published on the board (the small
-    collectives' way: by Board.publish, or by the compiled step that all_reduce and barrier run).
-    With min_items, only sends of at least that many elements count (data frames, not the
-    signalling frames of an agreement step)."""
-    count = itertools.count(1)
-
-    def counts(args) -> bool:
-        return not min_items or (len(args) > 2 and getattr(args[2], "size", 0) >= min_items)
-
-    def armed(real):
-        def fire_then_call(*args, **kwargs):
-            if counts(args) and next(count) == after_sends:
-                stamps[pg.rank] = time.monotonic()
-                # To this thread, not the process: a process-directed SIGSTOP is taken by the main
-                # thread (asleep in join() for spawn_*), and until it gets a core and stops the
-                # group, this thread goes on sending (seen: a whole call finished under load).
-                signal.pthread_kill(threading.get_ident(), sig)
-            return real(*args, **kwargs)
-        return fire_then_call
-
-    transport = pg.transport
-    transport.send = armed(transport.send)
-    if transport.board is not None:  # the board's calls: published in Python, or in one compiled step
-        transport.board.publish = armed(transport.board.publish)
-        kernels.board_all_reduce = armed(kernels.board_all_reduce)
-
-
-def _inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0) -> bool:
-    """Wait (bounded) until each of `peers` is inside collective number `seq` (of `nbytes` of data):
-    over shared memory a small call shows as the peer's board entry; otherwise take the first frame
-    each peer sends in it. Only a rank about to fail or leave may do the latter, since it consumes
-    the frames its own call would have needed."""
-    deadline = time.monotonic() + bound
-    tag = shmcoll.TAG_RESERVED_BASE + seq
-    board = pg.transport.board
-    if board is not None and nbytes <= board.capacity:
-        try:
-            return wait_until(lambda: all(board.published(p, seq) for p in peers), bound,
-                              f"ranks {peers} inside collective {seq}", interval=0)  # a poll of shared memory
-        except WaitTimedOut:
-            return False
-    try:
-        return all(pg.transport.recv(p, tag, deadline).header.meta.seq == seq for p in peers)
-    except CollectiveError:
-        return False
-
-
-def _check_group_works(pg, ready) -> None:
-    """Collective number 0, then an out-of-band barrier of every rank: nobody is still finishing call 0
-    (frames of it still in flight) when the fault of call 1 happens."""
-    x = np.full(8, pg.rank + 1.0, dtype=np.float64)
-    pg.all_reduce(x)
-    n = pg.world_size
-    assert np.all(x == n * (n + 1) / 2), x
-    ready.wait(timeout=WAIT_HANG_S)
-
-
-def _tracked(rank, n, port, pids, body, *args):
-    """body(rank, n, port, *args), with this rank's pid recorded first (for the checks afterwards)."""
-    pids[rank] = os.getpid()
-    return body(rank, n, port, *args)
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers run in the test process
-# ---------------------------------------------------------------------------------------------
-
-def _label() -> str:
-    """The transport this test runs over, as the timing table names it."""
-    kind = os.environ.get("SHMCOLL_TRANSPORT", "any")
-    hosts = os.environ.get("SHMCOLL_TEST_HOSTS", "halves")
-    return f"hier:{hosts}" if kind == "hier" and hosts != "halves" else kind
-
-
-def _report(name: str, outs: dict, label: str | None = None) -> None:
-    """One "[timing]" line per scenario: each rank's error, call time and (if known) fault-to-error time."""
-    parts = []
-    for rank, out in sorted(outs.items()):
-        text = f"rank {rank}: {out['kind']} call {out['call_s']:.3f}s"
-        if "fault_s" in out:
-            text += f" fault {out['fault_s']:.3f}s"
-        parts.append(text)
-    print(f"\n[timing] {label or _label()} | {name}: " + "; ".join(parts))
-
-
-class _Aftermath:
-    """What must hold once a scenario is over, whatever happened in it."""
-
-    def __init__(self):
-        self.children_before = {pid for pid, _ in child_processes()}
-        self.pids: list[int] = []
-
-    def check(self, pids) -> None:
-        self.pids = list(pids)
-        left = shm_names_of(pids)
-        assert left == [], f"shared memory of this scenario left in /dev/shm: {left}"
-        stray = [c for c in child_processes() if c[0] not in self.children_before]
-        assert stray == [], f"processes left behind (pid, state): {stray}"
-        assert multiprocessing.active_children() == []
-
-    def clean_up(self) -> None:
-        """Unlink what a failed check found, so the leak is reported once, by its own scenario."""
-        for entry in shm_names_of(self.pids):
-            unlink = posix_ipc.unlink_semaphore if entry.startswith("sem.") else posix_ipc.unlink_shared_memory
-            try:
-                unlink("/" + entry.removeprefix("sem."))
-            except posix_ipc.ExistentialError:
-                pass
-
-
-@pytest.fixture
-def aftermath():
-    after = _Aftermath()
-    yield after
-    after.clean_up()
-
-
-def _run(n: int, body, *args, **kwargs) -> tuple[list, list[int]]:
-    """run_ranks(n, body, *args) with init=False; also returns the ranks' pids."""
-    pids = CTX.RawArray("q", n)
-    return run_ranks(n, _tracked, pids, body, *args, init=False, **kwargs), list(pids)
-
-
-def _assert_lost(out: dict, victim: int) -> None:
-    assert out["kind"] == "PeerLost" and out["connection_error"], out
-    assert out["peer"] == victim, out
-    assert f"rank {victim}" in out["msg"], out["msg"]
-    assert out["call_s"] < FAULT_NOTICE_S, out
-    if "fault_s" in out:
-        assert out["fault_s"] < FAULT_NOTICE_S, out
-
-
-def _assert_broken(out: dict, kind: str, peer: int | None = None) -> None:
-    broken = out["broken"]
-    assert broken["kind"] == kind, broken
-    assert "broken" in broken["msg"], broken
-    assert broken["call_s"] < BROKEN_CALL_S, broken
-    if peer is not None:
-        assert broken["peer"] == peer, broken
-
-
-def _assert_closed_cleanly(out: dict) -> None:
-    assert out["close_s"] < CLOSE_S, out
-    _assert_nothing_running(out)
-
-
-def _assert_nothing_running(out: dict) -> None:
-    assert out["threads"] == [], f"shmcoll threads still running: {out['threads']}"
-    assert out["children"] == [], f"child processes of a rank: {out['children']}"
-
-
-def _assert_survivors(outs: dict, victim: int) -> None:
-    """Every survivor: PeerLost naming the victim promptly, then a broken group, then a clean close."""
-    for out in outs.values():
-        _assert_lost(out, victim)
-        _assert_broken(out, "PeerLost", victim)
-        assert out["finished_together"], out
-        _assert_closed_cleanly(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,36 +131,36 @@ def _call_scatter(pg, data):
 #: at its first frame of a barrier (which sends only a few)
 _AFTER_SENDS = {_call_all_reduce: 5, _call_broadcast: 5, _call_spawn_all_reduce: 5, _call_barrier: 1,
                 _call_reduce_scatter: 5, _call_all_to_all: 5, _call_gather: 5, _call_scatter: 1}
-#: calls whose count of frames starts at the data (`_arm`'s min_items): the root of a scatter sends each rank
+#: calls whose count of frames starts at the data (`arm_signal`'s min_items): the root of a scatter sends each rank
 #: its block as one frame, so it dies after the agreement step, before the first block, while every other
 #: rank waits inside the call for its block (a later kill lets rank 1 legitimately return with its block)
 _MIN_ITEMS = {_call_scatter: 1024}
 
 
 def _killed_partway(rank, n, port, victim, call, stamps, ready, finish):
-    pg = _init(rank, n, port)
-    _check_group_works(pg, ready)
+    pg = init_group(rank, n, port)
+    check_group_works(pg, ready)
     data = np.full(BIG, float(rank), dtype=np.float32)
     if rank == victim:
-        _arm(pg, _AFTER_SENDS[call], signal.SIGKILL, stamps, _MIN_ITEMS.get(call, 0))
+        arm_signal(pg, _AFTER_SENDS[call], signal.SIGKILL, stamps, _MIN_ITEMS.get(call, 0))
         call(pg, data)
         return {"kind": "victim survived its own SIGKILL"}
     out = attempt(lambda: call(pg, data))
     out["fault_s"] = out["end"] - stamps[victim]
-    out["broken"] = _broken(pg)
+    out["broken"] = call_after_failure(pg)
     out["finished_together"] = finish_together(finish)
-    out.update(_close(pg))
+    out.update(close_group(pg))
     return out
 
 
 def _sigkill_partway(n: int, victim: int, call, aftermath, who: str | None = None) -> dict:
     stamps = CTX.RawArray("d", n)
-    results, pids = _run(n, _killed_partway, victim, call, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
-                         env=CHUNKS, may_die={victim})
+    results, pids = run_tracked(n, _killed_partway, victim, call, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
+                                env=CHUNKS, may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report(f"SIGKILL {call.__name__[6:]} n={n} victim={who or victim}", outs)
-    _assert_survivors(outs, victim)
+    report_timing(f"SIGKILL {call.__name__[6:]} n={n} victim={who or victim}", outs)
+    assert_survivors(outs, victim)
     aftermath.check(pids)
     return outs
 
@@ -404,11 +224,11 @@ def test_sigkill_across_simulated_hosts(layout, call, n, victim, monkeypatch, af
 
 
 def _killed_before_barrier(rank, n, port, victim, sender, stamps, ready, finish):
-    pg = _init(rank, n, port)
-    _check_group_works(pg, ready)
+    pg = init_group(rank, n, port)
+    check_group_works(pg, ready)
     if rank == victim:
         # die before calling barrier, once the rank that signals it first is waiting inside it
-        inside = _inside(pg, [sender], seq=1)
+        inside = peers_inside(pg, [sender], seq=1)
         stamps[n] = float(inside)
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -417,7 +237,7 @@ def _killed_before_barrier(rank, n, port, victim, sender, stamps, ready, finish)
     out["fault_s"] = out["end"] - stamps[victim]
     out["broken"] = attempt(lambda: pg.all_reduce(np.ones(4, np.float32)))
     out["finished_together"] = finish_together(finish)
-    out.update(_close(pg))
+    out.update(close_group(pg))
     return out
 
 
@@ -425,32 +245,32 @@ def test_sigkill_while_others_wait_in_barrier(transport, aftermath):
     n, victim = 4, 2
     sender = 3 if transport == "hier" else 1  # over hosts 0,1 + 2,3 rank 2 first hears from its host's rank 3
     stamps = CTX.RawArray("d", n + 1)
-    results, pids = _run(n, _killed_before_barrier, victim, sender, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
-                         may_die={victim})
+    results, pids = run_tracked(n, _killed_before_barrier, victim, sender, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
+                                may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     assert stamps[n] == 1.0, "the victim died before the others were inside the barrier"
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report(f"SIGKILL before barrier n={n} victim={victim}", outs)
-    _assert_survivors(outs, victim)
+    report_timing(f"SIGKILL before barrier n={n} victim={victim}", outs)
+    assert_survivors(outs, victim)
     aftermath.check(pids)
 
 
 def _killed_before_small_all_reduce(rank, n, port, victim, stamps, ready, finish):
     """Over shared memory the survivors wait inside the compiled board step, asleep on a futex."""
-    pg = _init(rank, n, port)
-    _check_group_works(pg, ready)
+    pg = init_group(rank, n, port)
+    check_group_works(pg, ready)
     data = np.full(2, float(rank), dtype=np.float32)
     if rank == victim:
-        inside = _inside(pg, [r for r in range(n) if r != victim], seq=1, nbytes=data.nbytes)
+        inside = peers_inside(pg, [r for r in range(n) if r != victim], seq=1, nbytes=data.nbytes)
         stamps[n] = float(inside)
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
         return {"kind": f"victim survived its own SIGKILL (inside={inside})"}
     out = attempt(lambda: pg.all_reduce(data))
     out["fault_s"] = out["end"] - stamps[victim]
-    out["broken"] = _broken(pg)
+    out["broken"] = call_after_failure(pg)
     out["finished_together"] = finish_together(finish)
-    out.update(_close(pg))
+    out.update(close_group(pg))
     return out
 
 
@@ -459,13 +279,13 @@ def test_sigkill_while_others_wait_in_a_small_all_reduce(kind, monkeypatch, afte
     monkeypatch.setenv("SHMCOLL_TRANSPORT", kind)
     n, victim = 3, 1
     stamps = CTX.RawArray("d", n + 1)
-    results, pids = _run(n, _killed_before_small_all_reduce, victim, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
-                         may_die={victim})
+    results, pids = run_tracked(n, _killed_before_small_all_reduce, victim, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
+                                may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report(f"SIGKILL before small all_reduce n={n} victim={victim}", outs)
+    report_timing(f"SIGKILL before small all_reduce n={n} victim={victim}", outs)
     assert stamps[n] == 1.0, "the victim died before the others were inside the all_reduce"
-    _assert_survivors(outs, victim)
+    assert_survivors(outs, victim)
     aftermath.check(pids)
 
 
@@ -491,11 +311,11 @@ def _assert_timed_out(out: dict, op: str, seq: int, silent: int, first_start: fl
 
 
 def _stopped_partway(rank, n, port, victim, call, pids, stamps, ready, raised, finish):
-    pg = _init(rank, n, port, timeout=STOP_TIMEOUT)
-    _check_group_works(pg, ready)  # sequence number 0
+    pg = init_group(rank, n, port, timeout=STOP_TIMEOUT)
+    check_group_works(pg, ready)  # sequence number 0
     data = np.full(BIG, float(rank), dtype=np.float32)
     if rank == victim:
-        _arm(pg, 5, signal.SIGSTOP, stamps)  # stops inside call #1, resumed by a survivor
+        arm_signal(pg, 5, signal.SIGSTOP, stamps)  # stops inside call #1, resumed by a survivor
         out = attempt(lambda: call(pg, data))
         out["after_resume_s"] = out["end"] - stamps[n]
     else:
@@ -503,7 +323,7 @@ def _stopped_partway(rank, n, port, victim, call, pids, stamps, ready, raised, f
         try:
             out = attempt(lambda: call(pg, data))  # sequence number 1
             out["fault_s"] = out["end"] - stamps[victim]
-            out["broken"] = _broken(pg)
+            out["broken"] = call_after_failure(pg)
             # resume the victim only once every survivor has raised: it must not change what they see
             out["all_raised"] = finish_together(raised, bound=STOP_TIMEOUT + 2 * TIMEOUT_LATE_S)
         finally:
@@ -511,7 +331,7 @@ def _stopped_partway(rank, n, port, victim, call, pids, stamps, ready, raised, f
                 stamps[n] = time.monotonic()
                 os.kill(pids[victim], signal.SIGCONT)
     out["finished_together"] = finish_together(finish)
-    out.update(_close(pg))
+    out.update(close_group(pg))
     return out
 
 
@@ -524,63 +344,63 @@ def _stopped_partway(rank, n, port, victim, call, pids, stamps, ready, raised, f
 def test_sigstop_partway_times_out_then_resumed_rank_fails_too(call, n, victim, transport, aftermath):
     stamps = CTX.RawArray("d", n + 1)
     pids = CTX.RawArray("q", n)
-    results = run_ranks(n, _tracked, pids, _stopped_partway, victim, call, pids, stamps, CTX.Barrier(n),
+    results = run_ranks(n, tracked, pids, _stopped_partway, victim, call, pids, stamps, CTX.Barrier(n),
                         CTX.Barrier(n - 1), CTX.Barrier(n), init=False, env=CHUNKS)
     resumed = results[victim]
     outs = {r: out for r, out in enumerate(results) if r != victim}
     name = f"SIGSTOP {call.__name__[6:]} n={n} victim={victim}"
-    _report(name, outs)
-    _report(f"{name} (resumed victim, from SIGCONT)", {victim: {**resumed, "fault_s": resumed["after_resume_s"]}})
+    report_timing(name, outs)
+    report_timing(f"{name} (resumed victim, from SIGCONT)", {victim: {**resumed, "fault_s": resumed["after_resume_s"]}})
     first_start = min(out["start"] for out in outs.values())
     for out in outs.values():
         _assert_timed_out(out, _OP_NAMES[call], 1, victim, first_start)
-        _assert_broken(out, "CollectiveTimeout")
+        assert_broken(out, "CollectiveTimeout")
         assert out["all_raised"], out
     # the stopped rank, once resumed, must fail too (its deadline passed), not hang or return
     assert resumed["collective_error"], resumed
     assert resumed["after_resume_s"] < FAULT_NOTICE_S, resumed
     for out in results:
         assert out["finished_together"], out
-        _assert_closed_cleanly(out)
+        assert_closed_cleanly(out)
     aftermath.check(list(pids))
 
 
 def _stopped_before_barrier(rank, n, port, victim, pids, stamps, ready, raised, finish):
-    pg = _init(rank, n, port, timeout=STOP_TIMEOUT)
-    _check_group_works(pg, ready)  # sequence number 0
+    pg = init_group(rank, n, port, timeout=STOP_TIMEOUT)
+    check_group_works(pg, ready)  # sequence number 0
     if rank == victim:
-        stamps[n] = float(_inside(pg, [(rank - 1) % n], seq=1))  # the previous rank waits inside barrier #1
+        stamps[n] = float(peers_inside(pg, [(rank - 1) % n], seq=1))  # the previous rank waits inside barrier #1
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGSTOP)
         return {"kind": "victim resumed; it should have been killed while stopped"}
     try:
         out = attempt(pg.barrier)  # sequence number 1
         out["fault_s"] = out["end"] - stamps[victim]
-        out["broken"] = _broken(pg)
+        out["broken"] = call_after_failure(pg)
         out["all_raised"] = finish_together(raised, bound=STOP_TIMEOUT + 2 * TIMEOUT_LATE_S)
     finally:
         if rank == 0:
             os.kill(pids[victim], signal.SIGKILL)
     out["finished_together"] = finish_together(finish)
-    out.update(_close(pg))
+    out.update(close_group(pg))
     return out
 
 
 def test_sigstop_before_barrier_names_operation_sequence_and_silent_rank(transport, aftermath):
     n, victim = 3, 1  # over hier: hosts 0,1 + 2, so one survivor shares the victim's host and one does not
     pids, stamps = CTX.RawArray("q", n), CTX.RawArray("d", n + 1)
-    results = run_ranks(n, _tracked, pids, _stopped_before_barrier, victim, pids, stamps, CTX.Barrier(n),
+    results = run_ranks(n, tracked, pids, _stopped_before_barrier, victim, pids, stamps, CTX.Barrier(n),
                         CTX.Barrier(n - 1), CTX.Barrier(n - 1), init=False, may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     assert stamps[n] == 1.0, "the victim stopped before the previous rank was inside the barrier"
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report("SIGSTOP before barrier n=3 victim=1", outs)
+    report_timing("SIGSTOP before barrier n=3 victim=1", outs)
     first_start = min(out["start"] for out in outs.values())
     for out in outs.values():
         _assert_timed_out(out, "barrier", 1, victim, first_start)
-        _assert_broken(out, "CollectiveTimeout")
+        assert_broken(out, "CollectiveTimeout")
         assert out["all_raised"] and out["finished_together"], out
-        _assert_closed_cleanly(out)
+        assert_closed_cleanly(out)
     aftermath.check(list(pids))
 
 
@@ -589,35 +409,35 @@ def test_sigstop_before_barrier_names_operation_sequence_and_silent_rank(transpo
 # ---------------------------------------------------------------------------------------------
 
 def _departs(rank, n, port, victim, count, stamps, ready, finish, senders):
-    pg = _init(rank, n, port)
-    _check_group_works(pg, ready)
+    pg = init_group(rank, n, port)
+    check_group_works(pg, ready)
     if rank == victim:
         # close once the ranks that send to us first are inside the all_reduce
-        out = {"kind": "departed", "inside": _inside(pg, senders, seq=1, nbytes=4 * count)}
+        out = {"kind": "departed", "inside": peers_inside(pg, senders, seq=1, nbytes=4 * count)}
         stamps[rank] = time.monotonic()
-        out.update(_close(pg))
+        out.update(close_group(pg))
         out["after_close"] = attempt(pg.barrier)
         return out
     out = attempt(lambda: pg.all_reduce(np.ones(count, dtype=np.float32)))
     out["fault_s"] = out["end"] - stamps[victim]
-    out["broken"] = _broken(pg)
+    out["broken"] = call_after_failure(pg)
     out["finished_together"] = finish_together(finish, bound=FAULT_NOTICE_S + BROKEN_CALL_S)
-    out.update(_close(pg))
+    out.update(close_group(pg))
     return out
 
 
 def _departure(n: int, victim: int, count: int, senders: list[int], name: str, aftermath) -> None:
     stamps = CTX.RawArray("d", n)
-    results, pids = _run(n, _departs, victim, count, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), senders,
-                         env=CHUNKS)
+    results, pids = run_tracked(n, _departs, victim, count, stamps, CTX.Barrier(n), CTX.Barrier(n - 1), senders,
+                                env=CHUNKS)
     departed = results[victim]
     assert departed["inside"], departed
-    _assert_closed_cleanly(departed)
+    assert_closed_cleanly(departed)
     after = departed["after_close"]  # its own group, closed, refuses calls too
     assert after["kind"] == "InvalidArgument" and "closed" in after["msg"], after
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report(name, outs)
-    _assert_survivors(outs, victim)
+    report_timing(name, outs)
+    assert_survivors(outs, victim)
     aftermath.check(pids)
 
 
@@ -689,9 +509,9 @@ def _spawn(count=1000):
 
 def _mismatched(pg, pids, normal, odd_call, odd, ready, finish):
     pids[pg.rank] = os.getpid()
-    _check_group_works(pg, ready)  # sequence number 0; the mismatch is at sequence number 1
+    check_group_works(pg, ready)  # sequence number 0; the mismatch is at sequence number 1
     out = attempt(lambda: (odd_call if pg.rank == odd else normal)(pg))
-    out["broken"] = _broken(pg)
+    out["broken"] = call_after_failure(pg)
     # long enough for a rank that learns within FAULT_NOTICE_S to be measured, short enough that a rank
     # waiting in vain fails the test quickly (the others leave, it then sees a lost peer)
     out["finished_together"] = finish_together(finish, bound=FAULT_NOTICE_S + BROKEN_CALL_S)
@@ -749,14 +569,14 @@ def _run_mismatch(n, normal, odd_call, odd):
                          ids=[f"{m[0].replace(':', '-')}-n{m[1]}-odd{m[2]}" for m in MISMATCHES])
 def test_mismatch_raises_on_every_rank(name, n, odd, normal, odd_call, transport, aftermath):
     results, pids = _run_mismatch(n, normal, odd_call, odd)
-    _report(f"mismatch {name} n={n} odd={odd}", dict(enumerate(results)))
+    report_timing(f"mismatch {name} n={n} odd={odd}", dict(enumerate(results)))
     for out in results:
         assert out["kind"] == "CollectiveMismatch", out
         assert out["call_s"] < FAULT_NOTICE_S and out["fault_s"] < FAULT_NOTICE_S, out
         assert "sequence number 1" in out["msg"], out["msg"]
         for call in (normal, odd_call):
             assert call.described_in(out["msg"]), f"{call} is not described in: {out['msg']}"
-        _assert_broken(out, "CollectiveMismatch")
+        assert_broken(out, "CollectiveMismatch")
         assert out["finished_together"], out
     aftermath.check(pids)
 
@@ -776,15 +596,15 @@ def _rendezvous(rank, n, port, timeouts, secrets):
     if secrets is not None:
         os.environ["SHMCOLL_SECRET"] = secrets[rank]
     groups = []
-    out = attempt(lambda: groups.append(_init(rank, n, port, timeout=timeouts[rank])))
+    out = attempt(lambda: groups.append(init_group(rank, n, port, timeout=timeouts[rank])))
     if groups:
         pg = groups[0]
         x = np.full(5, rank + 1, dtype=np.int64)
         pg.all_reduce(x)
         out["sum"] = int(x[0])
-        out.update(_close(pg))
+        out.update(close_group(pg))
     else:
-        out.update(_leftovers())
+        out.update(leftovers())
     return out
 
 
@@ -792,35 +612,35 @@ def test_rendezvous_names_the_rank_that_never_arrives(aftermath):
     # Rank 0 waits longest: with equal timeouts rank 0 may stop serving the store first, and then the
     # others see a raw EOFError (test_rendezvous_error_is_collective_error_when_rank0_gives_up_first).
     timeouts = [3.0, 2.0, None]
-    results, pids = _run(3, _rendezvous, timeouts, None)
-    _report("rendezvous, rank 2 never arrives", {r: results[r] for r in (0, 1)}, label="any")
+    results, pids = run_tracked(3, _rendezvous, timeouts, None)
+    report_timing("rendezvous, rank 2 never arrives", {r: results[r] for r in (0, 1)}, label="any")
     for rank in (0, 1):
         out = results[rank]
         assert out["kind"] == "CollectiveTimeout" and out["timeout_error"], out
         assert "ranks [2] never arrived" in out["msg"], out["msg"]
         # the first rank to give up tells the others why, so nobody waits longer than its own timeout
         assert min(t for t in timeouts if t) - 0.1 <= out["call_s"] < timeouts[rank] + TIMEOUT_LATE_S, out
-        _assert_nothing_running(out)
+        assert_nothing_running(out)
     aftermath.check(pids)
 
 
 def test_rendezvous_without_rank_0_says_so(aftermath):
-    results, pids = _run(3, _rendezvous, [None, 2.0, 2.0], None)
-    _report("rendezvous, rank 0 never arrives", {r: results[r] for r in (1, 2)}, label="any")
+    results, pids = run_tracked(3, _rendezvous, [None, 2.0, 2.0], None)
+    report_timing("rendezvous, rank 0 never arrives", {r: results[r] for r in (1, 2)}, label="any")
     for out in results[1:]:
         assert out["kind"] == "CollectiveTimeout" and out["timeout_error"], out
         assert "rank 0" in out["msg"], out["msg"]
         assert 1.9 <= out["call_s"] < 2.0 + TIMEOUT_LATE_S, out
-        _assert_nothing_running(out)
+        assert_nothing_running(out)
     aftermath.check(pids)
 
 
 def test_rendezvous_error_is_collective_error_when_rank0_gives_up_first(aftermath):
-    results, pids = _run(3, _rendezvous, [1.0, 4.0, None], None)
+    results, pids = run_tracked(3, _rendezvous, [1.0, 4.0, None], None)
     assert results[0]["kind"] == "CollectiveTimeout", results[0]
     assert results[1]["collective_error"], results[1]
     for out in results[:2]:
-        _assert_nothing_running(out)
+        assert_nothing_running(out)
     aftermath.check(pids)
 
 
@@ -847,9 +667,9 @@ def _dies_building_transport(rank, n, port, victim, stamps, segments_ready):
             return real_gather(cfg, client, kind, value, deadline, *rest)
 
         shmcoll.bootstrap._gather = gather
-    out = attempt(lambda: _init(rank, n, port, timeout=SETUP_TIMEOUT).close())
+    out = attempt(lambda: init_group(rank, n, port, timeout=SETUP_TIMEOUT).close())
     out["fault_s"] = out["end"] - stamps[victim]
-    out.update(_leftovers())
+    out.update(leftovers())
     return out
 
 
@@ -866,20 +686,20 @@ def test_rank_killed_while_transport_is_built(transport, victim, leader, afterma
     stamps, segments_ready = CTX.RawArray("d", n), CTX.RawValue("b", transport == "tcp")
     watch = ShmCreations()
     try:
-        results, pids = _run(n, _dies_building_transport, victim, stamps, segments_ready, may_die={victim})
+        results, pids = run_tracked(n, _dies_building_transport, victim, stamps, segments_ready, may_die={victim})
         others = watch.shmcoll_by_others(pids)
     finally:
         watch.close()
     assert results[victim] == Died(-signal.SIGKILL)
     assert segments_ready.value, "the victim died before every host's segment existed"
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report(f"killed while the transport is built n={n} victim={victim}", outs)
+    report_timing(f"killed while the transport is built n={n} victim={victim}", outs)
     for out in outs.values():
         assert out["kind"] in ("CollectiveTimeout", "PeerLost") and out["collective_error"], out
         # rank 0 serves the store: its death is seen at once; any other is missed at the deadline
         assert re.search(rf"\branks? \[?{victim}\b", out["msg"]), out["msg"]
         assert out["call_s"] <= SETUP_TIMEOUT + TIMEOUT_LATE_S, out
-        _assert_nothing_running(out)
+        assert_nothing_running(out)
     if leader and others and not shm_names_of(pids):
         pytest.skip(f"another shmcoll job on this machine created {others[:3]} meanwhile, and with it swept "
                     f"the names of dead creators: whether this job left its segment cannot be told")
@@ -897,9 +717,9 @@ def _dies_in_mesh(rank, n, port, victim, stamps):
             os.kill(os.getpid(), signal.SIGKILL)
 
         shmcoll.bootstrap.connect_mesh = connect_mesh
-    out = attempt(lambda: _init(rank, n, port, timeout=NEVER_S).close())
+    out = attempt(lambda: init_group(rank, n, port, timeout=NEVER_S).close())
     out["fault_s"] = out["end"] - stamps[victim]
-    out.update(_leftovers())
+    out.update(leftovers())
     return out
 
 
@@ -910,14 +730,14 @@ def test_rank_killed_while_the_mesh_connects_is_named_promptly(victim, aftermath
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "tcp")
     n = 4
     stamps = CTX.RawArray("d", n)
-    results, pids = _run(n, _dies_in_mesh, victim, stamps, may_die={victim})
+    results, pids = run_tracked(n, _dies_in_mesh, victim, stamps, may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    _report(f"killed while the mesh connects n={n} victim={victim}", outs)
+    report_timing(f"killed while the mesh connects n={n} victim={victim}", outs)
     for out in outs.values():
         assert out["kind"] == "PeerLost" and out["peer"] == victim, out
         assert out["fault_s"] < FAULT_NOTICE_S and out["call_s"] < NEVER_S / 2, out
-        _assert_nothing_running(out)
+        assert_nothing_running(out)
     aftermath.check(pids)
 
 
@@ -935,7 +755,7 @@ def _ordered_start(rank, n, port, started):
         except ConnectionRefusedError:
             pass
     started[rank].set()
-    with _init(rank, n, port, timeout=WAIT_HANG_S) as pg:
+    with init_group(rank, n, port, timeout=WAIT_HANG_S) as pg:
         x = np.full(7, rank + 1.0, dtype=np.float32)
         pg.all_reduce(x)
         pg.barrier()
@@ -944,7 +764,7 @@ def _ordered_start(rank, n, port, started):
 
 def test_ranks_starting_before_rank_0_still_meet(aftermath):
     n = 4
-    results, pids = _run(n, _ordered_start, [CTX.Event() for _ in range(n)])
+    results, pids = run_tracked(n, _ordered_start, [CTX.Event() for _ in range(n)])
     for out in results:
         assert out["kind"] == "formed", out
         assert out["refused"], "rank 0 was already serving: the late start was not tested"
@@ -958,8 +778,8 @@ def test_ranks_starting_before_rank_0_still_meet(aftermath):
 
 def test_wrong_secret_keeps_that_rank_out(aftermath):
     # rank 0 waits longest, as above
-    results, pids = _run(3, _rendezvous, [3.0, 2.0, 2.0], ["s3cret", "s3cret", "wrong"])
-    _report("wrong secret on rank 2", dict(enumerate(results)), label="any")
+    results, pids = run_tracked(3, _rendezvous, [3.0, 2.0, 2.0], ["s3cret", "s3cret", "wrong"])
+    report_timing("wrong secret on rank 2", dict(enumerate(results)), label="any")
     for out in results[:2]:
         assert out["kind"] == "CollectiveTimeout", out
         assert "ranks [2] never arrived" in out["msg"], out["msg"]
@@ -968,22 +788,22 @@ def test_wrong_secret_keeps_that_rank_out(aftermath):
     assert "SHMCOLL_SECRET" in intruder["msg"], intruder
     assert intruder["call_s"] < SECRET_REFUSAL_S, intruder
     for out in results:
-        _assert_nothing_running(out)
+        assert_nothing_running(out)
     aftermath.check(pids)
 
 
 def test_wrong_secret_error_is_a_collective_error(aftermath):
-    results, pids = _run(2, _rendezvous, [1.0, 1.0], ["s3cret", "wrong"])
+    results, pids = run_tracked(2, _rendezvous, [1.0, 1.0], ["s3cret", "wrong"])
     assert results[1]["collective_error"], results[1]
     aftermath.check(pids)
 
 
 def test_same_secret_forms_the_job(transport, aftermath):
-    results, pids = _run(3, _rendezvous, [WAIT_HANG_S] * 3, ["s3cret"] * 3)
+    results, pids = run_tracked(3, _rendezvous, [WAIT_HANG_S] * 3, ["s3cret"] * 3)
     for out in results:
         assert out["kind"] == "returned", out
         assert out["sum"] == 6
-        _assert_closed_cleanly(out)
+        assert_closed_cleanly(out)
     aftermath.check(pids)
 
 
@@ -992,7 +812,7 @@ def test_same_secret_forms_the_job(transport, aftermath):
 # ---------------------------------------------------------------------------------------------
 
 def _store_after_close(rank, n, port):
-    pg = _init(rank, n, port, timeout=WAIT_HANG_S)
+    pg = init_group(rank, n, port, timeout=WAIT_HANG_S)
     pg.barrier()
     pg.close()
     if rank != 0:
@@ -1010,7 +830,7 @@ def _store_after_close(rank, n, port):
 
 
 def test_store_thread_and_port_released_after_close(transport, aftermath):
-    results, pids = _run(2, _store_after_close)
+    results, pids = run_tracked(2, _store_after_close)
     out = results[0]
     assert out["threads"] == [], out
     assert not out["still_listening"], out
