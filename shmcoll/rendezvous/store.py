@@ -15,7 +15,7 @@ import time
 from typing import Protocol
 
 from ..net.gate import Gate
-from ..net.handshake import HandshakeDropped, client_handshake
+from ..net.handshake import HandshakeDropped, HandshakeError, client_handshake
 from ..net.sockets import Deadline, connect_with_retry, recv_exact, send_all
 
 _LEN = struct.Struct("<I")
@@ -77,18 +77,31 @@ class StoreServer:
         self._cond = threading.Condition()
         self._closed = False
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._claimed: set[int] = set()  # the ids of the clients connected now
+        self._contested = False  # a second process claimed a connected id: two jobs meet here
         self._handlers: list[threading.Thread] = []  # joined by close(), even those already done serving
         listener = socket.create_server((addr, port), reuse_port=False, backlog=_BACKLOG)
         self.port = listener.getsockname()[1]
+        self._where = f"{addr}:{self.port}"
         self._gate = Gate(listener, secret, purpose, self._admit, self._start_serving, name="shmcoll-store")
 
     def _admit(self, client_id: int) -> bool:
+        """A client whose id is connected already is refused (it sees the handshake dropped), and the
+        rendezvous is aborted: two processes claiming one rank means two jobs meet here (the same
+        port, and nothing else to tell them apart), and which of them is the intruder cannot be
+        told, so every rank waiting here fails saying so instead of forming a group of both jobs."""
         with self._cond:
+            if client_id in self._claimed and not self._closed:
+                self._contested = True
+                self._data.setdefault(ABORT_KEY, _claimed_twice(client_id, self._where))
+                self._cond.notify_all()
+                return False
             return not self._closed and len(self._conns) < MAX_CONNECTIONS
 
     def _start_serving(self, client_id: int, conn: socket.socket) -> None:
         """Called by the gate with a proven client's socket: serve it on a thread of its own."""
         with self._cond:
+            self._claimed.add(client_id)
             handler = self._conns[conn] = threading.Thread(target=self._serve, args=(conn, client_id),
                                                            name="shmcoll-store-conn", daemon=True)
             self._handlers = [h for h in self._handlers if h.is_alive()] + [handler]
@@ -111,6 +124,7 @@ class StoreServer:
             conn.close()
             with self._cond:
                 self._conns.pop(conn, None)
+                self._claimed.discard(client_id)
                 if joined and not said_bye and not self._closed:
                     self._data.setdefault(ABORT_KEY, _vanished(client_id))
                 self._cond.notify_all()
@@ -141,10 +155,12 @@ class StoreServer:
                 self._cond.wait(left)
 
     def linger(self, seconds: float) -> None:
-        """Wait (bounded) until every client has hung up, so they can read an abort before close()."""
+        """Wait (bounded) until every client has hung up, so they can read an abort before close().
+        When two jobs met here, wait the whole time: the other job's ranks still arriving (started
+        with the rank refused) then read why, instead of waiting out their timeout for a rank 0."""
         end = time.monotonic() + seconds
         with self._cond:
-            while self._conns and time.monotonic() < end:
+            while (self._conns or self._contested) and time.monotonic() < end:
                 self._cond.wait(min(0.05, max(0.0, end - time.monotonic())))
 
     def close(self) -> None:
@@ -169,19 +185,33 @@ def _vanished(client_id: int) -> str:
                        "message": "its connection to the rendezvous closed before start-up finished (process died?)"})
 
 
+def _claimed_twice(client_id: int, where: str) -> str:
+    """The abort published when a second process claims a rank that is connected already."""
+    return json.dumps({"kind": "CollectiveError", "rank": client_id,
+                       "message": f"a second process claimed rank {client_id} at the rendezvous on {where}: "
+                                  f"another job is using this port (give each job its own SHMCOLL_MASTER_PORT), "
+                                  f"or two processes were given the same rank"})
+
+
 class StoreClient:
     """One rank's connection to the store; every call takes an absolute monotonic deadline."""
 
     def __init__(self, addr: str, port: int, secret: bytes | None, purpose: str, client_id: int, deadline: float):
+        where, refused = f"{addr}:{port}", None
         for attempt in range(1, _CONNECT_TRIES + 1):
-            self._sock = connect_with_retry(addr, port, deadline)
+            # a retry after a dropped handshake finds the store gone: that store was not ours, say so now
+            self._sock = connect_with_retry(addr, port, deadline, None if refused is None else refused.again)
             try:
                 client_handshake(self._sock, secret, purpose, client_id, deadline)
                 break
-            except BaseException as exc:
+            except HandshakeError as exc:
                 self._sock.close()
+                refused = _Refusal(exc, where, client_id)
                 if not isinstance(exc, HandshakeDropped) or attempt == _CONNECT_TRIES:
-                    raise
+                    refused.again()
+            except BaseException:
+                self._sock.close()
+                raise
         self.local_address = self._sock.getsockname()[0]
 
     def _call(self, request: dict, deadline: float) -> dict:
@@ -212,3 +242,17 @@ class StoreClient:
         except (OSError, Deadline):
             pass
         self._sock.close()
+
+
+class _Refusal:
+    """The store's refusal of a handshake, raised (same class) saying where and the likely causes:
+    the handshake alone cannot tell another job's store from a wrong secret or rank."""
+
+    def __init__(self, exc: HandshakeError, where: str, client_id: int):
+        self.exc, self.where, self.client_id = exc, where, client_id
+
+    def again(self) -> None:
+        raise type(self.exc)(
+            f"the rendezvous at {self.where} refused rank {self.client_id}: {self.exc}; is another job using this "
+            f"port (give each job its own SHMCOLL_MASTER_PORT), or do this rank's SHMCOLL_SECRET, job id or rank "
+            f"differ from what rank 0 expects?") from self.exc
