@@ -1,5 +1,6 @@
-"""A short soak (bench/soak.py): thousands of random collectives checked exactly, over every transport
-(the hierarchy over two simulated hosts)."""
+"""A short soak (bench/soak.py): thousands of random calls of every kind the contract has, on the world
+and on sub-groups made and closed along the way, checked exactly, over every transport (the hierarchy
+over two simulated hosts)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from bounds import TEST_HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess  # every test here launches a job
+
+#: Every call of ProcessGroup in API.md (and each spawn_ form group.py has), as the soak names them:
+#: written out here, not taken from the soak, so a kind the soak stops drawing fails the test.
+COLLECTIVES = ["all_reduce", "reduce_scatter", "reduce", "broadcast", "all_gather", "all_gather_v", "gather",
+               "scatter", "all_to_all"]
+EVERY_KIND = {*COLLECTIVES, *(f"spawn_{name}" for name in COLLECTIVES), "all_reduce_typed", "broadcast_object",
+              "all_gather_object", "barrier", "federated_average", "send_recv", "send_recv_f32", "split", "close"}
 
 
 @pytest.mark.parametrize("transport, n, hosts, minutes", [
@@ -30,8 +38,14 @@ def test_short_soak_finds_no_wrong_result_and_no_growth(transport, n, hosts, min
     assert f"soak: {transport} transport," in run.stdout, run.stdout
     total = int(re.search(r": (\d+) collectives", run.stdout).group(1))
     assert total >= 500, run.stdout  # it really ran a soak, past the point where memory is sampled
+    kinds = {kind: int(count) for kind, count in re.findall(r"(\w+)=(\d+)", re.search(r"kinds: (.*)", run.stdout)[1])}
+    assert kinds.keys() == EVERY_KIND, run.stdout
+    assert min(kinds.values()) >= 1, run.stdout  # every kind ran, none skipped in silence
+    assert sum(kinds.values()) == total, run.stdout
+    on_subgroups = int(re.search(r"sub-groups: \d+ made, up to \d+ live at once, (\d+) calls on them", run.stdout)[1])
+    assert on_subgroups >= 1, run.stdout
     ranks = re.findall(r"wrong elements (\d+); resident (\d+) MiB after 500 calls, (\d+) MiB at the end", run.stdout)
     assert len(ranks) == n, run.stdout
     for wrong, warm, final in ranks:
-        assert int(wrong) == 0
+        assert int(wrong) == 0, run.stdout + run.stderr  # stderr names the first wrong calls
         assert int(final) <= int(warm) + 64, run.stdout  # memory does not grow with the number of calls
