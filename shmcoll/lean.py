@@ -33,6 +33,8 @@ from .types import U8, Collective, ReduceKind
 from .validate import reducible_wire
 
 _NOTHING = np.empty(0, np.uint8)  # a barrier's data
+#: Kinds of call (dtype, count, op) remembered per group; training repeats a handful.
+MAX_PREPARED = 1024
 
 
 class _Prepared(NamedTuple):
@@ -81,6 +83,8 @@ class LeanPath:
         if p is None:
             if key in self._prepared:
                 return False  # not the common case: known from an earlier call
+            if len(self._prepared) >= MAX_PREPARED:
+                self._prepared.clear()  # a program of ever new sizes: start over rather than grow
             p = self._prepared[key] = self._prepare_all_reduce(data, op)
             if p is None:
                 return False
