@@ -80,20 +80,24 @@ def test_messages_of_one_tag_arrive_in_send_order():
     assert odd == list(range(1, 50, 2)) and even == list(range(0, 50, 2))
 
 
-def _federated_all(pg, dtype):
-    data = np.full(6, float(pg.rank + 1), dtype=dtype)
-    count = pg.federated_average(data, datetime.timedelta(seconds=WAIT_HANG_S))  # a deadline as a timedelta
-    return count, data.astype(np.float64)
+def _federated_every_dtype(pg):
+    """One round per float dtype, in one group."""
+    out = []
+    for dtype in FLOAT_DTYPES:
+        data = np.full(6, float(pg.rank + 1), dtype=dtype)
+        count = pg.federated_average(data, datetime.timedelta(seconds=WAIT_HANG_S))  # a deadline as a timedelta
+        out.append((count, data.astype(np.float64)))
+    return out
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: np.dtype(d).name)
-def test_federated_average_everyone_in_time(n, dtype):
-    results = run_ranks(n, _federated_all, dtype)
-    assert [c for c, _ in results] == [n] + [0] * (n - 1)
-    want = np.float64(np.float64(sum(range(1, n + 1)) / n).astype(dtype))
-    for _, data in results:
-        np.testing.assert_array_equal(data, want)
+def test_federated_average_everyone_in_time(n):
+    results = run_ranks(n, _federated_every_dtype)
+    for i, dtype in enumerate(FLOAT_DTYPES):
+        assert [per_rank[i][0] for per_rank in results] == [n] + [0] * (n - 1), np.dtype(dtype).name
+        want = np.float64(np.float64(sum(range(1, n + 1)) / n).astype(dtype))
+        for per_rank in results:
+            np.testing.assert_array_equal(per_rank[i][1], want)
 
 
 def _federated_straggler(pg, released):
