@@ -127,8 +127,8 @@ def assert_sweep(proc, collective: str, n: int, dtype: str = "f32", op: str = "s
 # ---- real processes ----
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast", "barrier"])
+@pytest.mark.parametrize("collective, n", [("all_reduce", 2), ("all_reduce", 3), ("all_gather", 3), ("broadcast", 3),
+                                           ("barrier", 2)])
 def test_sweep_with_check_and_json(tmp_path, n, collective):
     out = tmp_path / "rows.json"
     proc = bench("-n", str(n), "--collective", collective, *SMALL, "--check", "--json", str(out))
@@ -150,8 +150,7 @@ def test_sweep_with_check_and_json(tmp_path, n, collective):
 
 
 @pytest.mark.parametrize("dtype,op,collective", [
-    ("f16", "sum", "all_reduce"), ("bf16", "sum", "all_reduce"), ("f16", "avg", "all_reduce"),
-    ("bf16", "avg", "all_reduce"), ("f16", "max", "all_reduce"),  # (every op of every type: test_kernels.py)
+    ("f16", "sum", "all_reduce"), ("bf16", "avg", "all_reduce"),  # (every op of every type: test_kernels.py)
     ("bf16", "sum", "all_gather"), ("f16", "sum", "broadcast"),
 ])
 @pytest.mark.multiprocess
@@ -381,7 +380,7 @@ def assert_png(path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast"])
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
 def test_cold_buffers_with_check(tmp_path, collective):
     """--cold rotates past the last-level cache and --check still finds every result right."""
     out = tmp_path / "rows.json"
@@ -737,7 +736,7 @@ def uneven_and_object_sizes(collective: str, n: int, itemsize: int) -> list[int]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 @pytest.mark.parametrize("collective", UNEVEN_AND_OBJECTS)
 def test_uneven_and_object_collectives_sweep_with_check(tmp_path, n, collective):
     """Every size checked (contents and all_gather_v's lengths, the objects byte for byte): 0 wrong; the
@@ -816,7 +815,7 @@ def test_check_of_uneven_and_object_collectives_counts_damage(collective, how, w
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("collective", ["all_gather_v", "broadcast_object"])  # (as for the block collectives)
+@pytest.mark.parametrize("collective", ["all_gather_v"])  # (as for the block collectives)
 def test_uneven_and_object_collectives_compare_rows(tmp_path, collective):
     """OpenMPI (Allgatherv, pickling bcast) and gloo (padded all_gather, broadcast_object_list), at 3 ranks."""
     check_compare_rows(tmp_path, collective, 3, "512", UNEVEN_AND_OBJECT_FACTOR[collective])
