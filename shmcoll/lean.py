@@ -10,9 +10,9 @@ element count, op) and kept. A call then takes a sequence number and runs the bo
 slice comes back to Python for the failure checks.
 
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
-or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the general path:
-validate.py, plans.py, runner.py. Errors are the same on both paths: the failure path builds the
-same guard and reports through the same Runner.fail.
+or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
+general path: validate.py, plans.py, runner.py. Errors are the same on both paths: the failure
+path builds the same guard and reports through the same Runner.fail.
 """
 
 from __future__ import annotations

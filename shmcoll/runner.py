@@ -115,8 +115,9 @@ class Runner:
 
     def lean_seq(self) -> int | None:
         """The sequence number of a call that runs at once on this thread without a Plan (lean.py),
-        or None when it must take the general path: the group is closed or broken, a spawned call
-        is still running, or calls are traced (SHMCOLL_DEBUG)."""
+        or None when it must take the general path: the group is closed or broken, another thread
+        is in a call, a spawned call is still running, or calls are traced (SHMCOLL_DEBUG). A number
+        given holds the group for this thread until lean_done()."""
         if self._broken is not None or self._closed or self.tuning.debug:
             return None
         if not self._calling.acquire(blocking=False):
