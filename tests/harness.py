@@ -368,12 +368,14 @@ def shm_names_of(pids) -> list[str]:
     except OSError:
         return []
     wanted = {str(pid) for pid in pids if pid}
-    left = []
-    for entry in entries:
-        parts = entry.removeprefix("sem.").split("-", 2)
-        if len(parts) == 3 and parts[0] == "shmcoll" and parts[1] in wanted:
-            left.append(entry)
-    return sorted(left)
+    return sorted(entry for entry in entries if shm_creator(entry) in wanted)
+
+
+def shm_creator(entry: str) -> str | None:
+    """The creator's pid a shmcoll entry of /dev/shm carries ("shmcoll-<pid>-...", semaphores with a
+    "sem." prefix); None for anything else."""
+    parts = entry.removeprefix("sem.").split("-", 2)
+    return parts[1] if len(parts) == 3 and parts[0] == "shmcoll" else None
 
 
 def child_processes(pid: int | None = None) -> list[tuple[int, str]]:
@@ -432,9 +434,7 @@ class ShmCreations:
     def shmcoll_by_others(self, pids) -> list[str]:
         """shmcoll names created by processes other than `pids` (["?"] if events were lost)."""
         ours = {str(pid) for pid in pids if pid}
-        names = self.read()
-        others = [n for n in names if (p := n.removeprefix("sem.").split("-", 2))[0] == "shmcoll"
-                  and len(p) == 3 and p[1] not in ours]
+        others = [n for n in self.read() if shm_creator(n) not in (None, *ours)]
         return others + (["?"] if self.overflowed else [])
 
     def close(self) -> None:

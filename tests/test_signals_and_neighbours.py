@@ -55,6 +55,7 @@ from harness import (
     free_port,
     launcher_cmd,
     run_ranks,
+    shm_creator,
     shm_names_of,
     subprocess_env,
     wait_until,
@@ -203,16 +204,10 @@ def test_ctrl_c_stops_a_job_inside_collectives_and_leaves_nothing(to, job):
     assert sorted(ended) == [f"rank{r}.ended" for r in range(3)], (ended, err)
     assert all(kind in ("KeyboardInterrupt", "PeerLost", "CollectiveError") for kind in ended.values()), ended
     assert not list(job.dir.glob("*.survived")) and not list(job.dir.glob("*.wrong"))
-    ours = [name for name in created if _creator(name) in {str(p) for p in pids}]
+    ours = [name for name in created if shm_creator(name) in {str(p) for p in pids}]
     assert any(n.endswith("-mem") for n in ours), f"the job created no shared memory: {created}"
     assert shm_names_of(pids) == [], "shared memory of the job left in /dev/shm"
     assert not [n for n in ours if os.path.exists(f"/dev/shm/{n}")]
-
-
-def _creator(name: str) -> str | None:
-    """The pid a shmcoll name in /dev/shm carries ("shmcoll-<pid>-...", semaphores with "sem.")."""
-    parts = name.removeprefix("sem.").split("-", 2)
-    return parts[1] if len(parts) == 3 and parts[0] == "shmcoll" else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import shmcoll.bootstrap
 import shmcoll.transport.frame
 
 from bounds import SETUP_FAILURE_S
-from harness import ShmCreations, attempt, run_ranks
+from harness import ShmCreations, attempt, run_ranks, shm_creator
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,5 +48,5 @@ def test_ranks_with_different_installs_fail_at_init(transport, odd_install, diff
         assert out["kind"] == "CollectiveMismatch", out
         assert f"ranks [0, 2] run {usual}" in out["msg"] and f"ranks [1] run {outs[odd]['release']}" in out["msg"], out
         assert out["call_s"] < SETUP_FAILURE_S, out
-    made = [name for name in watch.read() for out in outs if f"shmcoll-{out['pid']}-" in name]
+    made = [name for name in watch.read() if shm_creator(name) in {str(out["pid"]) for out in outs}]
     assert made == []  # no segment and no semaphore was ever created
