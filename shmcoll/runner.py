@@ -220,9 +220,8 @@ class Runner:
     # ---- life cycle ----
     def close(self) -> None:
         """Stop the worker, release the transport, run the close hooks; idempotent. In a forked
-        child it does nothing: the sockets, shared memory and peers are the parent's."""
-        if self._owner is not None:
-            return
+        child it does nothing (the fork hook marks inherited groups closed): the sockets, shared
+        memory and peers are the parent's."""
         with self._lock:
             if self._closed:
                 return
