@@ -292,7 +292,7 @@ def _shm_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str], 
                                  timeout=cfg.timeout, spin_s=spin_seconds(cfg.tuning, len(local)), mailbox=mailbox)
         _gather(cfg, client, f"shm-attached/{cfg.host_id}", "1", deadline, local)
     except BaseException:
-        unlink_names(name_prefix(cfg.job_id, pids[local[0]]), len(local))
+        unlink_names(name_prefix(cfg.job_id, pids[local[0]]))
         if segment is not None:
             segment.close()
         raise
@@ -313,7 +313,8 @@ def _create(cfg: Config, client: RendezvousStore, key: str, n_local: int, deadli
                             f"--shm-size=1g) or use transport='tcp'") from exc
     segment = create_segment(cfg.job_id, layout)
     try:
-        client.set(key, json.dumps([segment.prefix, layout.slot_bytes, layout.n_slots, layout.board_bytes]), deadline)
+        client.set(key, json.dumps([segment.prefix, layout.slot_bytes, layout.n_slots, layout.board_bytes,
+                                    layout.blocks_per_rank]), deadline)
     except BaseException:
         segment.unlink()
         segment.close()
@@ -325,9 +326,9 @@ def _attach(cfg: Config, client: RendezvousStore, key: str, n_local: int, deadli
     values, missing = client.wait([key], deadline)
     if missing:
         raise CollectiveTimeout(f"the local leader never published its shared memory within {cfg.timeout:g} s")
-    prefix, slot_bytes, n_slots, board_bytes = json.loads(values[key])
+    prefix, *geometry = json.loads(values[key])
     try:
-        return attach_segment(prefix, Layout(n_local, int(slot_bytes), int(n_slots), int(board_bytes)))
+        return attach_segment(prefix, Layout(n_local, *(int(value) for value in geometry)))
     except ShmSetupError:
         _raise_if_aborted(client, deadline)  # the names are gone because start-up failed elsewhere: say why
         raise

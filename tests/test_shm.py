@@ -4,7 +4,7 @@ mailbox, threads sharing a channel, and dead or departed peers.
 
 Every rank is a forked process with a real ProcessGroup over transport="shm". Nothing here waits a
 fixed time for something to happen: a test that needs a peer to be at some point waits (bounded) for
-a sign that it is there (a semaphore it released, a frame it sent, its process gone). Every wait is
+a sign that it is there (a slot it filled, a frame it sent, its process gone). Every wait is
 bounded, by run_ranks' own deadline, by pytest-timeout, or by the bound passed to the wait.
 """
 
@@ -173,10 +173,9 @@ def test_no_names_left_after_kill_9_of_every_rank_mid_all_reduce():
 # 2. a crash between create and unlink: the stale sweep removes exactly those names
 # ---------------------------------------------------------------------------------------------
 
-def _names_of(prefix: str, n_local: int) -> set[str]:
-    base = prefix.lstrip("/")
-    sems = {f"sem.{base}-{kind}{s}.{d}" for s in range(n_local) for d in range(n_local) if s != d for kind in "ds"}
-    return {f"{base}-mem"} | sems
+def _names_of(prefix: str) -> set[str]:
+    """The one name a segment has in /dev/shm: the segment itself (no semaphores)."""
+    return {f"{prefix.lstrip('/')}-mem"}
 
 
 def _create_and_crash(job, conn):
@@ -199,7 +198,7 @@ def _crashed_creator(job: str) -> set[str]:
         proc.join(REAP_S)
     assert proc.exitcode == 0
     assert prefix.startswith(f"/shmcoll-{proc.pid}-{job}")
-    names = _names_of(prefix, 2)
+    names = _names_of(prefix)
     assert names <= _shm_entries(), f"the crashed creator's names are not in /dev/shm: {names - _shm_entries()}"
     return names
 
@@ -208,7 +207,7 @@ def test_stale_sweep_removes_exactly_a_crashed_creators_names():
     shm_segment.sweep_stale()  # whatever earlier crashes left, so what follows is exactly ours
     live = shm_segment.create_segment("leaktest-live", Layout(2, 4096, 2))  # this process: alive
     try:
-        live_names = _names_of(live.prefix, 2)
+        live_names = _names_of(live.prefix)
         assert live_names <= _shm_entries()
         stale = _crashed_creator("leaktest")
         removed = set(shm_segment.sweep_stale())
@@ -703,8 +702,8 @@ def _p2p_to_killed(rank, n, port, direction, stamps, ready):
 
 def _wait_for_slot_traffic(pg) -> None:
     """Until rank 0's ring to this rank is full (rank 0 is then waiting on us)."""
-    data = pg.transport._in[0].data  # the filled-slots semaphore of the ring from rank 0
-    wait_until(lambda: data.value >= pg.transport._layout.n_slots, WAIT_HANG_S, "rank 0's ring to this rank to fill",
+    ring = pg.transport._in[0]  # the channel from rank 0
+    wait_until(lambda: ring.filled() >= pg.transport._layout.n_slots, WAIT_HANG_S, "rank 0's ring to this rank to fill",
                interval=0.001)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import posix_ipc
 
 from .. import kernels
 from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerLost
@@ -25,7 +24,7 @@ from .base import BoardGuard, LinkTransport, place
 from .frame import HEADER_SIZE, Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm_board import Board
-from .shm_channel import WAIT_SLICE, Channel, has_token, take_token
+from .shm_channel import WAIT_SLICE, Channel
 from .shm_layout import (
     ABORT_TEXT_BYTES,
     ABORT_TEXT_OFFSET,
@@ -64,12 +63,14 @@ class ShmTransport(LinkTransport):
         self._seg, self._mem, self._layout = segment, segment.mem, segment.layout
         self._bytes = segment.mem.data  # the same memory, for struct's pack_into and unpack_from
         self._local_of, self._me = dict(local_of), local_of[rank]
-        self._spin_s = spin_s
+        self._spin_ns = int(spin_s * 1e9)
         self._mailbox = mailbox or Mailbox(rank, world_size)
         self.bytes_to = [0] * world_size  # payload bytes sent to each rank (what the hierarchy moves where)
         peers = [r for r in local_of if r != rank]
         self._out = {p: self._channel(self._me, local_of[p]) for p in peers}
         self._in = {p: self._channel(local_of[p], self._me) for p in peers}
+        blocks = [self._layout.block_index(self._me, k) for k in range(self._layout.blocks)]
+        self._successor_block, self._spare_blocks = blocks[:1], blocks[1:]
         self._assembling: dict[int, _Assembly] = {}
         self._alive_at = {p: time.monotonic() for p in peers}
         self._closed = self._closing = False
@@ -77,19 +78,29 @@ class ShmTransport(LinkTransport):
         segment.register(self._me)
 
     def _channel(self, src: int, dst: int) -> Channel:
-        return Channel(self._layout, src, dst, self._seg.data[src, dst], self._seg.space[src, dst])
+        return Channel(self._mem, self._layout, src, dst)
+
+    def _give_block(self, to: int, ch: Channel) -> None:
+        """Move the pair to rank `to` onto one of this rank's channel blocks, if one is left: its
+        successor in local order (the peer rings and chains stream to) gets block 0, any other peer
+        the next spare one."""
+        successor = self._local_of[to] == (self._me + 1) % self._layout.n_local
+        blocks = self._successor_block if successor else self._spare_blocks
+        if blocks:
+            ch.move_to_block(blocks.pop(0))
 
     # ---- sending ----
     def _send_to(self, to: int, header: bytes, buf: np.ndarray, deadline: float) -> None:
         raw = buf.reshape(-1).view(np.uint8)
         head = np.frombuffer(header, dtype=np.uint8)
-        ch, slot_bytes = self._out[to], self._layout.slot_bytes
+        ch = self._out[to]
         with ch.lock:
+            if not ch.in_block and buf.nbytes > ch.slot_bytes:
+                self._give_block(to, ch)
             offset = 0
             while True:
-                n = min(slot_bytes, buf.nbytes - offset)
-                take_token(ch.space, deadline, self._spin_s, lambda: self._check_send(to),
-                           f"rank {to} did not free a slot")
+                n = min(ch.slot_bytes, buf.nbytes - offset)
+                ch.wait_space(deadline, self._spin_ns, lambda: self._check_send(to), f"rank {to} did not free a slot")
                 at = ch.offset()
                 self._mem[at:at + HEADER_SIZE] = head
                 CHUNK.pack_into(self._bytes, at + HEADER_SIZE, offset, n)
@@ -164,8 +175,7 @@ class ShmTransport(LinkTransport):
 
     def _wait_slot(self, src: int, deadline: float, strict: bool, want: Meta | None = None) -> int:
         ch = self._in[src]
-        take_token(ch.data, deadline, self._spin_s, lambda: self._check(src, strict, want),
-                   f"no message from rank {src}")
+        ch.wait_data(deadline, self._spin_ns, lambda: self._check(src, strict, want), f"no message from rank {src}")
         return ch.offset()
 
     def _slot_payload(self, src: int, n: int) -> np.ndarray:
@@ -205,10 +215,10 @@ class ShmTransport(LinkTransport):
     def drain_incoming(self) -> None:
         """Move every filled slot of our incoming rings into the mailbox, without waiting."""
         for src, ch in self._in.items():
-            if not has_token(ch.data) or not ch.lock.acquire(blocking=False):
+            if not ch.has_data() or not ch.lock.acquire(blocking=False):
                 continue
             try:
-                while has_token(ch.data):
+                while ch.has_data():
                     deadline = time.monotonic() + self.timeout  # a token is there: no wait happens
                     job = self._assembling.get(src)
                     if job is None:
@@ -235,13 +245,8 @@ class ShmTransport(LinkTransport):
             self._wait_a_little(srcs, left)
 
     def _wait_a_little(self, srcs: set[int], left: float) -> None:
-        """Block briefly until one of srcs may have written (the token is put back for the drain)."""
-        data = self._in[min(srcs)].data
-        try:
-            data.acquire(min(left, WAIT_SLICE / 4))
-            data.release()
-        except posix_ipc.BusyError:
-            pass
+        """Block briefly until one of srcs may have written."""
+        self._in[min(srcs)].wait_briefly(min(left, WAIT_SLICE / 4))
 
     def usable(self, peer: int) -> bool:
         return peer == self.rank or (self._peer_alive(peer) and not self._departed(peer))
@@ -275,7 +280,7 @@ class ShmTransport(LinkTransport):
                 # a rank marks itself departed before it exits, so "dead" read first then "departed" is exact
                 self._raise_if_aborted()  # it may have aborted since our first look, then left
                 raise PeerLost(f"rank {peer} was lost: its process is gone (killed?)", peer)
-        if src is not None and src != self.rank and self._departed(src) and not has_token(self._in[src].data):
+        if src is not None and src != self.rank and self._departed(src) and not self._in[src].has_data():
             self._raise_if_aborted()  # a rank that failed sets the abort flag before it leaves: its reason wins
             raise PeerLost(f"rank {src} closed its group while this rank still expected a message from it", src)
 
@@ -342,7 +347,7 @@ class ShmTransport(LinkTransport):
 
     def begin_close(self) -> None:
         """From now on every wait here fails at its next look (within a wait slice), so threads still
-        using this transport let go of its semaphores before close() releases them."""
+        using this transport let go of the segment before close() unmaps it."""
         if not self._closing:
             self._closing = True
             self._seg.words[W_STATES + self._me] = STATE_DEPARTED

@@ -1,23 +1,37 @@
 """Shared-memory layout of one host's segment: where each header field, channel and slot lives.
 
-No I/O, so the arithmetic is unit-tested alone. One segment per host holds a host header (magic,
-geometry, the abort flag and reason, each local rank's pid, state and last board call read), a
-board (two entries per local rank, alternating by sequence number, where small collectives publish
-their whole input for every peer to read; shm_board.py) and one channel per ordered pair of local
-ranks. A channel is a ring of fixed-size slots; each slot is a 128-byte header (the wire frame
-header of the message, then the chunk's offset and length) followed by its payload.
-Which slot is next is counted privately by the one writer and the one reader of a channel; the two
-POSIX semaphores of the channel (slots filled, slots free) carry both the waiting and the ordering.
+No I/O, so the arithmetic is unit-tested alone. One segment per host holds, in this order:
+  * a host header: magic, geometry, the abort flag and reason, each local rank's pid, state and
+    last board call read;
+  * a board: two entries per local rank, alternating by sequence number, where small collectives
+    publish their whole input for every peer to read (shm_board.py);
+  * a control block per ordered pair of local ranks (n*n of them, the diagonal unused): the count
+    of slots its writer has filled, the count its reader has consumed (each on its own cache line,
+    with a count of the processes asleep on it) and which ring the pair's slots are in;
+  * a lane per ordered pair: a small ring of LANE_SLOTS slots of LANE_BYTES, where every pair
+    starts and where short messages stay;
+  * channel blocks: rings of the configured geometry, `blocks_per_rank` owned by each rank. A
+    writer moves a pair onto one of its blocks the first time it sends that peer a message longer
+    than a lane slot; the block's first slot number goes in the control block, so the reader can
+    tell which ring any slot number is in. Block 0 of each rank is kept for its successor in
+    local order, the peer every ring and chain algorithm streams to.
+So memory grows with the ranks times the blocks (linear), plus n*(n-1) lanes of 8.25 KiB, not with
+n*(n-1) full rings. The counts carry both waiting (a futex on the word) and ordering (release
+stores, acquire loads; kernels.py): no named semaphore exists, only the segment itself.
+
+A slot is a 128-byte header (the wire frame header of the message, then the chunk's offset and
+length) followed by its payload.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 
 from .frame import HEADER_SIZE
 
-MAGIC = 0x53484D434F4C4C32  # "SHMCOLL2"
+MAGIC = 0x53484D434F4C4C33  # "SHMCOLL3"
 HOST_HEADER_BYTES = 8192
 SLOT_HEADER_BYTES = 128
 CHUNK = struct.Struct("<QI")  # offset of this chunk in the message, its length; after the frame header
@@ -25,14 +39,29 @@ assert HEADER_SIZE + CHUNK.size == SLOT_HEADER_BYTES
 BOARD_HEADER_OFFSET = 8  # in a board entry: the published word, then the frame header,
 BOARD_SLEEPERS_OFFSET = BOARD_HEADER_OFFSET + HEADER_SIZE  # then a u32: ranks asleep on the published word
 assert BOARD_SLEEPERS_OFFSET + 4 <= SLOT_HEADER_BYTES
-MAX_LOCAL = 256
-#: Reserved memory per local rank at most: the segment is backed at init (shm_segment.reserve), and
-#: the default geometry's n*(n-1) channels (116 MiB at 8 ranks, 488 MiB at 16, 8 GiB at 64) would
-#: make that grow with the square of the ranks. Beyond 16 ranks the channels shrink to stay linear.
+#: Reserved memory per local rank at most (the segment is backed at init: shm_segment.reserve).
 BUDGET_PER_RANK = 32 << 20
+#: Channel blocks all ranks together may own (each rank gets between MIN_BLOCKS_PER_RANK and one per
+#: peer): at the default geometry, one per peer up to 8 ranks, fewer up to 21, the minimum beyond.
+BLOCKS_BUDGET = 128 << 20
+MIN_BLOCKS_PER_RANK = 2
+MAX_LOCAL = 256
+LANE_SLOTS, LANE_BYTES = 2, 4096  # every pair's own small ring
+
+# A pair's control block: two cache lines, the writer's then the reader's.
+CONTROL_BYTES = 128
+C_WRITTEN = 0  # u64: slots the writer has filled
+C_WRITTEN_SLEEPERS = 8  # u32: processes asleep on C_WRITTEN
+C_BLOCK = 16  # u64: 0 while the pair uses its lane, else BLOCK_FROM_SHIFT below
+#: C_BLOCK once the pair has a block: (first slot number in the block) << BLOCK_FROM_SHIFT | (1 + the
+#: block's global index), one word so that a reader never sees half of it
+BLOCK_FROM_SHIFT = 16
+assert MAX_LOCAL * (MAX_LOCAL - 1) < 1 << BLOCK_FROM_SHIFT
+C_CONSUMED = 64  # u64: slots the reader has consumed
+C_CONSUMED_SLEEPERS = 72  # u32: processes asleep on C_CONSUMED
 
 # u64 word indices in the host header
-W_MAGIC, W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS, W_ABORT, W_ABORT_LEN, W_DONE_SLEEPERS = range(7)
+W_MAGIC, W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS, W_ABORT, W_ABORT_LEN, W_DONE_SLEEPERS, W_BLOCKS = range(8)
 # (W_DONE_SLEEPERS: its low u32 counts the ranks asleep on some rank's W_DONE word)
 W_PIDS = 64  # MAX_LOCAL words: each local rank's pid
 W_STATES = W_PIDS + MAX_LOCAL  # MAX_LOCAL words: STATE_* below
@@ -43,11 +72,29 @@ STATE_ATTACHED, STATE_DEPARTED = 1, 2
 
 
 @dataclass(frozen=True)
+class Ring:
+    """Where a ring of slots is: its first slot's byte offset, the distance between slots, how many."""
+
+    base: int
+    stride: int
+    n_slots: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.stride - SLOT_HEADER_BYTES
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of ring position `slot` (counted from the ring's first slot; wraps around)."""
+        return self.base + (slot % self.n_slots) * self.stride
+
+
+@dataclass(frozen=True)
 class Layout:
     n_local: int
-    slot_bytes: int  # payload bytes per slot, a multiple of 64
-    n_slots: int  # slots per channel
+    slot_bytes: int  # payload bytes per slot of a channel block, a multiple of 64
+    n_slots: int  # slots per channel block
     board_bytes: int = 64 << 10  # payload bytes of one board entry, a multiple of 64
+    blocks_per_rank: int = 1  # channel blocks each rank owns (at most one per peer counts)
 
     def __post_init__(self):
         if not 1 <= self.n_local <= MAX_LOCAL:
@@ -58,6 +105,8 @@ class Layout:
             raise ValueError(f"{self.n_slots} slots per channel; at least 2 are needed to overlap")
         if self.board_bytes < 0 or self.board_bytes % 64:
             raise ValueError(f"board entry size {self.board_bytes} is not a multiple of 64")
+        if self.blocks_per_rank < 0:
+            raise ValueError(f"{self.blocks_per_rank} channel blocks per rank")
 
     @property
     def slot_stride(self) -> int:
@@ -65,23 +114,33 @@ class Layout:
 
     @property
     def channel_bytes(self) -> int:
+        """Bytes of one channel block."""
         return self.n_slots * self.slot_stride
 
     @property
-    def n_channels(self) -> int:
-        return self.n_local * (self.n_local - 1)
+    def blocks(self) -> int:
+        """Channel blocks each rank really has: never more than it has peers."""
+        return min(self.blocks_per_rank, self.n_local - 1)
 
     @property
     def board_stride(self) -> int:
         return SLOT_HEADER_BYTES + self.board_bytes
 
     @property
-    def channels_offset(self) -> int:
+    def controls_offset(self) -> int:
         return HOST_HEADER_BYTES + 2 * self.n_local * self.board_stride
 
     @property
+    def lanes_offset(self) -> int:
+        return self.controls_offset + self.n_local * self.n_local * CONTROL_BYTES
+
+    @property
+    def blocks_offset(self) -> int:
+        return self.lanes_offset + self.n_local * (self.n_local - 1) * LANE_SLOTS * (SLOT_HEADER_BYTES + LANE_BYTES)
+
+    @property
     def total_bytes(self) -> int:
-        return self.channels_offset + self.n_channels * self.channel_bytes
+        return self.blocks_offset + self.n_local * self.blocks * self.channel_bytes
 
     def board_offset(self, local: int, seq: int) -> int:
         """Byte offset of the board entry local rank `local` writes for sequence number `seq`: one
@@ -90,16 +149,39 @@ class Layout:
             raise ValueError(f"no board entry for local rank {local}")
         return HOST_HEADER_BYTES + (2 * local + seq % 2) * self.board_stride
 
-    def channel_index(self, src: int, dst: int) -> int:
-        """Channels exist for src != dst only, numbered densely."""
+    def pair_index(self, src: int, dst: int) -> int:
+        """Lanes exist for src != dst only, numbered densely."""
         if src == dst or not (0 <= src < self.n_local and 0 <= dst < self.n_local):
             raise ValueError(f"no channel from local rank {src} to {dst}")
         return src * (self.n_local - 1) + (dst if dst < src else dst - 1)
 
-    def slot_offset(self, src: int, dst: int, slot: int) -> int:
-        """Byte offset of slot number `slot` (counted from 0 forever; wraps around the ring)."""
-        channel = self.channels_offset + self.channel_index(src, dst) * self.channel_bytes
-        return channel + (slot % self.n_slots) * self.slot_stride
+    def control_offset(self, src: int, dst: int) -> int:
+        """Byte offset of the pair's control block (C_* above are offsets inside it)."""
+        self.pair_index(src, dst)
+        return self.controls_offset + (src * self.n_local + dst) * CONTROL_BYTES
+
+    def lane(self, src: int, dst: int) -> Ring:
+        stride = SLOT_HEADER_BYTES + LANE_BYTES
+        return Ring(self.lanes_offset + self.pair_index(src, dst) * LANE_SLOTS * stride, stride, LANE_SLOTS)
+
+    def block_index(self, owner: int, number: int) -> int:
+        """The global index of channel block `number` of local rank `owner` (what C_BLOCK holds, less 1)."""
+        if not (0 <= owner < self.n_local and 0 <= number < self.blocks):
+            raise ValueError(f"local rank {owner} has no channel block {number}")
+        return owner * self.blocks + number
+
+    def block(self, index: int) -> Ring:
+        """The ring of channel block `index` (a global index, as block_index gives)."""
+        if not 0 <= index < self.n_local * self.blocks:
+            raise ValueError(f"no channel block {index}")
+        return Ring(self.blocks_offset + index * self.channel_bytes, self.slot_stride, self.n_slots)
+
+
+def blocks_per_rank(n_local: int, channel_bytes: int) -> int:
+    """Channel blocks each rank gets: one per peer while BLOCKS_BUDGET allows, and never fewer than
+    MIN_BLOCKS_PER_RANK (its ring successor's and one more), so that memory stays linear."""
+    share = BLOCKS_BUDGET // max(1, n_local * channel_bytes)
+    return min(max(n_local - 1, 0), max(MIN_BLOCKS_PER_RANK, share))
 
 
 def shm_budget(n_local: int, free: int) -> int:
@@ -109,17 +191,20 @@ def shm_budget(n_local: int, free: int) -> int:
 
 
 def fit_layout(n_local: int, slot_bytes: int, n_slots: int, budget: int, board_bytes: int = 64 << 10) -> Layout:
-    """The requested geometry, or fewer/smaller slots so the segment fits in `budget` bytes.
-
-    Many local ranks mean n*(n-1) channels; rather than failing on a small /dev/shm, shrink each
-    channel down to 2 slots of 64 KiB. Raises ValueError when even that does not fit.
-    """
-    layout = Layout(n_local, slot_bytes, n_slots, board_bytes)
+    """The requested geometry with blocks_per_rank's count of blocks, or less so that the segment
+    fits in `budget` bytes: fewer slots per block (down to 2), then smaller slots (down to 64 KiB),
+    then fewer blocks (down to none: every pair on its lane). Raises ValueError when even that does
+    not fit."""
+    blocks = blocks_per_rank(n_local, n_slots * (SLOT_HEADER_BYTES + slot_bytes))
+    layout = Layout(n_local, slot_bytes, n_slots, board_bytes, blocks)
     while layout.total_bytes > budget:
         if layout.n_slots > 2:
-            layout = Layout(n_local, layout.slot_bytes, max(2, layout.n_slots // 2), board_bytes)
+            layout = dataclasses.replace(layout, n_slots=max(2, layout.n_slots // 2))
         elif layout.slot_bytes > 64 << 10:
-            layout = Layout(n_local, max(64 << 10, layout.slot_bytes // 2 // 64 * 64), layout.n_slots, board_bytes)
+            layout = dataclasses.replace(layout, slot_bytes=max(64 << 10, layout.slot_bytes // 2 // 64 * 64))
+        elif layout.blocks > 0:
+            layout = dataclasses.replace(layout, blocks_per_rank=layout.blocks - 1)
         else:
             raise ValueError(f"{n_local} local ranks need at least {layout.total_bytes} bytes of shared memory")
     return layout
+

@@ -1,8 +1,8 @@
-"""One host's shared memory: the segment and the two semaphores of every channel.
+"""One host's shared memory: one segment, the only named object a job makes on a host.
 
-The local leader creates everything (every page of the segment reserved at once, so that a
+The local leader creates it (every page of the segment reserved at once, so that a
 /dev/shm filling up later cannot kill a rank with SIGBUS), every local rank attaches, and then the
-names are unlinked at once: the kernel frees the memory when the last process using it exits, so nothing is left in
+name is unlinked at once: the kernel frees the memory when the last process using it exits, so nothing is left in
 /dev/shm even after `kill -9` of every rank. Names carry the creator's pid and the job id; a leader
 also removes names left by creators that no longer exist (a crash in the short create-to-unlink
 window), so even that cannot accumulate.
@@ -21,6 +21,7 @@ from .shm_layout import (
     HOST_HEADER_BYTES,
     MAGIC,
     STATE_ATTACHED,
+    W_BLOCKS,
     W_MAGIC,
     W_N_LOCAL,
     W_N_SLOTS,
@@ -58,16 +59,13 @@ def name_prefix(job_id: str, pid: int | None = None) -> str:
     return f"/{NAME_TAG}-{os.getpid() if pid is None else pid}-{job_id}"
 
 
-def unlink_names(prefix: str, n_local: int) -> None:
-    """Remove every name a segment of n_local ranks under `prefix` may have, whether or not it (still)
-    exists: what a host's surviving ranks do when start-up fails, since the creator may be dead."""
-    names = [(f"{prefix}-mem", False)] + [(f"{prefix}-{kind}{src}.{dst}", True) for kind in "ds"
-                                           for src in range(n_local) for dst in range(n_local) if src != dst]
-    for name, is_sem in names:
-        try:
-            (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
-        except posix_ipc.ExistentialError:
-            pass
+def unlink_names(prefix: str) -> None:
+    """Remove the segment's name under `prefix`, whether or not it (still) exists: what a host's
+    surviving ranks do when start-up fails, since the creator may be dead."""
+    try:
+        posix_ipc.unlink_shared_memory(f"{prefix}-mem")
+    except posix_ipc.ExistentialError:
+        pass
 
 
 def free_bytes() -> int:
@@ -115,22 +113,13 @@ def sweep_stale() -> list[str]:
 
 
 class Segment:
-    """The mapped segment (`mem`, a uint8 array; `words`, its host header as uint64) and semaphores."""
+    """The mapped segment (`mem`, a uint8 array; `words`, its host header as uint64)."""
 
     def __init__(self, prefix: str, layout: Layout, create: bool):
         self.prefix, self.layout = prefix, layout
-        self._names: list[tuple[str, bool]] = []  # (name, is_semaphore): what unlink() removes
-        flags = posix_ipc.O_CREX if create else 0
+        self._names: list[str] = []  # what unlink() removes
         try:
-            self._map(flags, create)
-            n = layout.n_local
-            self.data = {}
-            self.space = {}
-            for src in range(n):
-                for dst in range(n):
-                    if src != dst:
-                        self.data[src, dst] = self._semaphore(f"{prefix}-d{src}.{dst}", flags, 0)
-                        self.space[src, dst] = self._semaphore(f"{prefix}-s{src}.{dst}", flags, layout.n_slots)
+            self._map(posix_ipc.O_CREX if create else 0, create)
         except BaseException:
             if create:
                 self.unlink()
@@ -140,7 +129,7 @@ class Segment:
     def _map(self, flags: int, create: bool) -> None:
         name = f"{self.prefix}-mem"
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=self.layout.total_bytes if create else 0)
-        self._names.append((name, False))
+        self._names.append(name)
         try:
             if create:
                 reserve(shm.fd, self.layout)
@@ -152,16 +141,11 @@ class Segment:
         self.mem = np.frombuffer(self._mmap, dtype=np.uint8)
         self.words = self.mem[:HOST_HEADER_BYTES].view(np.uint64)
         if create:
-            self.words[[W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS]] = [self.layout.n_local, self.layout.slot_bytes,
-                                                                 self.layout.n_slots]
+            self.words[[W_N_LOCAL, W_SLOT_BYTES, W_N_SLOTS, W_BLOCKS]] = [
+                self.layout.n_local, self.layout.slot_bytes, self.layout.n_slots, self.layout.blocks]
             self.words[W_MAGIC] = MAGIC
         elif self.words[W_MAGIC] != MAGIC:
             raise ShmSetupError(f"segment {name} is not a shmcoll segment")
-
-    def _semaphore(self, name: str, flags: int, initial: int) -> posix_ipc.Semaphore:
-        sem = posix_ipc.Semaphore(name, flags, mode=0o600, initial_value=initial)
-        self._names.append((name, True))
-        return sem
 
     def register(self, local: int) -> None:
         """Record this process as local rank `local` (its pid lets peers notice its death)."""
@@ -169,19 +153,16 @@ class Segment:
         self.words[W_STATES + local] = STATE_ATTACHED
 
     def unlink(self) -> None:
-        """Remove the names (idempotent); processes that attached keep using the memory."""
-        for name, is_sem in self._names:
+        """Remove the name (idempotent); processes that attached keep using the memory."""
+        for name in self._names:
             try:
-                (posix_ipc.unlink_semaphore if is_sem else posix_ipc.unlink_shared_memory)(name)
+                posix_ipc.unlink_shared_memory(name)
             except posix_ipc.ExistentialError:
                 pass
         self._names = []
 
     def close(self) -> None:
-        """Close the semaphores and the mapping (set-up may have stopped before either existed)."""
-        for sem in list(getattr(self, "data", {}).values()) + list(getattr(self, "space", {}).values()):
-            sem.close()
-        self.data, self.space = {}, {}
+        """Unmap the segment (set-up may have stopped before it was mapped)."""
         mapping = self.__dict__.pop("_mmap", None)
         if mapping is not None:
             for view in ("mem", "words"):  # our own views of the mapping, so that it can close
