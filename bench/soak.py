@@ -38,8 +38,9 @@ import numpy as np
 import shmcoll
 from shmcoll import DType, ProcessGroup, ReduceKind
 from shmcoll.config import load_config
-from shmcoll.types import BFLOAT16, TAG_RESERVED_BASE
+from shmcoll.types import TAG_RESERVED_BASE, bfloat16
 
+BFLOAT16 = bfloat16()  # the soak covers bfloat16 whenever ml_dtypes is installed
 FLOATS: list[np.dtype] = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
 if BFLOAT16 is not None:
     FLOATS.append(BFLOAT16)

@@ -88,7 +88,7 @@ class ProcessGroup:
         msg = self._runner.point_to_point(f"recv from rank {src}",
                                           lambda d: self.transport.recv(src, tag, d, strict=False))
         wire = WIRE_TYPES[msg.header.dtype]
-        return msg.payload.view(wire.user if wire.user is not None else wire.storage).reshape(msg.header.shape)
+        return msg.payload.view(wire.array_dtype).reshape(msg.header.shape)
 
     def send_f32(self, to: int, tag: int, data) -> None:
         """send(), restricted to float32 data."""

@@ -8,16 +8,27 @@ so bfloat16 works even without ml_dtypes installed.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
-try:  # optional: a real bfloat16 numpy dtype
-    import ml_dtypes as _ml_dtypes
 
-    BFLOAT16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - exercised only without ml_dtypes
-    BFLOAT16 = None
+@functools.cache
+def bfloat16() -> np.dtype | None:
+    """ml_dtypes' bfloat16 numpy dtype, or None when ml_dtypes is not installed.
+
+    Imported on first call, not with shmcoll: importing ml_dtypes costs about a second of CPU in
+    every process, which a job of many ranks on few cores pays many times over at start-up, and
+    most jobs never use bfloat16. Recognising a user's bfloat16 array costs nothing extra: whoever
+    built one has already imported ml_dtypes.
+    """
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
 
 #: Tags at or above this value belong to collectives; user tags must be below it.
 TAG_RESERVED_BASE = 1 << 30
@@ -61,13 +72,22 @@ class WireType:
     code: int
     name: str
     storage: np.dtype  # what the kernels see (uint16 for f16/bf16 bit patterns)
-    user: np.dtype | None  # what a user array of this type has (None: bf16 without ml_dtypes)
+    user: np.dtype | None  # what a user array of this type has; None for bf16, which numpy lacks (see array_dtype)
     reducible: bool
     is_float: bool
 
     @property
     def itemsize(self) -> int:
         return self.storage.itemsize
+
+    @property
+    def array_dtype(self) -> np.dtype:
+        """The dtype of arrays of this type that shmcoll hands out: the user dtype; for bf16, ml_dtypes'
+        bfloat16 (imported on first use) or, without ml_dtypes, the uint16 bit patterns of storage."""
+        if self.user is not None:
+            return self.user
+        bf16 = bfloat16()
+        return bf16 if bf16 is not None else self.storage
 
 
 def _wt(code, name, storage, user=None, reducible=False, is_float=False):
@@ -76,7 +96,7 @@ def _wt(code, name, storage, user=None, reducible=False, is_float=False):
 
 
 F16 = _wt(1, "f16", np.uint16, np.dtype(np.float16), True, True)
-BF16 = WireType(2, "bf16", np.dtype(np.uint16), BFLOAT16, True, True)
+BF16 = WireType(2, "bf16", np.dtype(np.uint16), None, True, True)
 F32 = _wt(3, "f32", np.float32, reducible=True, is_float=True)
 F64 = _wt(4, "f64", np.float64, reducible=True, is_float=True)
 I32 = _wt(5, "i32", np.int32, reducible=True)
@@ -93,7 +113,20 @@ _BY_USER_DTYPE: dict[np.dtype, WireType] = {t.user: t for t in WIRE_TYPES.values
 
 def wire_type_of(dtype: np.dtype) -> WireType | None:
     """The wire type of a numpy dtype, or None if it cannot travel (object, strings, ...)."""
-    return _BY_USER_DTYPE.get(np.dtype(dtype))
+    dtype = np.dtype(dtype)
+    wire = _BY_USER_DTYPE.get(dtype)
+    if wire is None and _is_bfloat16(dtype):
+        return BF16
+    return wire
+
+
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether `dtype` is ml_dtypes' bfloat16. The name is checked first so that other dtypes
+    never import ml_dtypes; one named bfloat16 comes from an ml_dtypes already imported."""
+    if dtype.name != "bfloat16":
+        return False
+    bf16 = bfloat16()
+    return bf16 is not None and dtype == bf16
 
 
 class DType(enum.Enum):

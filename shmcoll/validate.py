@@ -46,11 +46,10 @@ def _view(data, what: str) -> np.ndarray:
 def _from_dlpack(tensor, what: str) -> np.ndarray:
     """CPU tensors (torch and friends) as numpy views sharing their memory."""
     if getattr(tensor, "dtype", None) is not None and str(tensor.dtype) == "torch.bfloat16":
-        from .types import BFLOAT16  # numpy has no bfloat16: go through the 16-bit pattern
+        from .types import BF16  # numpy has no bfloat16: go through the 16-bit pattern
 
         bits = tensor.view(__import__("torch").int16)
-        arr = _from_dlpack(bits, what)
-        return arr.view(BFLOAT16) if BFLOAT16 is not None else arr.view(np.uint16)
+        return _from_dlpack(bits, what).view(BF16.array_dtype)
     try:
         arr = np.from_dlpack(tensor)
     except (RuntimeError, TypeError, ValueError, BufferError) as exc:

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from shmcoll.types import BFLOAT16, WIRE_TYPES, ReduceKind, wire_type_of
+from shmcoll.types import WIRE_TYPES, ReduceKind, bfloat16, wire_type_of
 
 from kernel_reference import reference_reduce
 
 #: World sizes of the collective tests.
 WORLD_SIZES = [1, 2, 3, 4]
 #: Floating-point dtypes, bfloat16 included.
-FLOAT_DTYPES = [np.float16, BFLOAT16, np.float32, np.float64]
+FLOAT_DTYPES = [np.float16, bfloat16(), np.float32, np.float64]
 #: Every dtype a reduction accepts.
 REDUCE_DTYPES = [*FLOAT_DTYPES, np.int32, np.int64]
-#: Every dtype that can travel (gather, scatter, all_to_all, ...).
-MOVE_DTYPES = [w.user for w in WIRE_TYPES.values() if w.user is not None]
+#: Every dtype that can travel (gather, scatter, all_to_all, ...): each wire type's array dtype, bf16's
+#: only with ml_dtypes (without it bf16 arrays are uint16, which is u16's).
+MOVE_DTYPES = [w.array_dtype for w in WIRE_TYPES.values() if wire_type_of(w.array_dtype) is w]
 #: Random normal floats: the dtypes, and the tolerance of a sum of them against float64.
 RANDOM_FLOAT_DTYPES = [np.float16, np.float32, np.float64]
 RANDOM_FLOAT_TOL = {np.float16: 1e-2, np.float32: 1e-5, np.float64: 1e-12}

@@ -42,7 +42,7 @@ import pytest
 import shmcoll
 import shmcoll.bootstrap
 from shmcoll import ReduceKind
-from shmcoll.types import WIRE_TYPES
+from shmcoll.types import wire_type_of
 
 from bounds import (
     BROKEN_CALL_S,
@@ -480,7 +480,9 @@ class _Call:
 
 def _wire(dtype) -> str:
     """The name messages give a dtype (shmcoll's wire type names: f32, f64, i32, ...)."""
-    return next(w.name for w in WIRE_TYPES.values() if w.user == np.dtype(dtype))
+    wire = wire_type_of(np.dtype(dtype))
+    assert wire is not None, dtype
+    return wire.name
 
 
 def _ar(count=1000, dtype=np.float32, op=ReduceKind.SUM):

@@ -22,7 +22,7 @@ import pytest
 
 import shmcoll
 from shmcoll import TAG_RESERVED_BASE, DType, InvalidArgument, ReduceKind
-from shmcoll.types import BFLOAT16
+from shmcoll.types import bfloat16
 
 from bounds import WAIT_HANG_S
 from harness import run_ranks
@@ -430,8 +430,8 @@ def _valid_inputs(pg):
     fed = np.full(2, float(r), dtype=np.float16)
     count = pg.federated_average(fed, datetime.timedelta(seconds=20))
     got["federated f16 timedelta"] = (count, fed.tolist())
-    if BFLOAT16 is not None:
-        bf = np.full(2, float(r), dtype=BFLOAT16)
+    if bfloat16() is not None:
+        bf = np.full(2, float(r), dtype=bfloat16())
         pg.federated_average(bf, 20)  # an int deadline
         got["federated bf16"] = bf.astype(np.float64).tolist()
     pg.barrier()
@@ -460,7 +460,7 @@ def test_valid_unusual_inputs(n):
         assert got["bytes send"] == b"xyz"
         mean = sum(range(n)) / n
         assert got["federated f16 timedelta"] == (n if r == 0 else 0, [mean, mean])
-        if BFLOAT16 is not None:
+        if bfloat16() is not None:
             assert got["federated bf16"] == [mean, mean]
 
 

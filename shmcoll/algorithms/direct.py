@@ -128,7 +128,7 @@ def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code:
     c.t.recv_into(root, c.tag, head, INT64_CODE, c.deadline, c.meta)
     code, shape = _block_description(head, root)
     wire = WIRE_TYPES[code]
-    out = np.empty(shape, dtype=wire.user if wire.user is not None else wire.storage)
+    out = np.empty(shape, dtype=wire.array_dtype)
     recv_stream(replace(c, code=code), root, out.reshape(-1).view(wire.storage))
     return out
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgument
-from ..types import BFLOAT16, ReduceKind
+from ..types import BF16, ReduceKind
 
 _NUMPY_OF: dict[torch.dtype, np.dtype] = {
     torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
@@ -35,7 +35,7 @@ _NUMPY_OF: dict[torch.dtype, np.dtype] = {
     torch.bool: np.dtype(np.bool_), torch.complex64: np.dtype(np.complex64),
     torch.complex128: np.dtype(np.complex128), torch.uint16: np.dtype(np.uint16),
     torch.uint32: np.dtype(np.uint32), torch.uint64: np.dtype(np.uint64),
-    torch.bfloat16: np.dtype(BFLOAT16) if BFLOAT16 is not None else np.dtype(np.uint16),
+    torch.bfloat16: BF16.array_dtype,  # imports ml_dtypes: only jobs that use the torch adapter pay for it
 }
 _NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64}
 _WIDENED = {torch.int8, torch.int16, torch.uint8, torch.uint16, torch.uint32, torch.bool}
