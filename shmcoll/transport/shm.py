@@ -22,6 +22,7 @@ from ..errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, Pee
 from . import frame
 from .base import BoardGuard, LinkTransport, place
 from .frame import HEADER_SIZE, Meta
+from .liveness import ProcessWatch
 from .mailbox import AbortReason, Mailbox, Message
 from .shm_board import Board
 from .shm_channel import WAIT_SLICE, Channel
@@ -73,6 +74,7 @@ class ShmTransport(LinkTransport):
         self._successor_block, self._spare_blocks = blocks[:1], blocks[1:]
         self._assembling: dict[int, _Assembly] = {}
         self._alive_at = {p: time.monotonic() for p in peers}
+        self._watch = ProcessWatch()
         self._closed = self._closing = False
         self.board = Board(self._mem, self._layout, rank, self._local_of, spin_s)
         segment.register(self._me)
@@ -249,7 +251,7 @@ class ShmTransport(LinkTransport):
         self._in[min(srcs)].wait_briefly(min(left, WAIT_SLICE / 4))
 
     def usable(self, peer: int) -> bool:
-        return peer == self.rank or (self._peer_alive(peer) and not self._departed(peer))
+        return peer == self.rank or (not self._exited([peer]) and not self._departed(peer))
 
     # ---- liveness and aborts ----
     def board_guard(self, tag: int, want: Meta) -> BoardGuard:
@@ -275,14 +277,20 @@ class ShmTransport(LinkTransport):
             if problem:
                 raise CollectiveMismatch(problem)
         peers = self._in if strict or src is None else [src]
-        for peer in peers:  # a rank that closed its group on purpose may exit: that is no loss
-            if peer != self.rank and not self._peer_alive(peer) and not self._departed(peer):  # this order:
-                # a rank marks itself departed before it exits, so "dead" read first then "departed" is exact
+        for peer in self._exited(peers):  # a rank that closed its group on purpose may exit: that is no loss
+            if not self._departed(peer):  # this order: a rank marks itself departed before it exits,
+                # so "exited" read first, then "departed", is exact
                 self._raise_if_aborted()  # it may have aborted since our first look, then left
                 raise PeerLost(f"rank {peer} was lost: its process is gone (killed?)", peer)
         if src is not None and src != self.rank and self._departed(src) and not self._in[src].has_data():
             self._raise_if_aborted()  # a rank that failed sets the abort flag before it leaves: its reason wins
             raise PeerLost(f"rank {src} closed its group while this rank still expected a message from it", src)
+
+    def _exited(self, peers) -> list[int]:
+        """Those of peers whose process has exited, in rank order (one system call for them all)."""
+        pid_of = {peer: int(self._seg.words[W_PIDS + self._local_of[peer]]) for peer in peers if peer != self.rank}
+        gone = self._watch.exited(pid_of.values())
+        return [peer for peer in sorted(pid_of) if pid_of[peer] in gone]
 
     def check_health(self, strict: bool = True) -> None:
         """As Transport.check_health; a HierarchicalTransport also calls it while waiting on TCP,
@@ -358,6 +366,7 @@ class ShmTransport(LinkTransport):
         self.begin_close()
         self.join_background(2 * WAIT_SLICE + 1.0)
         self._closed = True
+        self._watch.close()
         self._seg.close()
 
 
