@@ -36,7 +36,7 @@ from .algorithms.ring import (
     ring_all_reduce,
     ring_reduce_scatter_blocks,
 )
-from .algorithms.select import Algorithm, Setting, select
+from .algorithms.select import NEIGHBOURHOOD, Algorithm, Setting, select
 from .algorithms.two_level import (
     two_level_agree,
     two_level_all_gather,
@@ -77,8 +77,13 @@ class Where:
         topo = t.topology if t.topology is not None and t.topology.n_hosts > 1 else None
         setting = Setting(hosts=topo.n_hosts if topo is not None else 1,
                           board_bytes=t.board.capacity if t.board is not None else None,
-                          one_shot_bytes=tuning.one_shot_bytes)
+                          one_shot_bytes=tuning.one_shot_bytes, size=t.world_size)
         return cls(t.rank, t.world_size, topo, setting)
+
+    @property
+    def neighbourhoods(self) -> Topology:
+        """Runs of consecutive ranks planned with as hosts, for NEIGHBOURHOODS."""
+        return Topology.neighbourhoods(self.size, NEIGHBOURHOOD)
 
     @property
     def hosts(self) -> Topology:
@@ -111,6 +116,9 @@ def _all_reduce(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[C
             return lambda c, d: two_level_one_shot_all_reduce(c, w.hosts, d, kind)
         case Algorithm.TWO_LEVEL:
             return lambda c, d: two_level_all_reduce(c, w.hosts, d, kind, w.setting.one_shot_bytes)
+        case Algorithm.NEIGHBOURHOODS:
+            nearby = w.neighbourhoods
+            return lambda c, d: two_level_all_reduce(c, nearby, d, kind, w.setting.one_shot_bytes)
     return lambda c, d: ring_all_reduce(c, d, kind)
 
 

@@ -7,10 +7,11 @@ import itertools
 import pytest
 
 from shmcoll.algorithms.board_v import HEAD_BYTES
-from shmcoll.algorithms.select import Algorithm, Setting, across_hosts, select
+from shmcoll.algorithms.select import NEIGHBOURHOOD, SPLIT_HOST_AT, Algorithm, Setting, across_hosts, select
 from shmcoll.config import Tuning
 from shmcoll.plans import Where
 from shmcoll.transport.tcp import NetTransport
+from shmcoll.transport.topology import Topology
 from shmcoll.types import Collective
 
 KIB = 1 << 10
@@ -94,9 +95,35 @@ def test_where_of_a_tcp_group():
     finally:
         t.close()
     assert (where.rank, where.size, where.topology) == (0, 1, None)
-    assert where.setting == Setting(hosts=1, board_bytes=None, one_shot_bytes=123)
+    assert where.setting == Setting(hosts=1, board_bytes=None, one_shot_bytes=123, size=1)
 
 
 def test_two_level_slices_cross_hosts_in_one_step_while_small():
     assert across_hosts(ONE_SHOT, ONE_SHOT) is A.ONE_SHOT
     assert across_hosts(ONE_SHOT + 1, ONE_SHOT) is A.RING
+
+
+# ---------------------------------------------------------------------------------------------
+# many ranks on one host: a large all-reduce over neighbourhoods instead of one long ring
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size, expected", [(2, A.RING), (SPLIT_HOST_AT - 1, A.RING), (SPLIT_HOST_AT, A.NEIGHBOURHOODS),
+                                            (64, A.NEIGHBOURHOODS)])
+def test_a_large_all_reduce_of_many_ranks_on_shared_memory_runs_over_neighbourhoods(size, expected):
+    many = Setting(hosts=1, board_bytes=BOARD, one_shot_bytes=ONE_SHOT, size=size)
+    assert select(C.ALL_REDUCE, BOARD + 1, many) is expected
+    assert select(C.ALL_REDUCE, BOARD, many) is A.BOARD  # small calls keep their one step
+    assert select(C.REDUCE_SCATTER, BOARD + 1, many) is A.RING  # only the all-reduce is split
+    assert select(C.ALL_REDUCE, BOARD + 1, Setting(hosts=1, board_bytes=None, size=size)) is A.RING  # no shm
+    assert select(C.ALL_REDUCE, BOARD + 1, Setting(hosts=2, board_bytes=None, size=size)) is A.TWO_LEVEL
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 15, 16, 17, 23, 32, 63, 64, 100])
+@pytest.mark.parametrize("size", [1, 2, 3, NEIGHBOURHOOD])
+def test_neighbourhoods_are_even_runs_of_consecutive_ranks(n, size):
+    topo = Topology.neighbourhoods(n, size)
+    assert [r for run in topo.hosts for r in run] == list(range(n))
+    lengths = [len(run) for run in topo.hosts]
+    assert max(lengths) - min(lengths) <= 1
+    assert topo.n_hosts == max(1, round(n / size))
+    assert all(topo.host_of[r] == i for i, run in enumerate(topo.hosts) for r in run)

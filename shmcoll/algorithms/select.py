@@ -8,7 +8,7 @@ all-reduces (config.Tuning, SHMCOLL_ONE_SHOT_BYTES). No I/O: the table below is 
 
 | call | one host, small | one host, large | across hosts |
 |---|---|---|---|
-| all_reduce | BOARD, else ONE_SHOT up to one_shot_bytes | RING | TWO_LEVEL_ONE_SHOT, else TWO_LEVEL |
+| all_reduce | BOARD, else ONE_SHOT up to one_shot_bytes | RING, NEIGHBOURHOODS | TWO_LEVEL_ONE_SHOT, else TWO_LEVEL |
 | reduce_scatter, reduce | as all_reduce (the one-step result, each rank keeps its part) | RING | TWO_LEVEL |
 | all_gather | BOARD | RING | TWO_LEVEL |
 | broadcast | BOARD | CHAIN | TWO_LEVEL |
@@ -19,7 +19,11 @@ all-reduces (config.Tuning, SHMCOLL_ONE_SHOT_BYTES). No I/O: the table below is 
 | all_gather_v | BOARD_OR_RING (decided on the board) | BOARD_OR_RING | TWO_LEVEL |
 | federated_average | DEADLINE | DEADLINE | DEADLINE |
 
-"One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). Inside
+"One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). A ring
+through n ranks takes 2(n-1) steps one after another, and with many ranks on few cores each step
+waits for processes to be scheduled; so from SPLIT_HOST_AT ranks on shared memory a large
+all-reduce runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD consecutive ranks
+instead of hosts (at 32 ranks: 20 steps, not 62). Inside
 TWO_LEVEL all-reduce, each slice crosses hosts in one step or around a ring (`across_hosts`). A group
 with no board (TCP only, or a sub-group) takes the large column's algorithm, except all_reduce's
 ONE_SHOT. all_gather_v's pieces differ in size, so no rank can choose by size alone: on a board
@@ -33,6 +37,11 @@ from dataclasses import dataclass
 
 from ..types import Collective
 from .board_v import HEAD_BYTES
+
+#: Ranks of a group on one host's shared memory from which a large all-reduce runs NEIGHBOURHOODS.
+SPLIT_HOST_AT = 16
+#: Ranks per neighbourhood, about (Topology.neighbourhoods).
+NEIGHBOURHOOD = 8
 
 
 class Algorithm(enum.Enum):
@@ -49,6 +58,7 @@ class Algorithm(enum.Enum):
     DEADLINE = "deadline"  # federated.py: rank 0 averages what arrives before the deadline
     TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level.py: one-shot in each host, among leaders, fan out
     TWO_LEVEL = "two-level"  # two_level*.py: inside each host, across hosts, inside again
+    NEIGHBOURHOODS = "neighbourhoods"  # two_level.py's all-reduce, over runs of ranks of one host
     TWO_LEVEL_DIRECT = "two-level direct"  # DIRECT with the hierarchy's barrier as its agreement step
 
 
@@ -59,6 +69,7 @@ class Setting:
     hosts: int = 1  # hosts the group spans (a group over TCP alone counts as one: it has no shared memory)
     board_bytes: int | None = None  # payload bytes of one board entry; None without a board
     one_shot_bytes: int = 16 << 10  # config.Tuning.one_shot_bytes
+    size: int = 1  # ranks in the group
 
     def fits_board(self, nbytes: int) -> bool:
         return self.board_bytes is not None and nbytes <= self.board_bytes
@@ -100,6 +111,13 @@ def _flat(large: Algorithm, small: Algorithm | None = Algorithm.BOARD, across: A
     return choose
 
 
+def _large_all_reduce(nbytes: int, where: Setting) -> Algorithm:
+    if where.hosts > 1:
+        return Algorithm.TWO_LEVEL
+    many_on_shm = where.board_bytes is not None and where.size >= SPLIT_HOST_AT
+    return Algorithm.NEIGHBOURHOODS if many_on_shm else Algorithm.RING
+
+
 def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:
     if where.hosts > 1:
         return Algorithm.TWO_LEVEL
@@ -109,7 +127,7 @@ def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:
 
 _SMALL_REDUCTIONS = (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE)
 _CHOOSERS = {
-    Collective.ALL_REDUCE: _flat(Algorithm.RING, small=None),
+    Collective.ALL_REDUCE: _large_all_reduce,
     Collective.REDUCE_SCATTER: _flat(Algorithm.RING, small=None),
     Collective.REDUCE: _flat(Algorithm.RING, small=None),
     Collective.ALL_GATHER: _flat(Algorithm.RING),

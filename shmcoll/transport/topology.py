@@ -29,6 +29,15 @@ class Topology:
                 host_of[rank] = index
         return cls(hosts, tuple(host_of))
 
+    @classmethod
+    def neighbourhoods(cls, n: int, size: int) -> Topology:
+        """Ranks 0..n-1 cut into runs of consecutive ranks, about `size` each and as even as can be,
+        planned with as if each run were a host: how a large all-reduce among many ranks of one host
+        takes fewer sequential steps than one ring through them all."""
+        parts = max(1, round(n / size))
+        bounds = [n * i // parts for i in range(parts + 1)]
+        return cls.from_host_ids({r: str(i) for i in range(parts) for r in range(bounds[i], bounds[i + 1])})
+
     @property
     def world_size(self) -> int:
         return len(self.host_of)

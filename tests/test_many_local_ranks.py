@@ -1,0 +1,48 @@
+"""Many ranks on one host: a large all-reduce over neighbourhoods of ranks (select.NEIGHBOURHOODS).
+
+From SPLIT_HOST_AT ranks on shared memory a large all-reduce runs two-level over runs of
+consecutive ranks, as if each run were a host. The thresholds are lowered here (in the test
+process, before the ranks fork from it), so that 5 ranks make uneven neighbourhoods of 2 and 3: the
+larger one's extra rank only takes part inside its neighbourhood. Every rank checks the result
+against the exact one (integers) and that every rank holds bitwise the same floats.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shmcoll import ReduceKind, plans
+from shmcoll.algorithms import select
+
+from harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+SHM = {"SHMCOLL_TRANSPORT": "shm"}
+N = 5
+ELEMENTS = 300_001  # large enough for the large column, uneven across the slices
+
+
+def _all_reduces_over_neighbourhoods(pg):
+    me, n = pg.rank, pg.world_size
+    assert pg._where.neighbourhoods.hosts == ((0, 1), (2, 3, 4))
+    whole = np.arange(ELEMENTS, dtype=np.int64)
+    got = whole * (me + 1)
+    pg.all_reduce(got, ReduceKind.SUM)
+    assert np.array_equal(got, whole * (n * (n + 1) // 2))
+    got = (whole + me) % 7
+    pg.all_reduce(got, ReduceKind.MAX)
+    assert np.array_equal(got, np.maximum.reduce([(whole + r) % 7 for r in range(n)]))
+    floats = np.random.default_rng(me).standard_normal(ELEMENTS).astype(np.float32)
+    pg.all_reduce(floats, ReduceKind.AVG)
+    return floats.tobytes()
+
+
+def test_a_large_all_reduce_over_uneven_neighbourhoods(monkeypatch):
+    monkeypatch.setattr(select, "SPLIT_HOST_AT", 4)
+    monkeypatch.setattr(plans, "NEIGHBOURHOOD", 2)
+    results = run_ranks(N, _all_reduces_over_neighbourhoods, env=SHM)
+    assert all(r == results[0] for r in results), "ranks disagree bitwise"
+    mean = np.mean([np.random.default_rng(r).standard_normal(ELEMENTS).astype(np.float32) for r in range(N)], axis=0)
+    assert np.allclose(np.frombuffer(results[0], np.float32), mean, atol=1e-5)
