@@ -1,4 +1,5 @@
-"""What `import shmcoll` costs every rank: none of the heavy optional modules a rank may never use.
+"""What `import shmcoll` costs every rank: none of the heavy optional modules a rank may never use;
+and what `shmcoll-run` costs before it starts a rank: not even numba and the compiled kernels.
 
 ml_dtypes alone takes about a second of CPU to import, paid by every rank of a job at start-up; torch,
 the launcher and the benchmark are for other processes. bfloat16 support must still work once the
@@ -75,3 +76,17 @@ def test_dtypes_numpy_has_keep_their_own_array_dtype():
     assert wire_type_of(np.uint16).array_dtype == np.uint16
     assert U8.array_dtype == np.uint8
     assert wire_type_of(np.dtype(object)) is None
+
+
+#: Modules the launcher must leave unloaded: it only starts processes.
+LAUNCHER_NEEDS_NONE_OF = ["numba", "shmcoll.kernels", "shmcoll.bootstrap", "ml_dtypes", "torch"]
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_loads_neither_numba_nor_the_kernels():
+    probe = "import json, sys; import shmcoll.launch.run_cli; print(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], env=subprocess_env(), cwd=REPO, capture_output=True,
+                            text=True, timeout=LAUNCH_S)
+    assert result.returncode == 0, result.stderr
+    loaded = set(json.loads(result.stdout))
+    assert loaded.isdisjoint(LAUNCHER_NEEDS_NONE_OF), sorted(loaded.intersection(LAUNCHER_NEEDS_NONE_OF))
