@@ -46,7 +46,7 @@ TRANSPORTS = ("auto", "hier", "tcp", "shm")
 
 DEFAULT_TIMEOUT = 300.0
 
-# Job ids end up inside POSIX shared-memory and semaphore names: keep them short and path-safe.
+# Job ids end up inside POSIX shared-memory names: keep them short and path-safe.
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -60,7 +60,7 @@ class Tuning:
     one_shot_bytes: int = 16 << 10  # SHMCOLL_ONE_SHOT_BYTES: all-reduce at or below this is one-shot
     debug: bool = False  # SHMCOLL_DEBUG: log each collective's start and end to stderr
     shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
-    shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each ring (one ring per ordered pair of local ranks)
+    shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each channel block (shm_layout.py)
     spin_us: int | None = None  # SHMCOLL_SPIN_US: microseconds a waiter spins before it sleeps (unset: spin_seconds)
     shm_board_bytes: int = 256 << 10  # SHMCOLL_SHM_BOARD_BYTES: calls up to this size use the board
 
