@@ -34,6 +34,8 @@ def values(rank: int, n: int, op: ReduceKind, is_float: bool) -> np.ndarray:
     i = np.arange(n)
     if op is ReduceKind.PROD:
         choices = np.array([-2.0, -1.0, 0.5, 1.0, 2.0] if is_float else [-2.0, -1.0, 1.0, 2.0])
+        if rank >= 8:  # only signs beyond 8 ranks: products stay inside int32 and float16 at any size
+            choices = np.array([-1.0, 1.0])
         return choices[(i * 3 + rank) % len(choices)]
     step = 0.5 if is_float else 1.0
     return (((i * 7 + rank * 3) % 11) - 5) * step
@@ -42,10 +44,11 @@ def values(rank: int, n: int, op: ReduceKind, is_float: bool) -> np.ndarray:
 def expected(world: int, n: int, op: ReduceKind, dtype) -> np.ndarray:
     """The reduction over every rank's input, in float64 (exact here), rounded once to dtype."""
     is_float = np.dtype(dtype).kind == "f" or np.dtype(dtype) == BF16
-    inputs = np.stack([values(r, n, op, is_float) for r in range(world)]) if n else np.zeros((world, 0))
-    reduce = {ReduceKind.SUM: np.sum, ReduceKind.PROD: np.prod, ReduceKind.MIN: np.min,
-              ReduceKind.MAX: np.max, ReduceKind.AVG: np.sum}[op]
-    out = reduce(inputs, axis=0)
+    fold = {ReduceKind.SUM: np.add, ReduceKind.PROD: np.multiply, ReduceKind.MIN: np.minimum,
+            ReduceKind.MAX: np.maximum, ReduceKind.AVG: np.add}[op]
+    out = values(0, n, op, is_float)
+    for r in range(1, world):  # one input at a time: memory stays O(n) at any world size
+        out = fold(out, values(r, n, op, is_float))
     if op is ReduceKind.AVG:
         out = out / world
     return out.astype(dtype)
@@ -67,6 +70,7 @@ def check_all_reduce(pg) -> None:
                 pg.all_reduce(data, op)
                 check_equal(data, expected(pg.world_size, n, op, dtype), f"all_reduce {np.dtype(dtype)} {op} n={n}")
     for dtype, op, nbytes in BIG:
+        nbytes //= max(1, pg.world_size // 8)  # every rank computes the expected result: keep it cheap
         n = nbytes // np.dtype(dtype).itemsize + 1  # not divisible by the world size
         data = values(pg.rank, n, op, True).astype(dtype)
         pg.all_reduce(data, op)
