@@ -8,6 +8,7 @@ their spawn_* twins share these, so both run the same algorithm on the same vali
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -80,7 +81,7 @@ class Where:
                           one_shot_bytes=tuning.one_shot_bytes, size=t.world_size)
         return cls(t.rank, t.world_size, topo, setting)
 
-    @property
+    @functools.cached_property
     def neighbourhoods(self) -> Topology:
         """Runs of consecutive ranks planned with as hosts, for NEIGHBOURHOODS."""
         return Topology.neighbourhoods(self.size, NEIGHBOURHOOD)
