@@ -325,7 +325,8 @@ def test_more_blocks_than_peers_are_not_allocated():
     assert lonely.blocks == 0 and lonely.total_bytes == lonely.blocks_offset
 
 
-@pytest.mark.parametrize("n, want", [(1, 0), (2, 1), (3, 2), (4, 3), (8, 7), (16, 3), (32, 2), (64, 2), (MAX_LOCAL, 2)])
+@pytest.mark.parametrize("n, want", [(1, 0), (2, 1), (3, 2), (4, 3), (8, 7), (11, 10), (16, 7), (32, 3),
+                                     (64, 2), (MAX_LOCAL, 2)])
 def test_blocks_per_rank_at_the_default_geometry(n, want):
     channel = DEFAULT_N_SLOTS * (SLOT_HEADER_BYTES + DEFAULT_SLOT)
     assert blocks_per_rank(n, channel) == want

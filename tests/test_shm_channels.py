@@ -1,12 +1,14 @@
 """Lanes and channel blocks in real processes: every pair starts on its small lane, a writer moves
 a pair to one of its own channel blocks the first time it sends that peer more than a lane slot,
-and pairs left without a block keep working on their lane, only slower.
+takes a spare block back from a pair that has read everything when another peer needs one (moving
+that pair back to its lane), and pairs left without a block keep working on their lane, slower.
 
 With the default geometry and up to 8 local ranks every peer gets a block, so the suite's other
 tests cover that case. Here the budget for blocks is cut (in the test process, before the ranks
-fork from it), so that 5 ranks get 2 blocks each (their successor's and one spare) or none, and
-every collective that streams large messages runs over a mix of lanes and blocks. Every rank checks
-every result, and reports which of its pairs ended up on a block.
+fork from it), so that 5 ranks get 2 blocks each (their successor's and one spare, which three
+peers take turns on) or none, and every collective that streams large messages runs over a mix of
+lanes and blocks. Every rank checks every result, and reports which of its pairs ended up on a
+block.
 """
 
 from __future__ import annotations

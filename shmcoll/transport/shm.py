@@ -71,7 +71,7 @@ class ShmTransport(LinkTransport):
         self._out = {p: self._channel(self._me, local_of[p]) for p in peers}
         self._in = {p: self._channel(local_of[p], self._me) for p in peers}
         blocks = [self._layout.block_index(self._me, k) for k in range(self._layout.blocks)]
-        self._successor_block, self._spare_blocks = blocks[:1], blocks[1:]
+        self._successor_block, self._spare_blocks, self._spares = blocks[:1], blocks[1:], set(blocks[1:])
         self._assembling: dict[int, _Assembly] = {}
         self._alive_at = {p: time.monotonic() for p in peers}
         self._watch = ProcessWatch()
@@ -83,13 +83,32 @@ class ShmTransport(LinkTransport):
         return Channel(self._mem, self._layout, src, dst)
 
     def _give_block(self, to: int, ch: Channel) -> None:
-        """Move the pair to rank `to` onto one of this rank's channel blocks, if one is left: its
-        successor in local order (the peer rings and chains stream to) gets block 0, any other peer
-        the next spare one."""
-        successor = self._local_of[to] == (self._me + 1) % self._layout.n_local
-        blocks = self._successor_block if successor else self._spare_blocks
-        if blocks:
-            ch.move_to_block(blocks.pop(0))
+        """Move the pair to rank `to` onto one of this rank's channel blocks: its successor in local
+        order (the peer rings and chains stream to) gets block 0 for good, any other peer a spare
+        one, taken back from a pair that has nothing left unread if none is free. Without either,
+        the message goes through the lane."""
+        if self._local_of[to] == (self._me + 1) % self._layout.n_local:
+            if self._successor_block:
+                ch.move_to(self._successor_block.pop())
+            return
+        if not self._spare_blocks:
+            self._reclaim_spare()
+        if self._spare_blocks:
+            ch.move_to(self._spare_blocks.pop(0))
+
+    def _reclaim_spare(self) -> None:
+        """Move a pair that holds a spare block and is drained back to its lane, freeing the block
+        (skipping pairs another thread is sending on: their lock is busy)."""
+        for other in self._out.values():
+            if other.block not in self._spares or not other.lock.acquire(blocking=False):
+                continue
+            try:
+                if other.block in self._spares and other.drained():
+                    self._spare_blocks.append(other.block)
+                    other.move_to(None)
+                    return
+            finally:
+                other.lock.release()
 
     # ---- sending ----
     def _send_to(self, to: int, header: bytes, buf: np.ndarray, deadline: float) -> None:

@@ -14,7 +14,8 @@ No I/O, so the arithmetic is unit-tested alone. One segment per host holds, in t
     writer moves a pair onto one of its blocks the first time it sends that peer a message longer
     than a lane slot; the block's first slot number goes in the control block, so the reader can
     tell which ring any slot number is in. Block 0 of each rank is kept for its successor in
-    local order, the peer every ring and chain algorithm streams to.
+    local order, the peer every ring and chain algorithm streams to; the others go back to the
+    writer once the peer holding one has read every slot, for the next peer that needs one.
 So memory grows with the ranks times the blocks (linear), plus n*(n-1) lanes of 8.25 KiB, not with
 n*(n-1) full rings. The counts carry both waiting (a futex on the word) and ordering (release
 stores, acquire loads; kernels.py): no named semaphore exists, only the segment itself.
@@ -42,8 +43,8 @@ assert BOARD_SLEEPERS_OFFSET + 4 <= SLOT_HEADER_BYTES
 #: Reserved memory per local rank at most (the segment is backed at init: shm_segment.reserve).
 BUDGET_PER_RANK = 32 << 20
 #: Channel blocks all ranks together may own (each rank gets between MIN_BLOCKS_PER_RANK and one per
-#: peer): at the default geometry, one per peer up to 8 ranks, fewer up to 21, the minimum beyond.
-BLOCKS_BUDGET = 128 << 20
+#: peer): at the default geometry, one per peer up to 11 ranks, 7 at 16, 3 at 32, the minimum from 43.
+BLOCKS_BUDGET = 256 << 20
 MIN_BLOCKS_PER_RANK = 2
 MAX_LOCAL = 256
 LANE_SLOTS, LANE_BYTES = 2, 4096  # every pair's own small ring
@@ -52,9 +53,9 @@ LANE_SLOTS, LANE_BYTES = 2, 4096  # every pair's own small ring
 CONTROL_BYTES = 128
 C_WRITTEN = 0  # u64: slots the writer has filled
 C_WRITTEN_SLEEPERS = 8  # u32: processes asleep on C_WRITTEN
-C_BLOCK = 16  # u64: 0 while the pair uses its lane, else BLOCK_FROM_SHIFT below
-#: C_BLOCK once the pair has a block: (first slot number in the block) << BLOCK_FROM_SHIFT | (1 + the
-#: block's global index), one word so that a reader never sees half of it
+C_BLOCK = 16  # u64: which ring the pair uses from which slot on (0: its lane from the start)
+#: C_BLOCK: (first slot number in the ring) << BLOCK_FROM_SHIFT | (1 + the block's global index, or 0
+#: for the lane), one word so that a reader never sees half of it
 BLOCK_FROM_SHIFT = 16
 assert MAX_LOCAL * (MAX_LOCAL - 1) < 1 << BLOCK_FROM_SHIFT
 C_CONSUMED = 64  # u64: slots the reader has consumed
