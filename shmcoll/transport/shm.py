@@ -240,7 +240,7 @@ class ShmTransport(LinkTransport):
                 continue
             try:
                 while ch.has_data():
-                    deadline = time.monotonic() + self.timeout  # a token is there: no wait happens
+                    deadline = time.monotonic() + self.timeout  # a filled slot is there: no wait happens
                     job = self._assembling.get(src)
                     if job is None:
                         self._absorb(src, *self._next_slot(src, deadline, False))

@@ -1,9 +1,9 @@
 """One host's shared memory: one segment, the only named object a job makes on a host.
 
-The local leader creates it (every page of the segment reserved at once, so that a
-/dev/shm filling up later cannot kill a rank with SIGBUS), every local rank attaches, and then the
-name is unlinked at once: the kernel frees the memory when the last process using it exits, so nothing is left in
-/dev/shm even after `kill -9` of every rank. Names carry the creator's pid and the job id; a leader
+The local leader creates it (every page of the segment reserved at once, so that a /dev/shm
+filling up later cannot kill a rank with SIGBUS), every local rank attaches, and then the name is
+unlinked at once: the kernel frees the memory when the last process using it exits, so nothing is
+left in /dev/shm even after `kill -9` of every rank. Names carry the creator's pid and the job id; a leader
 also removes names left by creators that no longer exist (a crash in the short create-to-unlink
 window), so even that cannot accumulate.
 """
