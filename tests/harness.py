@@ -17,6 +17,7 @@ import _posixsubprocess
 import contextlib
 import ctypes
 import faulthandler
+import importlib.util
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -139,6 +140,16 @@ def warm_kernels() -> None:
 # ---------------------------------------------------------------------------------------------
 # launched jobs: the environment of a child interpreter, and checks that processes are gone
 # ---------------------------------------------------------------------------------------------
+
+def load_bench_script(name: str):
+    """bench/<name>.py as a module (bench/ holds scripts, not a package), registered in sys.modules
+    first: dataclasses look their module up while the class is built."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 def subprocess_env() -> dict[str, str]:
     """This environment minus any SHMCOLL_* it has, with this checkout importable."""

@@ -28,21 +28,13 @@ from shmcoll.bench.peer_jobs import PeerRun, compare_doc, missing_reason, ratios
 from shmcoll.rendezvous.launchers import LOCAL_RANK_VARS, RANK_VARS, WORLD_SIZE_VARS
 
 from bounds import RUN_HANG_S
+from harness import load_bench_script
 
 REPO = Path(__file__).resolve().parents[1]
 COMPARE = REPO / "bench" / "compare.py"
 
 
-def _load_script_module(name: str):
-    """A module of the bench/ scripts, loaded from its file (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-compare_report = _load_script_module("compare_report")
+compare_report = load_bench_script("compare_report")
 PeerResult, compare, targets = compare_report.PeerResult, compare_report.compare, compare_report.targets
 
 TINY = ["-n", "2", "--sizes", "8,64K", "--transports", "tcp", "--iters", "20", "--warmup", "2",

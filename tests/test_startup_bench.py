@@ -6,33 +6,22 @@ Only the shape is asserted, never a time's value: the machines that run this are
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from bounds import RUN_HANG_S
+from harness import REPO, load_bench_script
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "startup.py"
 COLUMNS = ["ranks", "library", "whole job (s)", "start (s)", "import (s)", "init (s)", "first call (s)",
            "shm reserved (MiB)", "RSS per rank max/median (MiB)", "named objects"]
 
 
-def _load_script_module(name: str):
-    """A module of the bench/ scripts, loaded from its file (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-startup = _load_script_module("startup")
-startup_rank = _load_script_module("startup_rank")
+startup = load_bench_script("startup")
+startup_rank = load_bench_script("startup_rank")
 
 
 def table_rows(stdout: str) -> tuple[list[str], list[list[str]]]:

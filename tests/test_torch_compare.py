@@ -7,7 +7,6 @@ saying what the table says), never a ratio's value: the machines that run this a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bounds import LAUNCH_S, REAP_S, RUN_HANG_S
+from harness import load_bench_script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,13 +36,9 @@ def _torch():
 
 
 def _load_driver():
-    """bench/torch_compare.py as a module; its rank module first (bench/ is scripts, not a package)."""
-    for name in ("torch_compare_rank", "torch_compare"):
-        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return module
+    """bench/torch_compare.py as a module; its rank module first (the driver imports it)."""
+    load_bench_script("torch_compare_rank")
+    return load_bench_script("torch_compare")
 
 
 def _table_rows(out: str) -> list[list[str]]:
