@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  next(count)))),
             ("time.monotonic() twice", alone(lambda: (time.monotonic(), time.monotonic()))),
             ("flight recorder append", alone(lambda: recorder.completed(p.meta, 1e-6, 5))),
-            ("numba dispatch of a 2-argument compiled call", alone(lambda: kernels.load_word(lean._mem, 0))),
+            ("a 2-argument call into shmcoll._native", alone(lambda: kernels.load_word(lean._mem, 0))),
         ]
         print(f"call_breakdown: {pg.world_size} ranks, all_reduce of {data.nbytes} bytes, us per call")
         for name, us in rows:

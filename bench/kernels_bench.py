@@ -2,7 +2,7 @@
 
 GB/s here = bytes of the two operands read per call (2 * n * itemsize, dst and src) / seconds;
 the write-back of dst (another n * itemsize) is not counted. Sizes are per array. Each figure is the
-best of several timed rounds, after a warm-up call, so it excludes compilation and first-touch faults.
+best of several timed rounds, after a warm-up call, so it excludes first-touch faults.
 
     python bench/kernels_bench.py
 """
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from shmcoll import kernels
+from shmcoll import _native, kernels
 from shmcoll.types import ReduceKind
 
 SIZES = {"1 MiB": 1 << 20, "16 MiB": 16 << 20, "64 MiB": 64 << 20}
@@ -70,13 +70,12 @@ def throughput_table(rng) -> None:
 
 
 def per_call_overhead(code: int, storage, calls: int = 200_000) -> tuple[float, float]:
-    """Microseconds per reduce_into call on 8-byte arrays, and per direct call of the jitted loop."""
+    """Microseconds per reduce_into call on 8-byte arrays, and per direct call of the C function."""
     dst = np.zeros(8 // np.dtype(storage).itemsize, storage)
     src = np.zeros_like(dst)
-    kernels.warm_up(code, ReduceKind.SUM)
-    loop = kernels._REDUCERS[code, ReduceKind.SUM]
     results = []
-    for call in (lambda: kernels.reduce_into(dst, src, code, ReduceKind.SUM), lambda: loop(dst, src)):
+    for call in (lambda: kernels.reduce_into(dst, src, code, ReduceKind.SUM),
+                 lambda: _native.reduce_into(dst, src, code, ReduceKind.SUM)):
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
@@ -89,11 +88,9 @@ def per_call_overhead(code: int, storage, calls: int = 200_000) -> tuple[float, 
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    for code in (1, 2, 3, 4):
-        kernels.warm_up(code, ReduceKind.SUM)
     throughput_table(rng)
     print()
-    print("per-call overhead at 8 bytes (us): reduce_into / direct jitted-loop call")
+    print("per-call overhead at 8 bytes (us): kernels.reduce_into / shmcoll._native.reduce_into")
     for name in ("f32", "f16"):
         code, storage = CODES[name]
         via_api, direct = per_call_overhead(code, storage)

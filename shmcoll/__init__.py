@@ -2,9 +2,9 @@
 
 Shared memory between ranks on one host, TCP between hosts; see API.md for the contract.
 
-`init`, `ProcessGroup` and `CollectiveHandle` are loaded on first use: they bring in numba and
-the compiled kernels (most of a rank's start-up), which `shmcoll-run` and other tools that only
-need the errors, the enums or the launcher should not pay for.
+`init`, `ProcessGroup` and `CollectiveHandle` are loaded on first use: they bring in the
+transports, the algorithms and the C kernels, which `shmcoll-run` and other tools that only need
+the errors, the enums or the launcher should not pay for.
 """
 
 from __future__ import annotations

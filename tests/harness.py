@@ -1,10 +1,9 @@
 """What the tests share besides their bounds (bounds.py) and parameters (params.py): bounded
 waiting, the multiprocess marker enforced, launched jobs, and one test body on N real processes.
 
-Ranks are forked (fast, and they inherit the parent's compiled numba kernels, warmed once before the
-first fork). Every wait has a deadline: a hung run is stopped, each rank first dumping every thread's
-stack to stderr (pytest shows it with the failure), so a hang fails one test quickly instead of the
-CI run.
+Ranks are forked (fast: they start with the parent's imports). Every wait has a deadline: a hung
+run is stopped, each rank first dumping every thread's stack to stderr (pytest shows it with the
+failure), so a hang fails one test quickly instead of the CI run.
 
 Tests that start processes (run_ranks, subprocess, a launcher, a fork) carry the `multiprocess`
 marker, which makes them `slow` too; `pytest -m "not slow"` is the quick tier. While a test without
@@ -35,7 +34,6 @@ from pathlib import Path
 import pytest
 
 import shmcoll
-from shmcoll.types import WIRE_TYPES, ReduceKind
 
 from bounds import FINISH_TOGETHER_S, LAUNCH_S, NEVER_S, REAP_S, RUN_HANG_S, WAIT_HANG_S
 
@@ -111,30 +109,6 @@ def refusing_processes(test: str):
 def _may_start(how: str) -> None:
     if _refusing is not None:
         pytest.fail(_not_marked(_refusing, how))
-
-
-# ---------------------------------------------------------------------------------------------
-# numba kernels, compiled before the first fork
-# ---------------------------------------------------------------------------------------------
-
-_kernels_warm = False
-
-
-def warm_kernels() -> None:
-    """Compile (or load from numba's disk cache) every kernel once, so forked ranks inherit them
-    (several seconds the first time; only tests that start ranks pay it)."""
-    global _kernels_warm
-    if _kernels_warm:
-        return
-    from shmcoll import kernels
-
-    kernels.warm_board()
-    for code, wire in WIRE_TYPES.items():
-        if wire.reducible:
-            for op in ReduceKind:
-                if wire.is_float or op is not ReduceKind.AVG:
-                    kernels.warm_up(code, op)
-    _kernels_warm = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +219,6 @@ def run_ranks(n: int, body, *args, timeout: float = RUN_HANG_S, group_timeout: f
     """body(pg, *args) on ranks 0..n-1 (body(rank, n, port, *args) when init=False); returns results by rank.
     `timeout` is the run's hang guard, `group_timeout` each rank's group timeout."""
     _may_start(f"run_ranks({n}, {getattr(body, '__name__', body)})")
-    warm_kernels()
     port = free_port()
     pipes, procs = [], []
     for rank in range(n):

@@ -1,8 +1,7 @@
 """Pure-numpy reference for the kernels: 16-bit float codecs and the reference reduction.
 
-Deliberately a different method from the numba bit tricks in ``kernels.py``, so the tests that
-compare the two can catch a mistake in either. No numba here (see kernels.py for why every jitted
-function lives in that one file).
+Deliberately a different method from the C bit tricks behind ``kernels.py`` (shmcoll/native/),
+so the tests that compare the two can catch a mistake in either.
 
 float16 uses numpy's own casts: numpy converts float64 -> float16 directly and correctly rounded.
 bfloat16 relies on no third party's cast (some ml_dtypes releases rounded float64 -> bfloat16

@@ -35,7 +35,7 @@ _LAUNCHER_PREFIXES = ("SHMCOLL_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELAS
 _LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                    "MASTER_PORT", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"}
 OK_LINE = re.compile(r"^OK rank=(\d+) world=(\d+) transport=(\w+)$", re.M)
-# numba calls colorama.init() when it compiles, so each rank's stdout ends with ESC[0m at exit
+# a rank's stdout may carry terminal colour codes (a library that colours its output), stripped before matching
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 

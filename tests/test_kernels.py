@@ -12,13 +12,9 @@ import bisect
 import concurrent.futures
 import functools
 import os
-import platform
-import subprocess
-import sys
-import textwrap
+import threading
 from fractions import Fraction
 
-import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -29,16 +25,12 @@ from shmcoll import kernels
 from shmcoll.types import WIRE_TYPES, ReduceKind
 
 import kernel_reference as ref
-from bounds import REAP_S, TEST_HANG_S
-from harness import REPO
+from bounds import TEST_HANG_S
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint16)
 F16_QUIET, BF16_QUIET = 0x0200, 0x0040
 FLOAT_CODES = (1, 2, 3, 4)
 INT_CODES = (5, 6)
-#: A fresh interpreter compiling kernels into an empty numba cache (slow on a loaded 2-core machine):
-#: its hang guard, inside the test's own.
-COMPILE_HANG_S = TEST_HANG_S - REAP_S
 
 
 def widen(storage: np.ndarray, code: int) -> np.ndarray:
@@ -182,19 +174,6 @@ def test_f64_to_bf16_is_correctly_rounded_at_every_midpoint_where_float32_first_
     assert int(kernels.f64_to_bf16_bits(np.array([1 + 2.0**-8 + 2.0**-40]))[0]) == 0x3F81
 
 
-def test_soft_half_converters_match_numpy():
-    """The fallback used where the CPU lacks half conversions, checked here on every pattern."""
-    widened = np.array([kernels._f16_to_f32_soft(b) for b in ALL_BITS], dtype=np.float32)
-    assert_same(widened, ALL_BITS.view(np.float16).astype(np.float32), 3)
-    f16 = ALL_BITS[:0x7C01].view(np.float16).astype(np.float64)
-    points = np.concatenate([midpoints_and_neighbours(f16, 65536.0).astype(np.float32),
-                             np.float32([np.nan, np.inf, -np.inf, 3e38, 1e-40])])
-    narrowed = np.array([kernels._f32_to_f16_soft(x) for x in points], dtype=np.uint16)
-    with np.errstate(over="ignore"):
-        assert_same(narrowed, points.astype(np.float16).view(np.uint16), 1)
-    assert_nans_quiet(narrowed, 1)
-
-
 # --- reductions -------------------------------------------------------------------------------
 
 
@@ -242,8 +221,19 @@ REDUCIBLE = [(code, op) for code in FLOAT_CODES + INT_CODES for op in ReduceKind
              if not (code in INT_CODES and op == ReduceKind.AVG)]
 
 
+@pytest.fixture(params=["cpu-specific", "portable"])
+def loops(request):
+    """Each 16-bit loop twice: this CPU's (AVX2 and F16C where it has them) and the portable one,
+    which a CPU without them runs."""
+    from shmcoll import _native
+
+    _native.use_cpu_specific_loops(request.param == "cpu-specific")
+    yield request.param
+    _native.use_cpu_specific_loops(True)
+
+
 @pytest.mark.parametrize("code,op", REDUCIBLE, ids=[f"{WIRE_TYPES[c].name}-{o.name}" for c, o in REDUCIBLE])
-def test_reduce_into_matches_reference(code, op):
+def test_reduce_into_matches_reference(code, op, loops):
     rng = np.random.default_rng(code * 10 + op)
     arrays = random_operands(code, 4, 3001, rng)
     dst = arrays[0].copy()
@@ -260,7 +250,7 @@ def test_reduce_into_matches_reference(code, op):
 
 @pytest.mark.parametrize("code", [1, 2])
 @pytest.mark.parametrize("op", [ReduceKind.SUM, ReduceKind.PROD])
-def test_16bit_sum_and_prod_of_every_pattern_with_many_others(code, op):
+def test_16bit_sum_and_prod_of_every_pattern_with_many_others(code, op, loops):
     """65,536 x 96 pairs: every pattern against special and random partners, ties included."""
     rng = np.random.default_rng(7)
     partners = np.concatenate([special_values(code), rng.integers(0, 1 << 16, 96 - special_values(code).size)])
@@ -384,133 +374,97 @@ def test_empty_arrays_and_bad_arguments():
         kernels.scale_into(np.zeros(3, np.int32), 5, 2)
 
 
-@functools.cache
-def _pair_mismatches(code: int):
-    """Compiled once per 16-bit type: mismatches(ab, ba, a, is_sum) over b = a .. 0xFFFF, where ab[k]
-    and ba[k] are the kernel's (a op b) and (b op a) for b = a + k. It counts the ab[k] that are not
-    float64 (a op b) rounded once (if that is a NaN: any NaN), and the ba[k] that differ from ab[k]
-    unless both are NaNs: a op b and b op a are the same float64, so ba is checked through ab."""
-    widen16 = kernels._f16_to_f32 if code == 1 else kernels._bf16_to_f32
-    round16 = kernels._f64_to_f16 if code == 1 else kernels._f64_to_bf16
+#: rows of the (a, b) square checked at once by the exhaustive test: big enough that numpy's
+#: per-call cost vanishes, small enough for a few MiB per thread
+PAIR_ROWS = 16
+
+
+def _pair_mismatches(code: int, op: ReduceKind, rows: range) -> int:
+    """For every a in rows and b >= rows.start: the kernel's a op b against float64 (a op b)
+    rounded once (if that is a NaN: any NaN), and its b op a against its a op b (equal unless both
+    are NaNs). The rounding is kernels' float64 -> 16-bit converter, checked at every midpoint above."""
+    with np.errstate(invalid="ignore"):
+        widened = widen(ALL_BITS, code)
+    round16 = kernels.f64_to_f16_bits if code == 1 else kernels.f64_to_bf16_bits
     exponent_mask = 0x7C00 if code == 1 else 0x7F80
-
-    @numba.njit(nogil=True)
-    def mismatches(ab, ba, a, is_sum):
-        bad = 0
-        for b in range(a, 1 << 16):
-            x, y = np.float64(widen16(np.uint16(a))), np.float64(widen16(np.uint16(b)))
-            exact = x + y if is_sum else x * y
-            if exact != exact:
-                bad += (ab[b - a] & 0x7FFF) <= exponent_mask
-            else:
-                bad += ab[b - a] != round16(exact)
-        differ = 0
-        for k in range(ab.size):  # loops of their own: folded into the one above, both run several times slower
-            differ += ab[k] != ba[k]
-        if differ:  # NaNs of different payloads, when a and b are both NaNs, or a wrong ba
-            for k in range(ab.size):
-                bad += (ab[k] != ba[k]) & (((ab[k] & 0x7FFF) <= exponent_mask) | ((ba[k] & 0x7FFF) <= exponent_mask))
-        return bad
-
-    return mismatches
+    a = np.arange(rows.start, rows.stop, dtype=np.uint16)
+    b = ALL_BITS[rows.start:]
+    ab = np.repeat(a, b.size)  # a op b, row by row
+    bs = np.tile(b, a.size)
+    ba = bs.copy()  # b op a
+    kernels.reduce_into(ba, ab, code, op)
+    kernels.reduce_into(ab, bs, code, op)
+    wa, wb = widened[rows.start:rows.stop, None], widened[None, rows.start:]
+    with np.errstate(invalid="ignore", over="ignore"):
+        exact = (wa + wb if op == ReduceKind.SUM else wa * wb).reshape(-1)
+        want = round16(exact)
+    nan_ab, nan_ba = (ab & 0x7FFF) > exponent_mask, (ba & 0x7FFF) > exponent_mask
+    wrong = np.where(np.isnan(exact), ~nan_ab, ab != want)
+    return int(np.count_nonzero(wrong) + np.count_nonzero((ab != ba) & ~(nan_ab & nan_ba)))
 
 
-@numba.njit(nogil=True)
-def _operands(a, ab, bs, ba, same):
-    """The kernel's operands for a op b and b op a, b = a .. 0xFFFF: ab = a, bs = b, ba = b, same = a."""
-    for k in range(ab.size):
-        ab[k] = same[k] = a
-        bs[k] = ba[k] = a + k
-
-
-@pytest.mark.slow  # every pair of 16-bit patterns: about 15 s, so outside the quick tier
+@pytest.mark.slow  # every pair of 16-bit patterns: tens of seconds, so outside the quick tier
 @pytest.mark.parametrize("code", [1, 2])
 @pytest.mark.parametrize("op", [ReduceKind.SUM, ReduceKind.PROD])
 def test_16bit_sum_and_prod_of_all_two_to_the_32_pairs(code, op):
     """The float32 route of the hot loops against float64 + direct rounding, for every pair (a, b):
-    for each a, the kernel's a op b and b op a for every b >= a. Values of a are shared out to a
-    thread per core: the kernel and the check both release the GIL."""
-    mismatches = _pair_mismatches(code)
-    is_sum = op == ReduceKind.SUM
-    one = np.zeros(1, np.uint16)
-    _operands(0xFFFF, one, one, one, one)  # compiled here, not by each thread
-    mismatches(one, one, 0xFFFF, is_sum)
-
-    def pairs_from(first: int, step: int) -> int:
-        # buffers of their own: each view below starts where its buffer does, aligned for the kernels
-        ab, ba, bs, same = (np.empty(1 << 16, np.uint16) for _ in range(4))
-        bad = 0
-        for a in range(first, 1 << 16, step):
-            n = (1 << 16) - a  # b = a .. 0xFFFF
-            _operands(a, ab[:n], bs[:n], ba[:n], same[:n])
-            kernels.reduce_into(ab[:n], bs[:n], code, op)  # a op b
-            kernels.reduce_into(ba[:n], same[:n], code, op)  # b op a
-            bad += mismatches(ab[:n], ba[:n], a, is_sum)
-        return bad
-
-    threads = os.cpu_count() or 1
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(pairs_from, range(threads), [threads] * threads))
+    for each a, the kernel's a op b and b op a for every b >= a. Blocks of rows are shared out to
+    a thread per core: the kernels and numpy's loops release the GIL."""
+    blocks = [range(first, min(first + PAIR_ROWS, 1 << 16)) for first in range(0, 1 << 16, PAIR_ROWS)]
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        total = sum(pool.map(functools.partial(_pair_mismatches, code, op), blocks))
     assert total == 0
 
 
-# --- compilation and GIL --------------------------------------------------------------------
+@pytest.mark.parametrize("code", [1, 2])
+@pytest.mark.parametrize("op", list(ReduceKind))
+def test_cpu_specific_and_portable_16bit_loops_give_the_same_bits(code, op):
+    """A CPU without AVX2 or F16C computes what this one does (NaN payloads aside, which API.md
+    leaves unspecified: the CPUs pick which operand's payload a sum of two NaNs keeps)."""
+    from shmcoll import _native
+
+    rng = np.random.default_rng(int(op) * 2 + code)
+    a = np.tile(ALL_BITS, 8)
+    b = rng.integers(0, 1 << 16, a.size, dtype=np.uint16)
+    results = []
+    for cpu_specific in (True, False):
+        dst = a.copy()
+        _native.use_cpu_specific_loops(cpu_specific)
+        try:
+            kernels.reduce_into(dst, b, code, op)
+        finally:
+            _native.use_cpu_specific_loops(True)
+        results.append(dst)
+    assert_same(results[0], results[1], code)
+    assert_nans_quiet(results[0], code)
+    assert_nans_quiet(results[1], code)
 
 
-def test_loops_release_the_gil_and_use_the_disk_cache():
-    loops = set(kernels._REDUCERS.values()) | set(kernels._SCALERS.values())
-    for loop in loops:
-        assert loop.targetoptions.get("nogil") is True, loop
-        assert loop._cache.__class__.__name__ == "FunctionCache", loop  # cache=True
+# --- the GIL ----------------------------------------------------------------------------------
 
 
-@pytest.mark.multiprocess
-def test_warm_up_compiles_only_what_it_is_asked_for_and_import_compiles_nothing(tmp_path):
-    """In a fresh process with an empty numba cache: import compiles nothing; warm_up one."""
-    script = textwrap.dedent("""
-        from shmcoll import kernels
-        from shmcoll.types import ReduceKind
-        loops = set(kernels._REDUCERS.values()) | set(kernels._SCALERS.values())
-        assert all(not loop.signatures for loop in loops), "compiled at import"
-        kernels.warm_up(1, ReduceKind.AVG)
-        compiled = {loop.py_func.__name__ for loop in loops if loop.signatures}
-        assert compiled == {"_f16_sum", "_f16_scale"}, compiled
-        print("ok")
-    """)
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-                            timeout=COMPILE_HANG_S)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+def test_a_long_reduction_releases_the_gil():
+    """A spawned collective reduces in a worker thread: the caller's Python must go on meanwhile.
+    While one long call runs in a thread, the main thread counts; were the GIL held, it could
+    count only before the call began or after it ended."""
+    a, b = (np.full(32 << 20, 0x3C00, np.uint16) for _ in range(2))  # 1.0 in float16
+    started, finished = threading.Event(), threading.Event()
+    count, counted_when_done = [0], []
 
+    def reduce() -> None:
+        started.set()
+        kernels.reduce_into(a, b, 1, ReduceKind.PROD)
+        counted_when_done.append(count[0])
+        finished.set()
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 feature flags")
-@pytest.mark.multiprocess
-def test_cpu_without_half_conversions_uses_the_software_path(tmp_path):
-    """Without F16C LLVM would call helpers numba does not link (a segfault); the fallback must
-    be chosen and give the same answers."""
-    script = textwrap.dedent("""
-        import numpy as np
-        import kernel_reference as ref
-        from shmcoll import kernels
-        from shmcoll.types import ReduceKind
-        assert kernels._f16_to_f32 is kernels._f16_to_f32_soft
-        rng = np.random.default_rng(0)
-        a, b = (rng.integers(0, 1 << 16, 100_000).astype(np.uint16) for _ in range(2))
-        for op in (ReduceKind.SUM, ReduceKind.MAX):
-            dst = a.copy()
-            kernels.reduce_into(dst, b, 1, op)
-            want = ref.reference_reduce([a, b], 1, op)
-            nan = np.isnan(want.view(np.float16))
-            assert np.array_equal(np.isnan(dst.view(np.float16)), nan)
-            assert np.array_equal(dst[~nan], want[~nan])
-        print("ok")
-    """)
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="x86-64",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])),
-               NUMBA_CPU_FEATURES="+64bit,+cx8,+fxsr,+mmx,+sse,+sse2")
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-                            timeout=COMPILE_HANG_S)
-    assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stderr[-2000:])
+    worker = threading.Thread(target=reduce)
+    worker.start()
+    assert started.wait(TEST_HANG_S)
+    before = count[0]
+    while not finished.is_set():
+        count[0] += 1
+    worker.join(TEST_HANG_S)
+    assert counted_when_done[0] - before > 1000, "the main thread did not run during the reduction"
 
 
 # --- properties -------------------------------------------------------------------------------

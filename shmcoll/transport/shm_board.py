@@ -45,7 +45,7 @@ _SRC_START, _SRC_END = frame.SRC_FIELD  # the one header field that differs betw
 DONE_SLEEPERS = 2 * W_DONE_SLEEPERS
 assert (kernels.BOARD_HEADER_AT, kernels.BOARD_HEADER_BYTES, kernels.BOARD_SLEEPERS_AT, kernels.BOARD_PAYLOAD_AT) \
     == (BOARD_HEADER_OFFSET, HEADER_SIZE, BOARD_SLEEPERS_OFFSET, SLOT_HEADER_BYTES)
-assert frame.SRC_FIELD == kernels._SRC_FIELD
+assert frame.SRC_FIELD == kernels.SRC_FIELD
 
 
 def entry_header(rank: int, meta: Meta, code: int, data: np.ndarray) -> np.ndarray:

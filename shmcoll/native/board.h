@@ -1,0 +1,33 @@
+/* The shared-memory board's all-reduce step, whole: publish, wait for every entry, fold, finish. */
+#ifndef SHMCOLL_BOARD_H
+#define SHMCOLL_BOARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* A board entry (transport/shm_layout.py): the published word (1 + sequence number), the frame
+   header, a u32 count of sleepers waiting for the word, then the payload. */
+enum { BOARD_HEADER_AT = 8, BOARD_HEADER_BYTES = 116, BOARD_SLEEPERS_AT = 124, BOARD_PAYLOAD_AT = 128 };
+enum { SRC_FIELD_START = 12, SRC_FIELD_END = 16 }; /* header bytes naming the source rank: the one field ranks differ in */
+enum { SEQ_AT = 28 };                              /* the header's sequence number (8 bytes, little-endian) */
+#define BOARD_DONE (-1)                            /* else -(2 + r): rank r's entry describes another call */
+
+/* What one call of the step works on. where[3 * r + k]: rank r's entry offset for even (k = 0) and
+   odd (k = 1) sequence numbers, and the index of its "done" u64 word (k = 2). */
+struct board_call {
+    uint8_t *mem;
+    const int64_t *where;
+    int ranks, rank;
+    uint32_t *done_sleepers;
+    void *data; /* this rank's input, reduced in place */
+    size_t nbytes;
+    const uint8_t *header; /* our BOARD_HEADER_BYTES frame header; the step fills in the sequence number */
+    uint64_t seq;
+    int code, op;
+};
+
+/* From `position` (0 at first): BOARD_DONE, -(2 + r), or a position to call again with after a
+   wait slice (slice_ns) ran out. */
+int64_t sc_board_all_reduce(const struct board_call *call, int64_t position, int64_t spin_ns, int64_t slice_ns);
+
+#endif

@@ -1,0 +1,296 @@
+/* shmcoll._native: the Python face of the C kernels (reduce.c, words.c, board.c).
+
+   Why C and not a JIT: every rank of a job would otherwise import a compiler (about 75 MiB and a
+   second of start-up per process, times 32 ranks on one host); this module loads in microseconds
+   and a call costs about a tenth of a microsecond. Arguments are buffers (numpy arrays, memory
+   maps) checked here, so an index or a length never reaches memory outside them. Loops and waits
+   release the GIL, so a spawned collective runs beside the caller's Python threads. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "board.h"
+#include "reduce.h"
+#include "words.h"
+
+enum { RELEASE_GIL_FROM_BYTES = 64 * 1024 }; /* shorter loops keep the GIL: releasing costs more than they do */
+
+/* A buffer held for one call, released by its end. */
+typedef struct {
+    Py_buffer view;
+    int held;
+} held_buffer;
+
+static int hold(PyObject *obj, held_buffer *b, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, &b->view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: a contiguous%s buffer is needed", what, writable ? ", writable" : "");
+        return -1;
+    }
+    b->held = 1;
+    return 0;
+}
+
+static void release(held_buffer *b) {
+    if (b->held)
+        PyBuffer_Release(&b->view);
+    b->held = 0;
+}
+
+static int check_count(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+    return -1;
+}
+
+/* A long long argument; -1 with an error set when it is not an integer. */
+static int as_i64(PyObject *obj, int64_t *out) {
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* The address of the aligned `size`-byte item `index` of buffer b, or NULL with ValueError. */
+static void *item(held_buffer *b, int64_t index, size_t size, const char *what) {
+    if (index < 0 || (uint64_t)(index + 1) * size > (uint64_t)b->view.len) {
+        PyErr_Format(PyExc_ValueError, "%s: item %lld is outside the buffer", what, (long long)index);
+        return NULL;
+    }
+    char *p = (char *)b->view.buf + index * size;
+    if ((uintptr_t)p % size != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: the buffer is not aligned for %zu-byte words", what, size);
+        return NULL;
+    }
+    return p;
+}
+
+static PyObject *reduce_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer dst = {0}, src = {0};
+    int64_t code, op;
+    PyObject *result = NULL;
+    if (check_count(nargs, 4, "reduce_into") || as_i64(args[2], &code) || as_i64(args[3], &op) ||
+        hold(args[0], &dst, 1, "reduce_into dst") || hold(args[1], &src, 0, "reduce_into src"))
+        goto done;
+    size_t size = sc_element_size((int)code);
+    if (size == 0 || op < OP_SUM || op > OP_AVG || (op == OP_AVG && code >= CODE_I32)) {
+        PyErr_Format(PyExc_ValueError, "no reduction for wire code %lld and op %lld", (long long)code, (long long)op);
+        goto done;
+    }
+    if (dst.view.len != src.view.len || dst.view.len % size != 0) {
+        PyErr_SetString(PyExc_ValueError, "reduce_into: dst and src differ in length");
+        goto done;
+    }
+    if (dst.view.len >= RELEASE_GIL_FROM_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        sc_reduce(dst.view.buf, src.view.buf, dst.view.len / size, (int)code, (int)op);
+        Py_END_ALLOW_THREADS
+    } else {
+        sc_reduce(dst.view.buf, src.view.buf, dst.view.len / size, (int)code, (int)op);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release(&dst);
+    release(&src);
+    return result;
+}
+
+static PyObject *scale_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer dst = {0};
+    int64_t code, divisor;
+    PyObject *result = NULL;
+    if (check_count(nargs, 3, "scale_into") || as_i64(args[1], &code) || as_i64(args[2], &divisor) ||
+        hold(args[0], &dst, 1, "scale_into dst"))
+        goto done;
+    size_t size = sc_element_size((int)code);
+    if (size == 0 || code > CODE_F64 || divisor == 0 || dst.view.len % size != 0) {
+        PyErr_Format(PyExc_ValueError, "scale_into needs a float wire code and a divisor, got %lld and %lld",
+                     (long long)code, (long long)divisor);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sc_scale(dst.view.buf, dst.view.len / size, (int)code, divisor);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    release(&dst);
+    return result;
+}
+
+/* convert(kind, values, out): 0 f16 bits -> f64, 1 bf16 bits -> f64, 2 f64 -> f16 bits, 3 f64 -> bf16 bits. */
+static PyObject *convert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer in = {0}, out = {0};
+    int64_t kind;
+    PyObject *result = NULL;
+    if (check_count(nargs, 3, "convert") || as_i64(args[0], &kind) || hold(args[1], &in, 0, "convert values") ||
+        hold(args[2], &out, 1, "convert out"))
+        goto done;
+    size_t in_size = kind < 2 ? 2 : 8, out_size = kind < 2 ? 8 : 2, n = (size_t)in.view.len / in_size;
+    if (kind < 0 || kind > 3 || in.view.len % in_size || (size_t)out.view.len != n * out_size) {
+        PyErr_SetString(PyExc_ValueError, "convert: unknown kind, or values and out differ in length");
+        goto done;
+    }
+    if (kind == 0)
+        sc_f16_to_f64(in.view.buf, out.view.buf, n);
+    else if (kind == 1)
+        sc_bf16_to_f64(in.view.buf, out.view.buf, n);
+    else if (kind == 2)
+        sc_f64_to_f16(in.view.buf, out.view.buf, n);
+    else
+        sc_f64_to_bf16(in.view.buf, out.view.buf, n);
+    result = Py_NewRef(Py_None);
+done:
+    release(&in);
+    release(&out);
+    return result;
+}
+
+static PyObject *load_word(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer mem = {0};
+    int64_t index;
+    PyObject *result = NULL;
+    if (check_count(nargs, 2, "load_word") || as_i64(args[1], &index) || hold(args[0], &mem, 0, "load_word mem"))
+        goto done;
+    uint64_t *word = item(&mem, index, 8, "load_word");
+    if (word)
+        result = PyLong_FromUnsignedLongLong(sc_load_acquire(word));
+done:
+    release(&mem);
+    return result;
+}
+
+static PyObject *store_and_wake(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer mem = {0};
+    int64_t index, value, sleepers_index;
+    PyObject *result = NULL;
+    if (check_count(nargs, 4, "store_and_wake") || as_i64(args[1], &index) || as_i64(args[2], &value) ||
+        as_i64(args[3], &sleepers_index) || hold(args[0], &mem, 1, "store_and_wake mem"))
+        goto done;
+    uint64_t *word = item(&mem, index, 8, "store_and_wake word");
+    uint32_t *sleepers = word ? item(&mem, sleepers_index, 4, "store_and_wake sleepers") : NULL;
+    if (sleepers) {
+        sc_store_and_wake(word, (uint64_t)value, sleepers);
+        result = Py_NewRef(Py_None);
+    }
+done:
+    release(&mem);
+    return result;
+}
+
+static PyObject *wait_word(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer mem = {0};
+    int64_t index, target, sleepers_index, spin_ns, slice_ns;
+    int at_least;
+    PyObject *result = NULL;
+    if (check_count(nargs, 7, "wait_word") || as_i64(args[1], &index) || as_i64(args[2], &target) ||
+        (at_least = PyObject_IsTrue(args[3])) < 0 || as_i64(args[4], &sleepers_index) ||
+        as_i64(args[5], &spin_ns) || as_i64(args[6], &slice_ns) || hold(args[0], &mem, 1, "wait_word mem"))
+        goto done;
+    uint64_t *word = item(&mem, index, 8, "wait_word word");
+    uint32_t *sleepers = word ? item(&mem, sleepers_index, 4, "wait_word sleepers") : NULL;
+    if (!sleepers)
+        goto done;
+    bool reached;
+    if (spin_ns > 0 || slice_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        reached = sc_wait_word(word, (uint64_t)target, at_least, sleepers, spin_ns, slice_ns);
+        Py_END_ALLOW_THREADS
+    } else {
+        reached = sc_wait_word(word, (uint64_t)target, at_least, sleepers, 0, 0);
+    }
+    result = Py_NewRef(reached ? Py_True : Py_False);
+done:
+    release(&mem);
+    return result;
+}
+
+/* Whether every offset `where` names lies inside mem, with room for an entry of `nbytes`. */
+static int where_fits(const struct board_call *c, Py_ssize_t mem_len) {
+    for (int r = 0; r < c->ranks; r++) {
+        for (int k = 0; k < 2; k++) {
+            int64_t at = c->where[3 * r + k];
+            if (at < 0 || at % 8 || at + BOARD_PAYLOAD_AT + (int64_t)c->nbytes > mem_len)
+                return 0;
+        }
+        int64_t done = c->where[3 * r + 2];
+        if (done < 0 || (done + 1) * 8 > mem_len)
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *board_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer mem = {0}, data = {0}, header = {0}, where = {0};
+    int64_t rank, seq, code, op, position, spin_ns, slice_ns, done_sleepers;
+    PyObject *result = NULL;
+    if (check_count(nargs, 12, "board_all_reduce") || as_i64(args[4], &rank) || as_i64(args[5], &seq) ||
+        as_i64(args[6], &code) || as_i64(args[7], &op) || as_i64(args[8], &position) ||
+        as_i64(args[9], &spin_ns) || as_i64(args[10], &slice_ns) || as_i64(args[11], &done_sleepers) ||
+        hold(args[0], &mem, 1, "board mem") || hold(args[1], &data, 1, "board data") ||
+        hold(args[2], &header, 0, "board header") || hold(args[3], &where, 0, "board where"))
+        goto done;
+    struct board_call call = {
+        .mem = mem.view.buf, .where = where.view.buf, .ranks = (int)(where.view.len / (3 * 8)), .rank = (int)rank,
+        .data = data.view.buf, .nbytes = (size_t)data.view.len, .header = header.view.buf, .seq = (uint64_t)seq,
+        .code = (int)code, .op = (int)op,
+    };
+    size_t size = sc_element_size(call.code);
+    if (header.view.len != BOARD_HEADER_BYTES || where.view.len % 24 || (uintptr_t)call.where % 8 ||
+        rank < 0 || rank >= call.ranks || seq < 0 || position < 0 || position > call.ranks ||
+        (call.nbytes > 0 && (size == 0 || call.nbytes % size || op < OP_SUM || op > OP_AVG)) ||
+        !where_fits(&call, mem.view.len) || (uintptr_t)call.mem % 8 ||
+        !(call.done_sleepers = item(&mem, done_sleepers, 4, "board done sleepers"))) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "board_all_reduce: arguments do not describe a board call");
+        goto done;
+    }
+    int64_t status;
+    Py_BEGIN_ALLOW_THREADS
+    status = sc_board_all_reduce(&call, position, spin_ns, slice_ns);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLongLong(status);
+done:
+    release(&mem);
+    release(&data);
+    release(&header);
+    release(&where);
+    return result;
+}
+
+static PyObject *use_cpu_specific_loops(PyObject *self, PyObject *arg) {
+    int use = PyObject_IsTrue(arg);
+    if (use < 0)
+        return NULL;
+    return PyBool_FromLong(sc_use_cpu_specific_loops(use));
+}
+
+static PyMethodDef methods[] = {
+    {"reduce_into", (PyCFunction)(void (*)(void))reduce_into, METH_FASTCALL, "reduce_into(dst, src, code, op)"},
+    {"scale_into", (PyCFunction)(void (*)(void))scale_into, METH_FASTCALL, "scale_into(dst, code, divisor)"},
+    {"convert", (PyCFunction)(void (*)(void))convert, METH_FASTCALL, "convert(kind, values, out)"},
+    {"load_word", (PyCFunction)(void (*)(void))load_word, METH_FASTCALL, "load_word(mem, word)"},
+    {"store_and_wake", (PyCFunction)(void (*)(void))store_and_wake, METH_FASTCALL,
+     "store_and_wake(mem, word, value, sleepers)"},
+    {"wait_word", (PyCFunction)(void (*)(void))wait_word, METH_FASTCALL,
+     "wait_word(mem, word, target, at_least, sleepers, spin_ns, slice_ns) -> reached"},
+    {"board_all_reduce", (PyCFunction)(void (*)(void))board_all_reduce, METH_FASTCALL,
+     "board_all_reduce(mem, data, header, where, rank, seq, code, op, position, spin_ns, slice_ns, done_sleepers)"},
+    {"use_cpu_specific_loops", use_cpu_specific_loops, METH_O,
+     "use_cpu_specific_loops(use) -> whether in use: this CPU's faster 16-bit loops (the default), or the "
+     "portable ones, which give the same bits (for tests and benchmarks)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "shmcoll._native", .m_size = -1, .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    sc_use_cpu_specific_loops(1);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "BOARD_DONE", BOARD_DONE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
