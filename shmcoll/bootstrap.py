@@ -39,7 +39,7 @@ from .transport.base import Transport
 from .transport.hierarchical import HierarchicalTransport
 from .transport.mailbox import Mailbox
 from .transport.shm import ShmTransport
-from .transport.shm_layout import MAGIC, Layout, fit_layout, shm_budget
+from .transport.shm_layout import MAGIC, Layout, board_bytes_for, fit_layout, shm_budget
 from .transport.shm_segment import Segment, attach_segment, create_segment, free_bytes, name_prefix, unlink_names
 from .transport.tcp import NetTransport
 from .transport.topology import Topology
@@ -306,8 +306,8 @@ def _create(cfg: Config, client: RendezvousStore, key: str, n_local: int, deadli
     """The leader's side (a failure reaches the other ranks through the store's abort key)."""
     t = cfg.tuning
     try:
-        layout = fit_layout(n_local, t.shm_slot_bytes, t.shm_slots, shm_budget(n_local, free_bytes()),
-                            t.shm_board_bytes)
+        board_bytes = board_bytes_for(n_local) if t.shm_board_bytes is None else t.shm_board_bytes
+        layout = fit_layout(n_local, t.shm_slot_bytes, t.shm_slots, shm_budget(n_local, free_bytes()), board_bytes)
     except ValueError as exc:
         raise ShmSetupError(f"{exc}; /dev/shm is too small: give the container more (docker run "
                             f"--shm-size=1g) or use transport='tcp'") from exc

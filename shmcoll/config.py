@@ -62,7 +62,9 @@ class Tuning:
     shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
     shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each channel block (shm_layout.py)
     spin_us: int | None = None  # SHMCOLL_SPIN_US: microseconds a waiter spins before it sleeps (unset: spin_seconds)
-    shm_board_bytes: int = 256 << 10  # SHMCOLL_SHM_BOARD_BYTES: calls up to this size use the board
+    #: SHMCOLL_SHM_BOARD_BYTES: calls up to this size use the board; None: by the local rank count
+    #: (transport/shm_layout.board_bytes_for)
+    shm_board_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,8 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
         shm_slot_bytes=_resolve_int_setting(env, SHM_SLOT_BYTES_VAR, Tuning.shm_slot_bytes, 64) // 64 * 64,
         shm_slots=_resolve_int_setting(env, SHM_SLOTS_VAR, Tuning.shm_slots, 2),
         spin_us=_resolve_int_setting(env, SPIN_US_VAR, 0, 0) if lookup(env, (SPIN_US_VAR,)) else None,
-        shm_board_bytes=_resolve_int_setting(env, BOARD_BYTES_VAR, Tuning.shm_board_bytes, 0) // 64 * 64,
+        shm_board_bytes=(_resolve_int_setting(env, BOARD_BYTES_VAR, 0, 0) // 64 * 64
+                         if lookup(env, (BOARD_BYTES_VAR,)) else None),
     )
 
 

@@ -21,7 +21,8 @@ from bounds import BROKEN_CALL_S, CLOSE_S, FAULT_NOTICE_S, NEVER_S, WAIT_HANG_S
 from harness import CTX, WaitTimedOut, attempt, child_processes, run_ranks, shm_names_of, wait_until
 
 BIG = 1 << 20  # float32 elements (4 MiB): many chunks per ring step with...
-CHUNKS = {"SHMCOLL_CHUNK_BYTES": str(64 << 10)}  # ...64 KiB frames
+CHUNKS = {"SHMCOLL_CHUNK_BYTES": str(64 << 10),  # ...64 KiB frames, and on shared memory the
+          "SHMCOLL_SHM_BOARD_BYTES": str(256 << 10)}  # smallest default board, so BIG takes the rings
 
 
 # ---------------------------------------------------------------------------------------------

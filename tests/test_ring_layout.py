@@ -32,6 +32,7 @@ from shmcoll.transport.shm_layout import (
     BLOCK_FROM_SHIFT,
     BLOCKS_BUDGET,
     BOARD_HEADER_OFFSET,
+    BOARD_READ_BUDGET,
     BOARD_SLEEPERS_OFFSET,
     BUDGET_PER_RANK,
     C_BLOCK,
@@ -43,12 +44,15 @@ from shmcoll.transport.shm_layout import (
     HOST_HEADER_BYTES,
     LANE_BYTES,
     LANE_SLOTS,
+    MAX_BOARD_BYTES,
     MAX_LOCAL,
     MIN_BLOCKS_PER_RANK,
+    MIN_BOARD_BYTES,
     SLOT_HEADER_BYTES,
     Layout,
     Ring,
     blocks_per_rank,
+    board_bytes_for,
     fit_layout,
     shm_budget,
 )
@@ -132,8 +136,9 @@ def _check_geometry(layout: Layout) -> None:
 
 
 def _smallest(n_local: int, slot_bytes: int, board_bytes: int = DEFAULT_BOARD) -> Layout:
-    """What fit_layout may shrink a request down to at most: no blocks, 2 slots of min(request, 64 KiB)."""
-    return Layout(n_local, min(slot_bytes, MIN_SLOT), 2, board_bytes, 0)
+    """What fit_layout may shrink a request down to at most: no blocks, 2 slots of min(request,
+    64 KiB), board entries of min(request, MIN_BOARD_BYTES)."""
+    return Layout(n_local, min(slot_bytes, MIN_SLOT), 2, min(board_bytes, MIN_BOARD_BYTES), 0)
 
 
 def _request(n_local: int, slot_bytes: int, n_slots: int, board_bytes: int = DEFAULT_BOARD) -> Layout:
@@ -143,10 +148,14 @@ def _request(n_local: int, slot_bytes: int, n_slots: int, board_bytes: int = DEF
 
 
 def _shrink_path(request: Layout) -> Iterator[Layout]:
-    """The documented order of shrinking: halve the slot count down to 2, then halve the slot size
-    (in multiples of 64) down to 64 KiB, then drop blocks one at a time down to none."""
+    """The documented order of shrinking: halve board entries over MIN_BOARD_BYTES down to it, then
+    the slot count down to 2, then the slot size (in multiples of 64) down to 64 KiB, then drop
+    blocks one at a time down to none."""
     layout = request
     yield layout
+    while layout.board_bytes > MIN_BOARD_BYTES:
+        layout = dataclasses.replace(layout, board_bytes=max(MIN_BOARD_BYTES, layout.board_bytes // 2 // 64 * 64))
+        yield layout
     while layout.n_slots > 2:
         layout = dataclasses.replace(layout, n_slots=max(2, layout.n_slots // 2))
         yield layout
@@ -489,8 +498,31 @@ def test_fit_layout_one_rank_needs_only_the_header_its_board_and_its_control_blo
         fit_layout(1, DEFAULT_SLOT, 8, need - 1)
 
 
-def test_fit_layout_keeps_the_board_size():
-    for board in (0, 64, 4 * KIB, 64 * KIB):
+def test_board_entries_hold_what_a_rank_reads_and_the_boards_share_near_a_budget():
+    assert [board_bytes_for(n) >> 10 for n in (1, 2, 4, 8, 16, 32, 64, MAX_LOCAL)] == \
+        [4096, 4096, 2048, 1024, 512, 256, 256, 256]
+    for n in range(2, MAX_LOCAL + 1):
+        entry = board_bytes_for(n)
+        assert entry % 64 == 0 and MIN_BOARD_BYTES <= entry <= MAX_BOARD_BYTES
+        assert (n - 1) * entry <= BOARD_READ_BUDGET or entry == MIN_BOARD_BYTES
+        assert board_bytes_for(n + 1) <= entry  # more ranks never get larger entries
+
+
+def test_fit_layout_shrinks_a_large_board_before_the_channels():
+    n = 4
+    request = _request(n, DEFAULT_SLOT, 8, MAX_BOARD_BYTES)
+    boards = [MAX_BOARD_BYTES >> k for k in range(5)]
+    assert boards[-1] == MIN_BOARD_BYTES
+    steps = [dataclasses.replace(request, board_bytes=b) for b in boards]
+    half, least = steps[1], steps[-1]
+    assert list(_shrink_path(request))[:5] == steps
+    assert fit_layout(n, DEFAULT_SLOT, 8, request.total_bytes - 1, MAX_BOARD_BYTES) == half
+    assert fit_layout(n, DEFAULT_SLOT, 8, least.total_bytes, MAX_BOARD_BYTES) == least
+    assert fit_layout(n, DEFAULT_SLOT, 8, least.total_bytes - 1, MAX_BOARD_BYTES).n_slots == 4
+
+
+def test_fit_layout_keeps_a_board_of_at_most_the_minimum():
+    for board in (0, 64, 4 * KIB, 64 * KIB, MIN_BOARD_BYTES):
         smallest = _smallest(4, DEFAULT_SLOT, board)
         assert fit_layout(4, DEFAULT_SLOT, 8, smallest.total_bytes, board) == smallest
         assert fit_layout(4, DEFAULT_SLOT, 8, 1 << 40, board).board_bytes == board
@@ -547,7 +579,9 @@ geometry = dict(
     n_local=st.integers(1, 12),
     slot_bytes=st.integers(1, 8 * KIB).map(lambda k: 64 * k),  # 64 B .. 512 KiB
     n_slots=st.integers(2, 40),
-    board_bytes=st.one_of(st.sampled_from([0, 64, 64 * KIB]), st.integers(0, 2 * KIB).map(lambda k: 64 * k)),
+    board_bytes=st.one_of(st.sampled_from([0, 64, 64 * KIB, MIN_BOARD_BYTES, MAX_BOARD_BYTES]),
+                          st.integers(0, 2 * KIB).map(lambda k: 64 * k),
+                          st.integers(MIN_BOARD_BYTES // 64, MAX_BOARD_BYTES // 64).map(lambda k: 64 * k)),
 )
 
 
@@ -574,12 +608,14 @@ def test_property_fit_layout(n_local, slot_bytes, n_slots, board_bytes, data):
         assert smallest.total_bytes > budget, "raised although no blocks and 2 slots of min(request, 64 KiB) fit"
         return
     assert got.total_bytes <= budget
-    assert got.n_local == n_local and got.board_bytes == board_bytes
+    assert got.n_local == n_local and min(board_bytes, MIN_BOARD_BYTES) <= got.board_bytes <= board_bytes
     assert 2 <= got.n_slots <= n_slots
     assert got.slot_bytes % 64 == 0 and min(slot_bytes, MIN_SLOT) <= got.slot_bytes <= slot_bytes
     assert 0 <= got.blocks <= request.blocks
     if request.total_bytes <= budget:
         assert got == request
+    if got.n_slots < n_slots:  # the channels shrink only once the board is down to its minimum
+        assert got.board_bytes == min(board_bytes, MIN_BOARD_BYTES)
     if got.slot_bytes < slot_bytes:  # slot size shrinks only once the slot count is down to two
         assert got.n_slots == 2
     if got.blocks < request.blocks:  # blocks go only once slots are as few and as small as they get

@@ -27,7 +27,7 @@ from shmcoll.transport.shm_segment import pid_alive
 
 from bounds import BROKEN_CALL_S, FAULT_NOTICE_S, NEVER_S, REAP_S, SETUP_FAILURE_S, WAIT_HANG_S
 from harness import CTX, Died, WaitTimedOut, attempt, finish_together, run_ranks, wait_until
-from params import reduced, small_ints
+from params import BANDWIDTH_PATHS, reduced, small_ints
 
 pytestmark = pytest.mark.multiprocess
 
@@ -559,7 +559,7 @@ def _overtake_through_the_mailbox(pg, count, fired):
 def test_frames_moved_to_the_mailbox_by_another_thread_keep_their_order():
     fired = CTX.Value("b", 0)
     out = run_ranks(2, _overtake_through_the_mailbox, MIB, fired, group_timeout=WAIT_HANG_S,
-                    env={**SHM, "SHMCOLL_CHUNK_BYTES": str(64 << 10)})
+                    env={**SHM, **BANDWIDTH_PATHS, "SHMCOLL_CHUNK_BYTES": str(64 << 10)})
     assert fired.value, "the interleaving was not forced"
     for rank, (wrong, where, values) in enumerate(out):
         assert wrong == 0, f"rank {rank}: {wrong} wrong sums, e.g. at {where}: {values}"
@@ -625,6 +625,10 @@ def _all_reduce_big(pg):
 
 
 _all_reduce_big.nbytes = 4 * MIB
+
+
+#: A board small enough that _all_reduce_fits_the_ring's frames fit in the default ring at once.
+RING_FITS_BOARD = 256 << 10
 
 
 def _all_reduce_fits_the_ring(pg):
@@ -785,7 +789,7 @@ def _leaves_after_final(rank, n, port, leaver, final, gates, pids, left, ready):
 def test_rank_that_finished_and_exited_does_not_disturb_the_others(final, n, leaver, gates):
     pids, left = CTX.RawArray("q", n), CTX.Event()
     results = run_ranks(n, _leaves_after_final, leaver, final, gates, pids, left, CTX.Barrier(n), init=False,
-                        env=SHM)
+                        env={**SHM, "SHMCOLL_SHM_BOARD_BYTES": str(RING_FITS_BOARD)})
     for rank, out in enumerate(results):
         assert out["kind"] == "returned", (rank, out)
         if rank != leaver:

@@ -46,6 +46,10 @@ BUDGET_PER_RANK = 32 << 20
 #: peer): at the default geometry, one per peer up to 11 ranks, 7 at 16, 3 at 32, the minimum from 43.
 BLOCKS_BUDGET = 256 << 20
 MIN_BLOCKS_PER_RANK = 2
+#: A board entry's payload bytes by default (board_bytes_for): this over the local ranks, within
+#: MIN_BOARD_BYTES and MAX_BOARD_BYTES.
+BOARD_READ_BUDGET = 8 << 20
+MIN_BOARD_BYTES, MAX_BOARD_BYTES = 256 << 10, 4 << 20
 MAX_LOCAL = 256
 LANE_SLOTS, LANE_BYTES = 2, 4096  # every pair's own small ring
 
@@ -185,6 +189,17 @@ def blocks_per_rank(n_local: int, channel_bytes: int) -> int:
     return min(max(n_local - 1, 0), max(MIN_BLOCKS_PER_RANK, share))
 
 
+def board_bytes_for(n_local: int) -> int:
+    """The board entry's default payload size: 4 MiB for 2 local ranks, 2 MiB for 4, 1 MiB for 8,
+    512 KiB for 16, 256 KiB from 32. One board step (publish, then read every peer's entry) beats
+    a ring's 2(n - 1) steps while a rank reads little (shmcoll-bench on 2 cores: at 2 and 4 ranks,
+    512 KiB to 4 MiB all-reduces on the board took 0.2-0.9x the ring's time); what a rank reads,
+    n - 1 entries, stays under BOARD_READ_BUDGET, and the board's share of the segment (2 n
+    entries) near twice that."""
+    share = BOARD_READ_BUDGET // max(n_local, 1) // 64 * 64
+    return max(MIN_BOARD_BYTES, min(MAX_BOARD_BYTES, share))
+
+
 def shm_budget(n_local: int, free: int) -> int:
     """Bytes a segment may reserve: half of what /dev/shm has free, and at most BUDGET_PER_RANK
     per local rank."""
@@ -193,13 +208,15 @@ def shm_budget(n_local: int, free: int) -> int:
 
 def fit_layout(n_local: int, slot_bytes: int, n_slots: int, budget: int, board_bytes: int = 64 << 10) -> Layout:
     """The requested geometry with blocks_per_rank's count of blocks, or less so that the segment
-    fits in `budget` bytes: fewer slots per block (down to 2), then smaller slots (down to 64 KiB),
-    then fewer blocks (down to none: every pair on its lane). Raises ValueError when even that does
-    not fit."""
+    fits in `budget` bytes: board entries over MIN_BOARD_BYTES halved (down to it), then fewer
+    slots per block (down to 2), then smaller slots (down to 64 KiB), then fewer blocks (down to
+    none: every pair on its lane). Raises ValueError when even that does not fit."""
     blocks = blocks_per_rank(n_local, n_slots * (SLOT_HEADER_BYTES + slot_bytes))
     layout = Layout(n_local, slot_bytes, n_slots, board_bytes, blocks)
     while layout.total_bytes > budget:
-        if layout.n_slots > 2:
+        if layout.board_bytes > MIN_BOARD_BYTES:
+            layout = dataclasses.replace(layout, board_bytes=max(MIN_BOARD_BYTES, layout.board_bytes // 2 // 64 * 64))
+        elif layout.n_slots > 2:
             layout = dataclasses.replace(layout, n_slots=max(2, layout.n_slots // 2))
         elif layout.slot_bytes > 64 << 10:
             layout = dataclasses.replace(layout, slot_bytes=max(64 << 10, layout.slot_bytes // 2 // 64 * 64))
