@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shmcoll.bench.inputs import UsageError, parse_world_sizes
 from shmcoll.bench.peer_jobs import EXIT_TIMEOUT, child_env, missing_reason, run_command, tail
 
 RANK_PROGRAM = Path(__file__).resolve().with_name("startup_rank.py")
@@ -241,12 +242,9 @@ def write_json(path: Path, args: argparse.Namespace, jobs: list[Job], summaries:
 def rank_list(text: str) -> list[int]:
     """'8,16,32' -> [8, 16, 32] (argparse type)."""
     try:
-        ranks = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give world sizes as comma-separated integers") from None
-    if not ranks or min(ranks) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every world size must be at least 1")
-    return ranks
+        return parse_world_sizes(text, 1)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch_compare_rank import BATCH, WIDTH, Policy
 
-from shmcoll.bench.inputs import UsageError, parse_size
+from shmcoll.bench.inputs import UsageError, parse_size, parse_world_sizes
 from shmcoll.bench.peer_jobs import child_env
 from shmcoll.bench.plot import human
 
@@ -265,12 +265,9 @@ def report(jobs: list[Job], args: argparse.Namespace, command: str) -> dict[str,
 def int_list(text: str) -> list[int]:
     """'2,4' -> [2, 4] (argparse type): world sizes, each at least 2."""
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"give world sizes of at least 2, e.g. 2,4 (got {text!r})")
-    return values
+        return parse_world_sizes(text, 2)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def size_list(text: str) -> list[int]:

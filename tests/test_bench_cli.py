@@ -25,6 +25,7 @@ from shmcoll.bench.inputs import (
     UsageError,
     block_values,
     parse_size,
+    parse_world_sizes,
     payload,
     reduce_expected,
     reduce_input,
@@ -255,6 +256,14 @@ def test_parse_size(text, value):
 def test_parse_size_rejects(text):
     with pytest.raises(UsageError):
         parse_size(text)
+
+
+def test_parse_world_sizes():
+    assert parse_world_sizes("8,16, 32", 1) == [8, 16, 32]
+    assert parse_world_sizes("2,4,", 2) == [2, 4]
+    for text, least in [("", 1), ("0", 1), ("4,x", 1), ("1,2", 2), ("2.5", 2)]:
+        with pytest.raises(UsageError, match=f"world sizes of at least {least}"):
+            parse_world_sizes(text, least)
 
 
 def test_sweep():

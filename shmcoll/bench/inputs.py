@@ -54,6 +54,17 @@ def parse_size(text: str) -> int:
     return value
 
 
+def parse_world_sizes(text: str, least: int) -> list[int]:
+    """'8,16, 32' -> [8, 16, 32]: comma-separated world sizes, each at least `least`."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < least:
+        raise UsageError(f"{text!r}: give world sizes of at least {least} as comma-separated integers, e.g. 2,4")
+    return sizes
+
+
 def sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
     """MIN, MIN*f, MIN*f^2, ... while <= MAX (nccl-tests' loop); always strictly increasing."""
     if min_bytes < 1 or max_bytes < min_bytes:
