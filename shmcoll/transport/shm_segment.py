@@ -59,11 +59,16 @@ def name_prefix(job_id: str, pid: int | None = None) -> str:
     return f"/{NAME_TAG}-{os.getpid() if pid is None else pid}-{job_id}"
 
 
+def segment_name(prefix: str) -> str:
+    """The name of the segment under `prefix` in /dev/shm."""
+    return f"{prefix}-mem"
+
+
 def unlink_names(prefix: str) -> None:
     """Remove the segment's name under `prefix`, whether or not it (still) exists: what a host's
     surviving ranks do when start-up fails, since the creator may be dead."""
     try:
-        posix_ipc.unlink_shared_memory(f"{prefix}-mem")
+        posix_ipc.unlink_shared_memory(segment_name(prefix))
     except posix_ipc.ExistentialError:
         pass
 
@@ -117,7 +122,7 @@ class Segment:
 
     def __init__(self, prefix: str, layout: Layout, create: bool):
         self.prefix, self.layout = prefix, layout
-        self._names: list[str] = []  # what unlink() removes
+        self._named = False  # whether unlink() still has the name to remove
         try:
             self._map(posix_ipc.O_CREX if create else 0, create)
         except BaseException:
@@ -127,9 +132,9 @@ class Segment:
             raise
 
     def _map(self, flags: int, create: bool) -> None:
-        name = f"{self.prefix}-mem"
+        name = segment_name(self.prefix)
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=self.layout.total_bytes if create else 0)
-        self._names.append(name)
+        self._named = True
         try:
             if create:
                 reserve(shm.fd, self.layout)
@@ -154,12 +159,9 @@ class Segment:
 
     def unlink(self) -> None:
         """Remove the name (idempotent); processes that attached keep using the memory."""
-        for name in self._names:
-            try:
-                posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.ExistentialError:
-                pass
-        self._names = []
+        if self._named:
+            unlink_names(self.prefix)
+            self._named = False
 
     def close(self) -> None:
         """Unmap the segment (set-up may have stopped before it was mapped)."""
