@@ -274,6 +274,24 @@ def test_bf16_sum_with_any_alignment_and_odd_length(offsets):
 
 
 @pytest.mark.parametrize("code", FLOAT_CODES + INT_CODES)
+@pytest.mark.parametrize("offset", [1, 3])
+def test_operands_may_start_at_any_byte(code, offset):
+    """A view may start at any byte (np.frombuffer at an offset): the loops and AVG's division
+    load and store each element whatever the alignment."""
+    a, b = random_operands(code, 2, 301, np.random.default_rng(17 + offset))
+    dst = np.frombuffer(bytearray(a.nbytes + offset), a.dtype, a.size, offset)
+    src = np.frombuffer(bytearray(b.nbytes + offset), b.dtype, b.size, offset)
+    dst[:], src[:] = a, b
+    assert not (dst.flags.aligned or src.flags.aligned)
+    kernels.reduce_into(dst, src, code, ReduceKind.SUM)
+    summed = ref.reference_reduce([a, b], code, ReduceKind.SUM)
+    assert_same(dst.copy(), summed, code)
+    if code in FLOAT_CODES:
+        kernels.scale_into(dst, code, 3)
+        assert_same(dst.copy(), ref.reference_scale(summed, code, 3), code)
+
+
+@pytest.mark.parametrize("code", FLOAT_CODES + INT_CODES)
 def test_read_only_src_works(code):
     """Received messages and shared-memory slots may be read-only views."""
     a, b = random_operands(code, 2, 301, np.random.default_rng(13))

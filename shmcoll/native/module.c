@@ -72,11 +72,11 @@ static PyObject *reduce_into(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (check_count(nargs, 4, "reduce_into") || as_i64(args[2], &code) || as_i64(args[3], &op) ||
         hold(args[0], &dst, 1, "reduce_into dst") || hold(args[1], &src, 0, "reduce_into src"))
         goto done;
-    size_t size = sc_element_size((int)code);
-    if (size == 0 || op < OP_SUM || op > OP_AVG || (op == OP_AVG && code >= CODE_I32)) {
+    if (!sc_has_loop(code, op)) {
         PyErr_Format(PyExc_ValueError, "no reduction for wire code %lld and op %lld", (long long)code, (long long)op);
         goto done;
     }
+    size_t size = sc_element_size((int)code);
     if (dst.view.len != src.view.len || dst.view.len % size != 0) {
         PyErr_SetString(PyExc_ValueError, "reduce_into: dst and src differ in length");
         goto done;
@@ -102,8 +102,8 @@ static PyObject *scale_into(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (check_count(nargs, 3, "scale_into") || as_i64(args[1], &code) || as_i64(args[2], &divisor) ||
         hold(args[0], &dst, 1, "scale_into dst"))
         goto done;
-    size_t size = sc_element_size((int)code);
-    if (size == 0 || code > CODE_F64 || divisor == 0 || dst.view.len % size != 0) {
+    size_t size = code >= CODE_F16 && code <= CODE_F64 ? sc_element_size((int)code) : 0;
+    if (size == 0 || divisor == 0 || dst.view.len % size != 0) {
         PyErr_Format(PyExc_ValueError, "scale_into needs a float wire code and a divisor, got %lld and %lld",
                      (long long)code, (long long)divisor);
         goto done;
@@ -237,7 +237,7 @@ static PyObject *board_all_reduce(PyObject *self, PyObject *const *args, Py_ssiz
     size_t size = sc_element_size(call.code);
     if (header.view.len != BOARD_HEADER_BYTES || where.view.len % 24 || (uintptr_t)call.where % 8 ||
         rank < 0 || rank >= call.ranks || seq < 0 || position < 0 || position > call.ranks ||
-        (call.nbytes > 0 && (size == 0 || call.nbytes % size || op < OP_SUM || op > OP_AVG)) ||
+        (call.nbytes > 0 && (!sc_has_loop(code, op) || call.nbytes % size)) ||
         !where_fits(&call, mem.view.len) || (uintptr_t)call.mem % 8 ||
         !(call.done_sleepers = item(&mem, done_sleepers, 4, "board done sleepers"))) {
         if (!PyErr_Occurred())

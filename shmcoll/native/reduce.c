@@ -44,11 +44,14 @@ LOOP(i64_prod, uint64_t, a * b)
 LOOP(i64_min, int64_t, INT_MIN_OF(a, b))
 LOOP(i64_max, int64_t, INT_MAX_OF(a, b))
 
+#define PORTABLE_SIXTEEN_BIT_ROWS                                             \
+    {f16_sum_portable, f16_prod_portable, f16_min_portable, f16_max_portable}, \
+    {bf16_sum_portable, bf16_prod_portable, bf16_min_portable, bf16_max_portable}
+
 /* [code - 1][op], op in SUM, PROD, MIN, MAX order; the 16-bit rows are replaced by faster ones
    where the CPU has them (sc_use_cpu_specific_loops). */
 static loop_fn LOOPS[6][4] = {
-    {f16_sum_portable, f16_prod_portable, f16_min_portable, f16_max_portable},
-    {bf16_sum_portable, bf16_prod_portable, bf16_min_portable, bf16_max_portable},
+    PORTABLE_SIXTEEN_BIT_ROWS,
     {f32_sum, f32_prod, f32_min, f32_max},
     {f64_sum, f64_prod, f64_min, f64_max},
     {i32_sum, i32_prod, i32_min, i32_max},
@@ -56,10 +59,7 @@ static loop_fn LOOPS[6][4] = {
 };
 
 int sc_use_cpu_specific_loops(int use) {
-    static const loop_fn portable[2][4] = {
-        {f16_sum_portable, f16_prod_portable, f16_min_portable, f16_max_portable},
-        {bf16_sum_portable, bf16_prod_portable, bf16_min_portable, bf16_max_portable},
-    };
+    static const loop_fn portable[2][4] = {PORTABLE_SIXTEEN_BIT_ROWS};
     const loop_fn (*faster)[4] = use ? sc_x86_sixteen_bit_loops() : NULL;
     memcpy(LOOPS, faster ? faster : portable, sizeof portable);
     return faster != NULL;
@@ -70,37 +70,46 @@ size_t sc_element_size(int code) {
     return code >= 1 && code <= 6 ? sizes[code] : 0;
 }
 
+bool sc_has_loop(int64_t code, int64_t op) {
+    return code >= CODE_F16 && code <= CODE_I64 && op >= OP_SUM && op <= OP_AVG && !(op == OP_AVG && code >= CODE_I32);
+}
+
 int sc_reduce(void *dst, const void *src, size_t n, int code, int op) {
-    if (code < CODE_F16 || code > CODE_I64 || op < OP_SUM || op > OP_AVG)
-        return -1;
-    if (op == OP_AVG && code >= CODE_I32)
+    if (!sc_has_loop(code, op))
         return -1;
     LOOPS[code - 1][op == OP_AVG ? OP_SUM : op](dst, src, n);
     return 0;
 }
 
+/* d[i] = EXPR over the n elements of type T at d, where EXPR reads d[i] as `a`; loaded and stored
+   with memcpy like LOOP's, so d needs no alignment. */
+#define MAP_IN_PLACE(T, EXPR)                                 \
+    for (size_t i = 0; i < n; i++) {                          \
+        T a;                                                  \
+        memcpy(&a, d + i * sizeof(T), sizeof(T));             \
+        a = (EXPR);                                           \
+        memcpy(d + i * sizeof(T), &a, sizeof(T));             \
+    }
+
 int sc_scale(void *dst, size_t n, int code, int64_t divisor) {
+    char *d = dst;
     double by = (double)divisor;
-    if (code == CODE_F16) {
-        uint16_t *d = dst;
-        for (size_t i = 0; i < n; i++)
-            d[i] = f64_to_f16((double)f16_to_f32(d[i]) / by);
-    } else if (code == CODE_BF16) {
-        uint16_t *d = dst;
-        for (size_t i = 0; i < n; i++)
-            d[i] = f64_to_bf16((double)bf16_to_f32(d[i]) / by);
-    } else if (code == CODE_F32) {
-        float *d = dst;
-        for (size_t i = 0; i < n; i++)
-            d[i] = (float)((double)d[i] / by);
-    } else if (code == CODE_F64) {
-        double *d = dst;
-        for (size_t i = 0; i < n; i++)
-            d[i] = d[i] / by;
-    } else {
+    switch (code) {
+    case CODE_F16:
+        MAP_IN_PLACE(uint16_t, f64_to_f16((double)f16_to_f32(a) / by))
+        return 0;
+    case CODE_BF16:
+        MAP_IN_PLACE(uint16_t, f64_to_bf16((double)bf16_to_f32(a) / by))
+        return 0;
+    case CODE_F32:
+        MAP_IN_PLACE(float, (float)((double)a / by))
+        return 0;
+    case CODE_F64:
+        MAP_IN_PLACE(double, a / by)
+        return 0;
+    default:
         return -1;
     }
-    return 0;
 }
 
 void sc_f16_to_f64(const uint16_t *bits, double *out, size_t n) {

@@ -2,6 +2,7 @@
 #ifndef SHMCOLL_REDUCE_H
 #define SHMCOLL_REDUCE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -15,6 +16,9 @@ int sc_use_cpu_specific_loops(int use);
 
 /* Bytes per element of a reducible code, 0 for any other code. */
 size_t sc_element_size(int code);
+
+/* Whether (code, op) has a loop: a reducible code, and AVG only for the float codes. */
+bool sc_has_loop(int64_t code, int64_t op);
 
 /* 0 on success, -1 for a (code, op) with no loop. dst and src may have any alignment. */
 int sc_reduce(void *dst, const void *src, size_t n, int code, int op);
