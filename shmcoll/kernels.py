@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 
 from shmcoll import _native
-from shmcoll.types import ReduceKind
 
 #: Where a board entry keeps its parts (native/board.h; transport/shm_layout.py lays entries out).
 BOARD_HEADER_AT, BOARD_HEADER_BYTES, BOARD_SLEEPERS_AT, BOARD_PAYLOAD_AT = 8, 116, 124, 128
@@ -47,16 +46,14 @@ load_word = _native.load_word
 board_all_reduce = _native.board_all_reduce
 
 
-def reduce_into(dst: np.ndarray, src: np.ndarray, code: int, op: ReduceKind) -> None:
-    """dst[i] = op(dst[i], src[i]) in place over contiguous storage arrays (uint16 bits for
-    f16/bf16); AVG reduces as SUM (the caller divides at the end with scale_into). ValueError for
-    a (code, op) with no loop or operands of different lengths."""
-    _native.reduce_into(dst, src, code, op)
-
-
-def scale_into(dst: np.ndarray, code: int, divisor: int) -> None:
-    """dst[i] = dst[i] / divisor in float64, rounded once (float codes only; AVG's last step)."""
-    _native.scale_into(dst, code, divisor)
+#: reduce_into(dst, src, code, op): dst[i] = op(dst[i], src[i]) in place over contiguous storage
+#: arrays (uint16 bits for f16/bf16) of any alignment; AVG reduces as SUM (the caller divides at the
+#: end with scale_into). ValueError for a (code, op) with no loop or operands of different lengths.
+#: Called once per chunk of every collective: the C function itself, no Python frame around it.
+reduce_into = _native.reduce_into
+#: scale_into(dst, code, divisor): dst[i] = dst[i] / divisor in float64, rounded once (float codes
+#: only; AVG's last step).
+scale_into = _native.scale_into
 
 
 _F16_TO_F64, _BF16_TO_F64, _F64_TO_F16, _F64_TO_BF16 = range(4)  # native convert's kinds
