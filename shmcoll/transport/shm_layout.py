@@ -52,6 +52,7 @@ BOARD_READ_BUDGET = 8 << 20
 MIN_BOARD_BYTES, MAX_BOARD_BYTES = 256 << 10, 4 << 20
 MAX_LOCAL = 256
 LANE_SLOTS, LANE_BYTES = 2, 4096  # every pair's own small ring
+LANE_STRIDE = SLOT_HEADER_BYTES + LANE_BYTES
 
 # A pair's control block: two cache lines, the writer's then the reader's.
 CONTROL_BYTES = 128
@@ -141,7 +142,7 @@ class Layout:
 
     @property
     def blocks_offset(self) -> int:
-        return self.lanes_offset + self.n_local * (self.n_local - 1) * LANE_SLOTS * (SLOT_HEADER_BYTES + LANE_BYTES)
+        return self.lanes_offset + self.n_local * (self.n_local - 1) * LANE_SLOTS * LANE_STRIDE
 
     @property
     def total_bytes(self) -> int:
@@ -166,8 +167,7 @@ class Layout:
         return self.controls_offset + (src * self.n_local + dst) * CONTROL_BYTES
 
     def lane(self, src: int, dst: int) -> Ring:
-        stride = SLOT_HEADER_BYTES + LANE_BYTES
-        return Ring(self.lanes_offset + self.pair_index(src, dst) * LANE_SLOTS * stride, stride, LANE_SLOTS)
+        return Ring(self.lanes_offset + self.pair_index(src, dst) * LANE_SLOTS * LANE_STRIDE, LANE_STRIDE, LANE_SLOTS)
 
     def block_index(self, owner: int, number: int) -> int:
         """The global index of channel block `number` of local rank `owner` (what C_BLOCK holds, less 1)."""
