@@ -44,6 +44,14 @@ load_word = _native.load_word
 #: rank computes bitwise the same result. Returns BOARD_DONE, -(2 + r) when rank r made another
 #: call, or a position to call again with after a wait slice ran out.
 board_all_reduce = _native.board_all_reduce
+#: read_peer(out, pid, address) -> 0, or the errno of the failed read: len(out) bytes of process
+#: pid's memory from address into out (process_vm_readv; algorithms/single_copy.py).
+read_peer = _native.read_peer
+#: reduce_from_peers(own, peers, me, lo, hi, code, op, scratch) -> None, or (rank, errno) of the
+#: failed read: bytes [lo, hi) of every rank's array folded in rank order into own[lo:hi] (own:
+#: rank me's array as uint8; peers[r]: rank r's pid and array address, int64), reading
+#: len(scratch) // 2 bytes of a peer at a time into scratch.
+reduce_from_peers = _native.reduce_from_peers
 
 
 #: reduce_into(dst, src, code, op): dst[i] = op(dst[i], src[i]) in place over contiguous storage

@@ -1,4 +1,4 @@
-/* shmcoll._native: the Python face of the C kernels (reduce.c, words.c, board.c).
+/* shmcoll._native: the Python face of the C kernels (reduce.c, words.c, board.c, peers.c).
 
    Why C and not a JIT: every rank of a job would otherwise import a compiler (about 75 MiB and a
    second of start-up per process, times 32 ranks on one host); this module loads in microseconds
@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include "board.h"
+#include "peers.h"
 #include "reduce.h"
 #include "words.h"
 
@@ -257,6 +258,53 @@ done:
     return result;
 }
 
+static PyObject *read_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer out = {0};
+    int64_t pid, address;
+    PyObject *result = NULL;
+    if (check_count(nargs, 3, "read_peer") || as_i64(args[1], &pid) || as_i64(args[2], &address) ||
+        hold(args[0], &out, 1, "read_peer out"))
+        goto done;
+    int error;
+    Py_BEGIN_ALLOW_THREADS
+    error = sc_read_peer(out.view.buf, pid, (uint64_t)address, (size_t)out.view.len);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(error);
+done:
+    release(&out);
+    return result;
+}
+
+static PyObject *reduce_from_peers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer own = {0}, peers = {0}, scratch = {0};
+    int64_t me, lo, hi, code, op;
+    PyObject *result = NULL;
+    if (check_count(nargs, 8, "reduce_from_peers") || as_i64(args[2], &me) || as_i64(args[3], &lo) ||
+        as_i64(args[4], &hi) || as_i64(args[5], &code) || as_i64(args[6], &op) ||
+        hold(args[0], &own, 1, "reduce_from_peers own") || hold(args[1], &peers, 0, "reduce_from_peers peers") ||
+        hold(args[7], &scratch, 1, "reduce_from_peers scratch"))
+        goto done;
+    size_t size = sc_element_size((int)code), ranks = (size_t)peers.view.len / sizeof(struct peer_array);
+    size_t piece = size ? (size_t)scratch.view.len / 2 / size * size : 0;
+    if (!sc_has_loop(code, op) || peers.view.len % sizeof(struct peer_array) || (uintptr_t)peers.view.buf % 8 ||
+        me < 0 || (size_t)me >= ranks || lo < 0 || hi < lo || hi > own.view.len || lo % size || hi % size ||
+        piece == 0) {
+        PyErr_SetString(PyExc_ValueError, "reduce_from_peers: arguments do not describe a reduction");
+        goto done;
+    }
+    int failed = -1, error;
+    Py_BEGIN_ALLOW_THREADS
+    error = sc_reduce_from_peers(own.view.buf, peers.view.buf, (int)ranks, (int)me, (size_t)lo, (size_t)hi,
+                                 (int)code, (int)op, scratch.view.buf, piece, &failed);
+    Py_END_ALLOW_THREADS
+    result = error ? Py_BuildValue("(ii)", failed, error) : Py_NewRef(Py_None);
+done:
+    release(&own);
+    release(&peers);
+    release(&scratch);
+    return result;
+}
+
 static PyObject *use_cpu_specific_loops(PyObject *self, PyObject *arg) {
     int use = PyObject_IsTrue(arg);
     if (use < 0)
@@ -275,6 +323,12 @@ static PyMethodDef methods[] = {
      "wait_word(mem, word, target, at_least, sleepers, spin_ns, slice_ns) -> reached"},
     {"board_all_reduce", (PyCFunction)(void (*)(void))board_all_reduce, METH_FASTCALL,
      "board_all_reduce(mem, data, header, where, rank, seq, code, op, position, spin_ns, slice_ns, done_sleepers)"},
+    {"read_peer", (PyCFunction)(void (*)(void))read_peer, METH_FASTCALL,
+     "read_peer(out, pid, address) -> 0, or the errno of the failed read: len(out) bytes of process pid's "
+     "memory at address"},
+    {"reduce_from_peers", (PyCFunction)(void (*)(void))reduce_from_peers, METH_FASTCALL,
+     "reduce_from_peers(own, peers, me, lo, hi, code, op, scratch) -> None, or (rank, errno) of the failed "
+     "read: bytes [lo, hi) of every rank's array (peers: int64 pairs pid, address) folded in rank order into own"},
     {"use_cpu_specific_loops", use_cpu_specific_loops, METH_O,
      "use_cpu_specific_loops(use) -> whether in use: this CPU's faster 16-bit loops (the default), or the "
      "portable ones, which give the same bits (for tests and benchmarks)"},

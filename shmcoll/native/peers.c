@@ -1,0 +1,58 @@
+/* A large all-reduce's data movement on one host when ranks may read each other's memory: every
+   byte crosses between processes once, copied by the kernel straight out of the peer's array,
+   instead of twice through shared memory (algorithms/single_copy.py says when this runs).
+
+   The fold is in rank order, piece by piece, over a scratch area small enough to stay in cache:
+   rank 0 folds into its own array; any other rank starts from rank 0's piece in scratch, folds
+   the rest in (its own piece at its turn), and copies the result into its array. Only the owner
+   of a range writes it, and peers read only ranges their owners do not write during this step. */
+#define _GNU_SOURCE
+#include "peers.h"
+
+#include <errno.h>
+#include <string.h>
+#include <sys/uio.h>
+
+#include "reduce.h"
+
+int sc_read_peer(void *out, int64_t pid, uint64_t address, size_t n) {
+    uint8_t *to = out;
+    while (n > 0) {
+        struct iovec local = {to, n}, remote = {(void *)(uintptr_t)address, n};
+        ssize_t got = process_vm_readv((pid_t)pid, &local, 1, &remote, 1, 0);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            return got < 0 ? errno : EFAULT;  /* 0 bytes: the range is not mapped in the peer */
+        to += got, address += (uint64_t)got, n -= (size_t)got;
+    }
+    return 0;
+}
+
+int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,
+                         int code, int op, uint8_t *scratch, size_t piece, int *failed) {
+    size_t size = sc_element_size(code);
+    uint8_t *acc_area = scratch, *incoming = scratch + piece;
+    for (size_t at = lo; at < hi; at += piece) {
+        size_t n = hi - at < piece ? hi - at : piece;
+        uint8_t *acc = me == 0 ? own + at : acc_area;
+        for (int r = 0; r < ranks; r++) {
+            int error = 0;
+            if (r == 0 && me != 0)
+                error = sc_read_peer(acc, peers[0].pid, peers[0].address + at, n);
+            else if (r == me && me != 0)
+                sc_reduce(acc, own + at, n / size, code, op);
+            else if (r != me)
+                error = sc_read_peer(incoming, peers[r].pid, peers[r].address + at, n);
+            if (error) {
+                *failed = r;
+                return error;
+            }
+            if (r != me && r != 0)
+                sc_reduce(acc, incoming, n / size, code, op);
+        }
+        if (me != 0)
+            memcpy(own + at, acc, n);
+    }
+    return 0;
+}

@@ -1,0 +1,23 @@
+/* Reading a peer process's memory directly (Linux cross-memory attach, process_vm_readv). */
+#ifndef SHMCOLL_PEERS_H
+#define SHMCOLL_PEERS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* One peer's array as it published it: its pid and the address of its first byte. */
+struct peer_array {
+    int64_t pid;
+    uint64_t address;
+};
+
+/* Copy n bytes at `address` in process pid into out: 0, or the errno of the read that failed. */
+int sc_read_peer(void *out, int64_t pid, uint64_t address, size_t n);
+
+/* Bytes [lo, hi) of every rank's array folded in rank order into own[lo, hi) (own is rank me's
+   array): peers' bytes are read into scratch, `piece` bytes at a time (two pieces of scratch).
+   0, or the errno of the read that failed with *failed set to the peer's rank. */
+int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,
+                         int code, int op, uint8_t *scratch, size_t piece, int *failed);
+
+#endif
