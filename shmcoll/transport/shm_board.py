@@ -15,7 +15,8 @@ Ordering, on any CPU (the words are loaded and stored by kernels.py's atomics):
 Waits spin briefly, then sleep on a futex of the word that the writer wakes (kernels.wait_word),
 in slices of at most WAIT_SLICE_NS, between which aborts, dead peers and the deadline are checked.
 The all-reduce runs as one compiled step (kernels.board_all_reduce); the other calls publish and
-read through the methods below.
+read through the methods below. A large all-reduce publishes only where its array is, for peers
+to read directly (algorithms/single_copy.py), and signals its steps on words of its entry.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Board:
     def __init__(self, mem: np.ndarray, layout: Layout, rank: int, local_of: dict[int, int], spin_s: float):
         self.mem, self._layout, self._rank, self._local_of = mem, layout, rank, local_of
         self._me = local_of[rank]
+        #: whether every local rank can read its peers' memory (None until the first call that asks;
+        #: algorithms/single_copy.py)
+        self.single_copy_agreed: bool | None = None
         self.spin_ns = int(spin_s * 1e9)  # how long a wait spins before it sleeps
         self._nbytes = 0
         self._header = b""
@@ -106,13 +110,16 @@ class Board:
 
     # ---- publishing and reading, for the other board calls ----
     def publish(self, meta: Meta, code: int, data: np.ndarray, deadline: float, check: Callable[[], None],
-                with_payload: bool = True) -> None:
+                with_payload: bool = True, payload: np.ndarray | None = None) -> None:
         """Write our entry for meta.seq (data: a 1-D array of wire type `code`) once no peer can
         still be reading the entry it replaces. Without payload only the call's description goes
-        out (a broadcast's receivers: everyone still checks that everyone made the same call)."""
-        seq, payload = meta.seq, data.view(np.uint8)
+        out (a broadcast's receivers: everyone still checks that everyone made the same call).
+        `payload`, where given, is what the entry carries instead of data (every rank of the call
+        publishes one of the same size); the header still describes data."""
+        seq = meta.seq
         header = self._header = entry_header(self._rank, meta, code, data).tobytes()
-        self._nbytes = data.nbytes
+        payload = (data if payload is None else payload).view(np.uint8)
+        self._nbytes = payload.nbytes
         at = self._entry(self._rank, seq)
         previous = int(kernels.load_word(self.mem, at // 8))
         if previous:
@@ -166,6 +173,10 @@ class Board:
         """Whether rank src has published its entry for seq (it is inside that call)."""
         return kernels.load_word(self.mem, self._entry(src, seq) // 8) == seq + 1
 
+    def payload_word(self, src: int, seq: int, k: int) -> int:
+        """The index of u64 word k of rank src's entry payload for seq (in mem as u64 words)."""
+        return (self._entry(src, seq) + SLOT_HEADER_BYTES) // 8 + k
+
     def finish(self, seq: int) -> None:
         """We have read every entry of seq: peers may overwrite theirs."""
         kernels.store_and_wake(self.mem, W_DONE + self._me, seq + 1, DONE_SLEEPERS)
@@ -192,6 +203,11 @@ class Board:
         for peer, local in self._local_of.items():
             if peer != self._rank:
                 self._wait(W_DONE + local, mark, True, DONE_SLEEPERS, deadline, check, what)
+
+    def wait_at_least(self, word: int, target: int, sleepers: int, deadline: float, check: Callable[[], None],
+                      what: str) -> None:
+        """Until u64 word `word` of mem reaches target (sleepers: the u32 counter of its waiters)."""
+        self._wait(word, target, True, sleepers, deadline, check, what)
 
     def _wait(self, word: int, target: int, at_least: bool, sleepers: int, deadline: float,
               check: Callable[[], None], what: str) -> None:
