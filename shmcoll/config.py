@@ -42,6 +42,7 @@ SHM_SLOTS_VAR = "SHMCOLL_SHM_SLOTS"
 SPIN_US_VAR = "SHMCOLL_SPIN_US"
 BOARD_BYTES_VAR = "SHMCOLL_SHM_BOARD_BYTES"
 TRANSPORT_VAR = "SHMCOLL_TRANSPORT"
+SINGLE_COPY_VAR = "SHMCOLL_SINGLE_COPY"
 TRANSPORTS = ("auto", "hier", "tcp", "shm")
 
 DEFAULT_TIMEOUT = 300.0
@@ -65,6 +66,9 @@ class Tuning:
     #: SHMCOLL_SHM_BOARD_BYTES: calls up to this size use the board; None: by the local rank count
     #: (transport/shm_layout.board_bytes_for)
     shm_board_bytes: int | None = None
+    #: SHMCOLL_SINGLE_COPY: whether large all-reduces on one host read peers' arrays directly where
+    #: the host allows it (algorithms/single_copy.py)
+    single_copy: bool = True
 
 
 @dataclass(frozen=True)
@@ -111,15 +115,15 @@ def _resolve_timeout(explicit, environ) -> float:
     return value
 
 
-def _resolve_debug(environ) -> bool:
-    """SHMCOLL_DEBUG=1 (or true/yes/on) enables debug output; typos are reported, not ignored."""
-    found = lookup(environ, (DEBUG_VAR,))
+def _resolve_flag(environ, name: str, default: bool) -> bool:
+    """A switch: 1, true, yes or on; 0, false, no or off. Typos are reported, not ignored."""
+    found = lookup(environ, (name,))
     if found is None:
-        return False
+        return default
     value = found[1].lower()
     if value in _TRUE or value in _FALSE:
         return value in _TRUE
-    raise InvalidArgument(f"{DEBUG_VAR} must be 1 or 0, got {found[1]!r}")
+    raise InvalidArgument(f"{name} must be 1 or 0, got {found[1]!r}")
 
 
 def _resolve_int_setting(environ, name: str, default: int, low: int) -> int:
@@ -157,12 +161,13 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
     return Tuning(
         chunk_bytes=_resolve_int_setting(env, CHUNK_BYTES_VAR, Tuning.chunk_bytes, 64),
         one_shot_bytes=_resolve_int_setting(env, ONE_SHOT_BYTES_VAR, Tuning.one_shot_bytes, 0),
-        debug=_resolve_debug(env),
+        debug=_resolve_flag(env, DEBUG_VAR, False),
         shm_slot_bytes=_resolve_int_setting(env, SHM_SLOT_BYTES_VAR, Tuning.shm_slot_bytes, 64) // 64 * 64,
         shm_slots=_resolve_int_setting(env, SHM_SLOTS_VAR, Tuning.shm_slots, 2),
         spin_us=_resolve_int_setting(env, SPIN_US_VAR, 0, 0) if lookup(env, (SPIN_US_VAR,)) else None,
         shm_board_bytes=(_resolve_int_setting(env, BOARD_BYTES_VAR, 0, 0) // 64 * 64
                          if lookup(env, (BOARD_BYTES_VAR,)) else None),
+        single_copy=_resolve_flag(env, SINGLE_COPY_VAR, True),
     )
 
 
@@ -216,7 +221,7 @@ def _own_settings(env: Mapping[str, str], timeout, transport) -> dict:
         "host_id": host[1] if host else default_host_id(),
         "timeout": _resolve_timeout(timeout, env),
         "secret": secret[1].encode("utf-8") if secret else None,
-        "debug": _resolve_debug(env),
+        "debug": _resolve_flag(env, DEBUG_VAR, False),
         "tuning": load_tuning(env),
         "transport": _resolve_transport(transport, env),
     }

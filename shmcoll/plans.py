@@ -37,7 +37,8 @@ from .algorithms.ring import (
     ring_all_reduce,
     ring_reduce_scatter_blocks,
 )
-from .algorithms.select import NEIGHBOURHOOD, Algorithm, Setting, select
+from .algorithms.select import NEIGHBOURHOOD, Algorithm, Setting, select, without_single_copy
+from .algorithms.single_copy import single_copy_all_reduce
 from .algorithms.two_level import (
     two_level_agree,
     two_level_all_gather,
@@ -78,7 +79,7 @@ class Where:
         topo = t.topology if t.topology is not None and t.topology.n_hosts > 1 else None
         setting = Setting(hosts=topo.n_hosts if topo is not None else 1,
                           board_bytes=t.board.capacity if t.board is not None else None,
-                          one_shot_bytes=tuning.one_shot_bytes, size=t.world_size)
+                          one_shot_bytes=tuning.one_shot_bytes, size=t.world_size, single_copy=tuning.single_copy)
         return cls(t.rank, t.world_size, topo, setting)
 
     @functools.cached_property
@@ -120,6 +121,9 @@ def _all_reduce(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[C
         case Algorithm.NEIGHBOURHOODS:
             nearby = w.neighbourhoods
             return lambda c, d: two_level_all_reduce(c, nearby, d, kind, w.setting.one_shot_bytes)
+        case Algorithm.SINGLE_COPY:
+            fallback = _all_reduce(w, without_single_copy(w.setting), kind)
+            return lambda c, d: single_copy_all_reduce(c, d, kind, fallback)
     return lambda c, d: ring_all_reduce(c, d, kind)
 
 

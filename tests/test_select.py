@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 
 from shmcoll.algorithms.board_v import HEAD_BYTES
-from shmcoll.algorithms.select import NEIGHBOURHOOD, SPLIT_HOST_AT, Algorithm, Setting, across_hosts, select
+from shmcoll.algorithms.select import (
+    NEIGHBOURHOOD,
+    SPLIT_HOST_AT,
+    Algorithm,
+    Setting,
+    across_hosts,
+    select,
+    without_single_copy,
+)
+from shmcoll.algorithms.single_copy import DESCRIPTOR_BYTES
 from shmcoll.config import Tuning
 from shmcoll.plans import Where
 from shmcoll.transport.tcp import NetTransport
@@ -26,7 +36,7 @@ C = Collective
 
 CASES = [
     # all_reduce: one step while small, then the bandwidth-optimal ring or its two-level form
-    (C.ALL_REDUCE, 8, SHM, A.BOARD), (C.ALL_REDUCE, BOARD, SHM, A.BOARD), (C.ALL_REDUCE, BOARD + 1, SHM, A.RING),
+    (C.ALL_REDUCE, 8, SHM, A.BOARD), (C.ALL_REDUCE, BOARD, SHM, A.BOARD), (C.ALL_REDUCE, BOARD + 1, SHM, A.SINGLE_COPY),
     (C.ALL_REDUCE, ONE_SHOT, TCP, A.ONE_SHOT), (C.ALL_REDUCE, ONE_SHOT + 1, TCP, A.RING),
     (C.ALL_REDUCE, ONE_SHOT, HOSTS, A.TWO_LEVEL_ONE_SHOT), (C.ALL_REDUCE, ONE_SHOT + 1, HOSTS, A.TWO_LEVEL),
     # reduce_scatter and reduce reuse all_reduce's one-step paths for small arrays
@@ -109,9 +119,13 @@ def test_two_level_slices_cross_hosts_in_one_step_while_small():
 
 @pytest.mark.parametrize("size, expected", [(2, A.RING), (SPLIT_HOST_AT - 1, A.RING), (SPLIT_HOST_AT, A.NEIGHBOURHOODS),
                                             (64, A.NEIGHBOURHOODS)])
-def test_a_large_all_reduce_of_many_ranks_on_shared_memory_runs_over_neighbourhoods(size, expected):
+def test_a_large_all_reduce_of_many_ranks_without_single_copy_runs_over_neighbourhoods(size, expected):
     many = Setting(hosts=1, board_bytes=BOARD, one_shot_bytes=ONE_SHOT, size=size)
-    assert select(C.ALL_REDUCE, BOARD + 1, many) is expected
+    assert select(C.ALL_REDUCE, BOARD + 1, many) is A.SINGLE_COPY  # at any size, where ranks may read each other
+    assert without_single_copy(many) is expected
+    assert select(C.ALL_REDUCE, BOARD + 1, dataclasses.replace(many, single_copy=False)) is expected
+    tiny_board = dataclasses.replace(many, board_bytes=DESCRIPTOR_BYTES - 64)  # no room to say where the array is
+    assert select(C.ALL_REDUCE, BOARD + 1, tiny_board) is expected
     assert select(C.ALL_REDUCE, BOARD, many) is A.BOARD  # small calls keep their one step
     assert select(C.REDUCE_SCATTER, BOARD + 1, many) is A.RING  # only the all-reduce is split
     assert select(C.ALL_REDUCE, BOARD + 1, Setting(hosts=1, board_bytes=None, size=size)) is A.RING  # no shm

@@ -627,7 +627,8 @@ def _all_reduce_big(pg):
 _all_reduce_big.nbytes = 4 * MIB
 
 
-#: A board small enough that _all_reduce_fits_the_ring's frames fit in the default ring at once.
+#: A board small enough that _all_reduce_fits_the_ring's frames fit in the default ring at once
+#: (with SHMCOLL_SINGLE_COPY=0, so that it takes the ring).
 RING_FITS_BOARD = 256 << 10
 
 
@@ -789,7 +790,7 @@ def _leaves_after_final(rank, n, port, leaver, final, gates, pids, left, ready):
 def test_rank_that_finished_and_exited_does_not_disturb_the_others(final, n, leaver, gates):
     pids, left = CTX.RawArray("q", n), CTX.Event()
     results = run_ranks(n, _leaves_after_final, leaver, final, gates, pids, left, CTX.Barrier(n), init=False,
-                        env={**SHM, "SHMCOLL_SHM_BOARD_BYTES": str(RING_FITS_BOARD)})
+                        env={**SHM, "SHMCOLL_SHM_BOARD_BYTES": str(RING_FITS_BOARD), "SHMCOLL_SINGLE_COPY": "0"})
     for rank, out in enumerate(results):
         assert out["kind"] == "returned", (rank, out)
         if rank != leaver:

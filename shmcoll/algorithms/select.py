@@ -3,12 +3,13 @@
 Every rank of a group must run the same algorithm, or ranks would wait for frames that never come.
 So the choice depends only on facts every rank shares: the collective, its per-rank byte count
 (equal on every rank for the calls that use it), the hosts the group spans, whether its transport
-has a shared-memory board and how large a board entry is, and the tuning threshold for one-step
-all-reduces (config.Tuning, SHMCOLL_ONE_SHOT_BYTES). No I/O: the table below is unit-tested alone.
+has a shared-memory board and how large a board entry is, and the tuning knobs (config.Tuning:
+SHMCOLL_ONE_SHOT_BYTES, SHMCOLL_SINGLE_COPY), which must be alike on every rank. No I/O: the table
+below is unit-tested alone.
 
 | call | one host, small | one host, large | across hosts |
 |---|---|---|---|
-| all_reduce | BOARD, else ONE_SHOT up to one_shot_bytes | RING, NEIGHBOURHOODS | TWO_LEVEL_ONE_SHOT, else TWO_LEVEL |
+| all_reduce | BOARD, else ONE_SHOT up to one_shot_bytes | SINGLE_COPY | TWO_LEVEL_ONE_SHOT, else TWO_LEVEL |
 | reduce_scatter, reduce | as all_reduce (the one-step result, each rank keeps its part) | RING | TWO_LEVEL |
 | all_gather | BOARD | RING | TWO_LEVEL |
 | broadcast | BOARD | CHAIN | TWO_LEVEL |
@@ -19,15 +20,18 @@ all-reduces (config.Tuning, SHMCOLL_ONE_SHOT_BYTES). No I/O: the table below is 
 | all_gather_v | BOARD_OR_RING (decided on the board) | BOARD_OR_RING | TWO_LEVEL |
 | federated_average | DEADLINE | DEADLINE | DEADLINE |
 
-"One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). A ring
-through n ranks takes 2(n-1) steps one after another, and with many ranks on few cores each step
-waits for processes to be scheduled; so from SPLIT_HOST_AT ranks on shared memory a large
-all-reduce runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD consecutive ranks
-instead of hosts (at 32 ranks: 20 steps, not 62). Inside
-TWO_LEVEL all-reduce, each slice crosses hosts in one step or around a ring (`across_hosts`). A group
-with no board (TCP only, or a sub-group) takes the large column's algorithm, except all_reduce's
-ONE_SHOT. all_gather_v's pieces differ in size, so no rank can choose by size alone: on a board
-every rank publishes a head saying whether its piece fits, and all decide alike from the heads.
+"One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). A large
+all-reduce on a board reads peers' arrays directly (SINGLE_COPY: three waits at any rank count).
+Where the host forbids that, the ranks agree to run `without_single_copy` instead (which
+SHMCOLL_SINGLE_COPY=0 picks at once): a ring through n ranks takes 2(n-1) steps one after another,
+and with many ranks on few cores each step waits for processes to be scheduled; so from
+SPLIT_HOST_AT ranks it runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD
+consecutive ranks instead of hosts (at 32 ranks: 20 steps, not 62). Inside TWO_LEVEL all-reduce,
+each slice crosses hosts in one step or around a ring (`across_hosts`). A group with no board (TCP
+only, or a sub-group) takes the large column's algorithm (RING for all_reduce), except
+all_reduce's ONE_SHOT. all_gather_v's pieces differ in size, so no rank can choose by size alone:
+on a board every rank publishes a head saying whether its piece fits, and all decide alike from
+the heads.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from dataclasses import dataclass
 
 from ..types import Collective
 from .board_v import HEAD_BYTES
+from .single_copy import DESCRIPTOR_BYTES
 
-#: Ranks of a group on one host's shared memory from which a large all-reduce runs NEIGHBOURHOODS.
+#: Ranks of a group on one host's shared memory from which a large all-reduce that may not read
+#: peers' memory runs NEIGHBOURHOODS.
 SPLIT_HOST_AT = 16
 #: Ranks per neighbourhood, about (Topology.neighbourhoods).
 NEIGHBOURHOOD = 8
@@ -51,6 +57,7 @@ class Algorithm(enum.Enum):
     BOARD_OR_RING = "board or ring"  # board_v.py: one board step if every piece fits its entry, else RING
     ONE_SHOT = "one-shot"  # ring.py: every rank sends its whole input to every other, all fold alike
     RING = "ring"  # ring.py: reduce-scatter and all-gather around a ring, bandwidth-optimal
+    SINGLE_COPY = "single copy"  # single_copy.py: each rank reads its range of every peer's array, then the rest
     CHAIN = "chain"  # broadcast.py: pipelined chain from the root
     DISSEMINATION = "dissemination"  # barrier.py: ceil(log2 n) rounds of signals
     DIRECT = "direct"  # direct.py: an agreement step, then each block straight to its destination
@@ -70,6 +77,7 @@ class Setting:
     board_bytes: int | None = None  # payload bytes of one board entry; None without a board
     one_shot_bytes: int = 16 << 10  # config.Tuning.one_shot_bytes
     size: int = 1  # ranks in the group
+    single_copy: bool = True  # config.Tuning.single_copy
 
     def fits_board(self, nbytes: int) -> bool:
         return self.board_bytes is not None and nbytes <= self.board_bytes
@@ -111,11 +119,18 @@ def _flat(large: Algorithm, small: Algorithm | None = Algorithm.BOARD, across: A
     return choose
 
 
+def without_single_copy(where: Setting) -> Algorithm:
+    """A SINGLE_COPY all-reduce's algorithm where its ranks may not read each other's memory."""
+    return Algorithm.NEIGHBOURHOODS if where.size >= SPLIT_HOST_AT else Algorithm.RING
+
+
 def _large_all_reduce(nbytes: int, where: Setting) -> Algorithm:
     if where.hosts > 1:
         return Algorithm.TWO_LEVEL
-    many_on_shm = where.board_bytes is not None and where.size >= SPLIT_HOST_AT
-    return Algorithm.NEIGHBOURHOODS if many_on_shm else Algorithm.RING
+    if where.board_bytes is None:
+        return Algorithm.RING
+    may_read = where.single_copy and where.board_bytes >= DESCRIPTOR_BYTES
+    return Algorithm.SINGLE_COPY if may_read else without_single_copy(where)
 
 
 def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:

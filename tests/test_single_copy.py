@@ -1,0 +1,210 @@
+"""Large all-reduces that read peers' arrays directly (algorithms/single_copy.py).
+
+In one process: the native reads and the rank-order fold, with "peers" that are other arrays of
+this process (a process may read itself through the same system call). Across real ranks over
+shared memory: exact results and bitwise-identical ranks for every reducible type, the agreement
+that makes every rank fall back together when one cannot be read, mismatched calls, and a rank
+killed inside each step.
+
+The board is shrunk to 64 KiB (SMALL_BOARD) so that arrays of a few hundred KiB are "large".
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from shmcoll import ReduceKind, kernels
+from shmcoll.algorithms import single_copy
+from shmcoll.algorithms.call import segment_bounds
+from shmcoll.types import wire_type_of
+
+from faults import assert_survivors, call_after_failure, close_group
+from harness import CTX, attempt, finish_together, run_ranks
+
+SMALL_BOARD = {"SHMCOLL_TRANSPORT": "shm", "SHMCOLL_SHM_BOARD_BYTES": str(64 << 10)}
+ELEMENTS = 100_003  # past the small board for every type, and uneven over 2, 3 and 4 ranks
+NO_SUCH_PID = 0x7FFFFFFF  # above any pid_max Linux allows
+
+CASES = [(np.float32, ReduceKind.SUM), (np.float32, ReduceKind.AVG), (np.float64, ReduceKind.PROD),
+         (np.float16, ReduceKind.SUM), (np.float16, ReduceKind.MAX), (np.int32, ReduceKind.MIN),
+         (np.int64, ReduceKind.SUM)]
+
+
+def _inputs(rank: int, dtype, n: int = ELEMENTS) -> np.ndarray:
+    """Rank `rank`'s input: values whose float sums depend on the order they are added in."""
+    values = np.random.default_rng(rank).standard_normal(n) * 10.0 ** (rank % 3)
+    return values.astype(dtype) if np.dtype(dtype).kind == "f" else (values * 1000).astype(dtype)
+
+
+def _fold_in_rank_order(arrays: list[np.ndarray], op: ReduceKind) -> np.ndarray:
+    """The reference: rank 0's array, then each next rank's folded in by the kernels; AVG divided last."""
+    code = wire_type_of(arrays[0].dtype).code
+    storage = wire_type_of(arrays[0].dtype).storage
+    result = arrays[0].copy()
+    for other in arrays[1:]:
+        kernels.reduce_into(result.view(storage), other.view(storage), code, int(op))
+    if op is ReduceKind.AVG:
+        kernels.scale_into(result.view(storage), code, len(arrays))
+    return result
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+# ---------------------------------------------------------------------------------------------
+# in one process
+# ---------------------------------------------------------------------------------------------
+
+def test_read_peer_copies_another_address_space_range():
+    source = np.arange(1000, dtype=np.int64)
+    out = np.zeros(1000, dtype=np.int64)
+    assert kernels.read_peer(out, os.getpid(), _address(source)) == 0
+    assert np.array_equal(out, source)
+
+
+def test_read_peer_reports_unmapped_memory_and_missing_processes():
+    out = np.zeros(8, dtype=np.uint8)
+    assert kernels.read_peer(out, os.getpid(), 8) == errno.EFAULT
+    assert kernels.read_peer(out, NO_SUCH_PID, _address(out)) == errno.ESRCH
+    assert not out.any()
+
+
+@pytest.mark.parametrize("dtype, op", CASES)
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_each_rank_folds_its_range_of_every_array_in_rank_order(dtype, op, ranks):
+    """Every "rank" of this process reduces its own range, through a scratch of two 40-byte pieces
+    (so ranges span many pieces, some short); the ranges together are the reference, the rest of
+    each array is left alone."""
+    arrays = [_inputs(r, dtype, 1001) for r in range(ranks)]
+    reference = _fold_in_rank_order(arrays, ReduceKind.SUM if op is ReduceKind.AVG else op)
+    wire, itemsize = wire_type_of(np.dtype(dtype)), np.dtype(dtype).itemsize
+    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    scratch = np.empty(80 + itemsize - 1, dtype=np.uint8)  # two pieces, rounded down to whole elements
+    for me, (lo, hi) in enumerate(segment_bounds(1001, ranks)):
+        mine = arrays[me].copy()  # the others keep reading the untouched inputs
+        peers[me, 1] = _address(mine)
+        failed = kernels.reduce_from_peers(mine.view(np.uint8), peers, me, lo * itemsize, hi * itemsize,
+                                           wire.code, int(op), scratch)
+        peers[me, 1] = _address(arrays[me])
+        assert failed is None
+        assert np.array_equal(mine[:lo], arrays[me][:lo]) and np.array_equal(mine[hi:], arrays[me][hi:])
+        assert mine[lo:hi].tobytes() == reference[lo:hi].tobytes(), (me, lo, hi)
+
+
+def test_a_failed_read_names_the_rank_it_was_reading():
+    arrays = [np.ones(64, dtype=np.float32) for _ in range(3)]
+    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    peers[2] = (NO_SUCH_PID, _address(arrays[2]))
+    scratch = np.empty(1024, dtype=np.uint8)
+    code = wire_type_of(np.dtype(np.float32)).code
+    assert kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, 0, 0, 256, code, 0, scratch) == (2, errno.ESRCH)
+    peers[2] = (os.getpid(), 8)
+    assert kernels.reduce_from_peers(arrays[1].view(np.uint8), peers, 1, 0, 256, code, 0, scratch) == (2, errno.EFAULT)
+
+
+@pytest.mark.parametrize("me, lo, hi, code, scratch_bytes", [
+    (3, 0, 64, 3, 64),      # no rank 3 among 3
+    (0, 64, 0, 3, 64),      # an empty range backwards
+    (0, 0, 260, 3, 64),     # past the array's end
+    (0, 2, 64, 3, 64),      # not on an element boundary
+    (0, 0, 64, 3, 4),       # scratch too small for one element per piece
+    (0, 0, 64, 99, 64),     # no such type
+])
+def test_reduce_from_peers_refuses_arguments_that_describe_no_reduction(me, lo, hi, code, scratch_bytes):
+    arrays = [np.ones(64, dtype=np.float32) for _ in range(3)]
+    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    with pytest.raises(ValueError, match="do not describe"):
+        kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, me, lo, hi, code, 0,
+                                  np.empty(scratch_bytes, dtype=np.uint8))
+
+
+def test_a_rank_may_read_a_peer_only_where_the_peers_token_is_found():
+    mine = single_copy._descriptor(np.zeros(4))
+    assert single_copy.can_read(mine)
+    wrong_token = mine.copy()
+    wrong_token[single_copy.TOKEN] += 1
+    assert not single_copy.can_read(wrong_token)
+    elsewhere = mine.copy()
+    elsewhere[single_copy.PID] = NO_SUCH_PID
+    assert not single_copy.can_read(elsewhere)
+
+
+# ---------------------------------------------------------------------------------------------
+# across ranks
+# ---------------------------------------------------------------------------------------------
+
+def _all_cases(pg):
+    """Every case, checked against the reference fold; this rank's results, for the bitwise check."""
+    out = []
+    for dtype, op in CASES:
+        data = _inputs(pg.rank, dtype)
+        pg.all_reduce(data, op)
+        want = _fold_in_rank_order([_inputs(r, dtype) for r in range(pg.world_size)], op)
+        assert data.tobytes() == want.tobytes(), (dtype, op)
+        out.append(data.tobytes())
+    return pg.transport.board.single_copy_agreed, out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_large_all_reduces_read_peers_directly_exactly_and_alike(n):
+    results = run_ranks(n, _all_cases, env=SMALL_BOARD)
+    assert all(agreed is True for agreed, _ in results)  # they took the direct path
+    assert all(out == results[0][1] for _, out in results)
+
+
+def _one_rank_cannot_be_read(pg):
+    if pg.rank == 1:  # as a rank in another pid namespace would be
+        real = single_copy._descriptor
+        single_copy._descriptor = lambda data: real(data) + np.eye(1, 8, single_copy.TOKEN, dtype=np.int64)[0]
+    data = np.arange(ELEMENTS, dtype=np.int64) * (pg.rank + 1)
+    for _ in range(2):  # the agreement's call, then a call that knows the answer
+        data[:] = np.arange(ELEMENTS) * (pg.rank + 1)
+        pg.all_reduce(data)
+        assert np.array_equal(data, np.arange(ELEMENTS) * (pg.world_size * (pg.world_size + 1) // 2))
+    return pg.transport.board.single_copy_agreed
+
+
+@pytest.mark.multiprocess
+def test_one_rank_that_cannot_be_read_makes_every_rank_take_the_fallback():
+    assert run_ranks(3, _one_rank_cannot_be_read, env=SMALL_BOARD) == [False, False, False]
+
+
+def _mismatched(pg):
+    return attempt(lambda: pg.all_reduce(np.ones(ELEMENTS + 64 * pg.rank, dtype=np.float32)))
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_reduce_different_lengths_fail_alike():
+    for out in run_ranks(3, _mismatched, env=SMALL_BOARD):
+        assert out["kind"] == "CollectiveMismatch", out
+
+
+def _killed_in_step(pg, victim: int, step: str, finish):
+    data = np.ones(ELEMENTS, dtype=np.float32)
+    pg.all_reduce(data)  # the agreement, so the fault hits a call that reads peers
+    if pg.rank == victim:
+        setattr(single_copy, step, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+        pg.all_reduce(data)
+        return None
+    out = attempt(lambda: pg.all_reduce(data))
+    out["broken"] = call_after_failure(pg)
+    out["finished_together"] = finish_together(finish)
+    out.update(close_group(pg))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("step", ["_reduce_own_range", "_copy_other_ranges"])
+def test_a_rank_killed_inside_a_step_is_lost_to_every_other(step):
+    """Killed once it has published (its peers read it or wait for its range) or once its range is
+    reduced (its peers copy it, then wait for everyone to finish)."""
+    victim, n = 1, 3
+    results = run_ranks(n, _killed_in_step, victim, step, CTX.Barrier(n - 1), env=SMALL_BOARD, may_die={victim})
+    assert_survivors({r: out for r, out in enumerate(results) if r != victim}, victim)
