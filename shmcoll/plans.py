@@ -38,7 +38,12 @@ from .algorithms.ring import (
     ring_reduce_scatter_blocks,
 )
 from .algorithms.select import NEIGHBOURHOOD, Algorithm, Setting, select, without_single_copy
-from .algorithms.single_copy import single_copy_all_reduce
+from .algorithms.single_copy import (
+    single_copy_all_gather,
+    single_copy_all_reduce,
+    single_copy_broadcast,
+    single_copy_reduce_scatter,
+)
 from .algorithms.two_level import (
     two_level_agree,
     two_level_all_gather,
@@ -122,8 +127,8 @@ def _all_reduce(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[C
             nearby = w.neighbourhoods
             return lambda c, d: two_level_all_reduce(c, nearby, d, kind, w.setting.one_shot_bytes)
         case Algorithm.SINGLE_COPY:
-            fallback = _all_reduce(w, without_single_copy(w.setting), kind)
-            return lambda c, d: single_copy_all_reduce(c, d, kind, fallback)
+            usual = _all_reduce(w, without_single_copy(Collective.ALL_REDUCE, w.setting), kind)
+            return lambda c, d: single_copy_all_reduce(c, d, kind, lambda c: usual(c, d))
     return lambda c, d: ring_all_reduce(c, d, kind)
 
 
@@ -146,6 +151,8 @@ def reduce_scatter(w: Where, arr: np.ndarray, wire: WireType, kind: ReduceKind) 
     else:
         work = flat.copy()
         run = lambda c: ring_reduce_scatter_blocks(c, work, mine, kind)
+        if algorithm is Algorithm.SINGLE_COPY:
+            run = functools.partial(single_copy_reduce_scatter, work=work, out=mine, op=kind, fallback=run)
     return Plan(Collective.REDUCE_SCATTER, wire.code, flat.size, _returning(out, run), op=kind)
 
 
@@ -187,6 +194,8 @@ def broadcast(w: Where, root: int, flat: np.ndarray, code: int, result: object) 
         cast = lambda c: board_broadcast(c, root, flat)
     else:
         cast = lambda c: chain_broadcast(c, root, flat)
+        if algorithm is Algorithm.SINGLE_COPY:
+            cast = functools.partial(single_copy_broadcast, root=root, data=flat, fallback=cast)
     return Plan(Collective.BROADCAST, code, flat.size, _returning(result, cast), root=root)
 
 
@@ -200,6 +209,8 @@ def all_gather(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
         gather = lambda c: board_all_gather(c, flat_in, flat_out)
     else:
         gather = lambda c: ring_all_gather(c, flat_in, flat_out)
+        if algorithm is Algorithm.SINGLE_COPY:
+            gather = functools.partial(single_copy_all_gather, local=flat_in, out=flat_out, fallback=gather)
     return Plan(Collective.ALL_GATHER, wire.code, flat_in.size, _returning(out, gather))
 
 

@@ -35,21 +35,22 @@ A = Algorithm
 C = Collective
 
 CASES = [
-    # all_reduce: one step while small, then the bandwidth-optimal ring or its two-level form
+    # all_reduce: one step while small, then reading peers' memory, the ring, or the two-level form
     (C.ALL_REDUCE, 8, SHM, A.BOARD), (C.ALL_REDUCE, BOARD, SHM, A.BOARD), (C.ALL_REDUCE, BOARD + 1, SHM, A.SINGLE_COPY),
     (C.ALL_REDUCE, ONE_SHOT, TCP, A.ONE_SHOT), (C.ALL_REDUCE, ONE_SHOT + 1, TCP, A.RING),
     (C.ALL_REDUCE, ONE_SHOT, HOSTS, A.TWO_LEVEL_ONE_SHOT), (C.ALL_REDUCE, ONE_SHOT + 1, HOSTS, A.TWO_LEVEL),
     # reduce_scatter and reduce reuse all_reduce's one-step paths for small arrays
-    (C.REDUCE_SCATTER, 8, SHM, A.BOARD), (C.REDUCE_SCATTER, BOARD + 1, SHM, A.RING),
+    (C.REDUCE_SCATTER, 8, SHM, A.BOARD), (C.REDUCE_SCATTER, BOARD + 1, SHM, A.SINGLE_COPY),
     (C.REDUCE_SCATTER, ONE_SHOT, TCP, A.ONE_SHOT), (C.REDUCE_SCATTER, ONE_SHOT + 1, TCP, A.RING),
     (C.REDUCE_SCATTER, 8, HOSTS, A.TWO_LEVEL_ONE_SHOT), (C.REDUCE_SCATTER, 300 * KIB, HOSTS, A.TWO_LEVEL),
     (C.REDUCE, 8, SHM, A.BOARD), (C.REDUCE, BOARD + 1, SHM, A.RING), (C.REDUCE, 8, TCP, A.ONE_SHOT),
     (C.REDUCE, ONE_SHOT + 1, TCP, A.RING), (C.REDUCE, 8, HOSTS, A.TWO_LEVEL_ONE_SHOT),
     (C.REDUCE, ONE_SHOT + 1, HOSTS, A.TWO_LEVEL),
-    # movement: the board when the call fits it, else the flat algorithm; two levels across hosts
-    (C.ALL_GATHER, BOARD, SHM, A.BOARD), (C.ALL_GATHER, BOARD + 1, SHM, A.RING), (C.ALL_GATHER, 8, TCP, A.RING),
+    # movement: the board when the call fits it, else direct reads or the flat algorithm; two levels
+    # across hosts
+    (C.ALL_GATHER, BOARD, SHM, A.BOARD), (C.ALL_GATHER, BOARD + 1, SHM, A.SINGLE_COPY), (C.ALL_GATHER, 8, TCP, A.RING),
     (C.ALL_GATHER, 8, HOSTS, A.TWO_LEVEL),
-    (C.BROADCAST, 8, SHM, A.BOARD), (C.BROADCAST, BOARD + 1, SHM, A.CHAIN), (C.BROADCAST, 8, TCP, A.CHAIN),
+    (C.BROADCAST, 8, SHM, A.BOARD), (C.BROADCAST, BOARD + 1, SHM, A.SINGLE_COPY), (C.BROADCAST, 8, TCP, A.CHAIN),
     (C.BROADCAST, 8, HOSTS, A.TWO_LEVEL),
     (C.BARRIER, 0, SHM, A.BOARD), (C.BARRIER, 0, TCP, A.DISSEMINATION), (C.BARRIER, 0, HOSTS, A.TWO_LEVEL),
     (C.GATHER, 8, SHM, A.BOARD), (C.GATHER, BOARD + 1, SHM, A.DIRECT), (C.GATHER, 8, TCP, A.DIRECT),
@@ -122,14 +123,22 @@ def test_two_level_slices_cross_hosts_in_one_step_while_small():
 def test_a_large_all_reduce_of_many_ranks_without_single_copy_runs_over_neighbourhoods(size, expected):
     many = Setting(hosts=1, board_bytes=BOARD, one_shot_bytes=ONE_SHOT, size=size)
     assert select(C.ALL_REDUCE, BOARD + 1, many) is A.SINGLE_COPY  # at any size, where ranks may read each other
-    assert without_single_copy(many) is expected
+    assert without_single_copy(C.ALL_REDUCE, many) is expected
     assert select(C.ALL_REDUCE, BOARD + 1, dataclasses.replace(many, single_copy=False)) is expected
     tiny_board = dataclasses.replace(many, board_bytes=DESCRIPTOR_BYTES - 64)  # no room to say where the array is
     assert select(C.ALL_REDUCE, BOARD + 1, tiny_board) is expected
     assert select(C.ALL_REDUCE, BOARD, many) is A.BOARD  # small calls keep their one step
-    assert select(C.REDUCE_SCATTER, BOARD + 1, many) is A.RING  # only the all-reduce is split
+    assert without_single_copy(C.REDUCE_SCATTER, many) is A.RING  # only the all-reduce is split
     assert select(C.ALL_REDUCE, BOARD + 1, Setting(hosts=1, board_bytes=None, size=size)) is A.RING  # no shm
     assert select(C.ALL_REDUCE, BOARD + 1, Setting(hosts=2, board_bytes=None, size=size)) is A.TWO_LEVEL
+
+
+@pytest.mark.parametrize("coll, usual", [(C.ALL_REDUCE, A.RING), (C.REDUCE_SCATTER, A.RING),
+                                         (C.ALL_GATHER, A.RING), (C.BROADCAST, A.CHAIN)])
+def test_large_calls_that_may_not_read_peers_take_their_usual_algorithm(coll, usual):
+    assert without_single_copy(coll, SHM) is usual
+    assert select(coll, BOARD + 1, dataclasses.replace(SHM, single_copy=False)) is usual
+    assert select(coll, BOARD + 1, TCP) is usual  # no board: nowhere to say where the array is
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 15, 16, 17, 23, 32, 63, 64, 100])

@@ -1,10 +1,10 @@
-"""Large all-reduces that read peers' arrays directly (algorithms/single_copy.py).
+"""Large collectives that read peers' arrays directly (algorithms/single_copy.py).
 
 In one process: the native reads and the rank-order fold, with "peers" that are other arrays of
 this process (a process may read itself through the same system call). Across real ranks over
-shared memory: exact results and bitwise-identical ranks for every reducible type, the agreement
-that makes every rank fall back together when one cannot be read, mismatched calls, and a rank
-killed inside each step.
+shared memory: exact results and bitwise-identical ranks for every reducible type, the other
+calls that read peers (reduce_scatter, all_gather, broadcast), the agreement that makes every rank
+fall back together when one cannot be read, mismatched calls, and a rank killed inside each step.
 
 The board is shrunk to 64 KiB (SMALL_BOARD) so that arrays of a few hundred KiB are "large".
 """
@@ -159,6 +159,28 @@ def test_large_all_reduces_read_peers_directly_exactly_and_alike(n):
     assert all(out == results[0][1] for _, out in results)
 
 
+def _moves(pg):
+    """reduce_scatter, all_gather and broadcast of arrays past the board, checked exactly."""
+    n, me = pg.world_size, pg.rank
+    rows = ELEMENTS // n * n
+    got = pg.reduce_scatter(_inputs(me, np.float32, rows), ReduceKind.SUM)
+    want = _fold_in_rank_order([_inputs(r, np.float32, rows) for r in range(n)], ReduceKind.SUM)
+    assert got.tobytes() == want[me * (rows // n):(me + 1) * (rows // n)].tobytes()
+    gathered = pg.all_gather(_inputs(me, np.int64))
+    assert np.array_equal(gathered, np.concatenate([_inputs(r, np.int64) for r in range(n)]))
+    root = n - 1
+    data = _inputs(me, np.float64)
+    pg.broadcast(root, data)
+    assert np.array_equal(data, _inputs(root, np.float64))
+    return pg.transport.board.single_copy_agreed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 4])
+def test_large_reduce_scatter_all_gather_and_broadcast_read_peers_directly(n):
+    assert run_ranks(n, _moves, env=SMALL_BOARD) == [True] * n
+
+
 def _one_rank_cannot_be_read(pg):
     if pg.rank == 1:  # as a rank in another pid namespace would be
         real = single_copy._descriptor
@@ -186,14 +208,15 @@ def test_ranks_that_reduce_different_lengths_fail_alike():
         assert out["kind"] == "CollectiveMismatch", out
 
 
-def _killed_in_step(pg, victim: int, step: str, finish):
+def _killed_in_step(pg, victim: int, call: str, step: str, finish):
     data = np.ones(ELEMENTS, dtype=np.float32)
     pg.all_reduce(data)  # the agreement, so the fault hits a call that reads peers
+    run = (lambda: pg.all_reduce(data)) if call == "all_reduce" else (lambda: pg.broadcast(victim, data))
     if pg.rank == victim:
         setattr(single_copy, step, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
-        pg.all_reduce(data)
+        run()
         return None
-    out = attempt(lambda: pg.all_reduce(data))
+    out = attempt(run)
     out["broken"] = call_after_failure(pg)
     out["finished_together"] = finish_together(finish)
     out.update(close_group(pg))
@@ -201,10 +224,13 @@ def _killed_in_step(pg, victim: int, step: str, finish):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("step", ["_reduce_own_range", "_copy_other_ranges"])
-def test_a_rank_killed_inside_a_step_is_lost_to_every_other(step):
-    """Killed once it has published (its peers read it or wait for its range) or once its range is
-    reduced (its peers copy it, then wait for everyone to finish)."""
+@pytest.mark.parametrize("call, step", [("all_reduce", "_reduce_range"), ("all_reduce", "_read"),
+                                        ("broadcast", "_finish")])
+def test_a_rank_killed_inside_a_step_is_lost_to_every_other(call, step):
+    """Killed once it has published (its peers read it or wait for its range), once its range is
+    reduced (its peers copy it, then wait for everyone to finish), or as a broadcast's root whose
+    array its peers are reading."""
     victim, n = 1, 3
-    results = run_ranks(n, _killed_in_step, victim, step, CTX.Barrier(n - 1), env=SMALL_BOARD, may_die={victim})
+    results = run_ranks(n, _killed_in_step, victim, call, step, CTX.Barrier(n - 1), env=SMALL_BOARD,
+                        may_die={victim})
     assert_survivors({r: out for r, out in enumerate(results) if r != victim}, victim)

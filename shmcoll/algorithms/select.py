@@ -10,9 +10,10 @@ below is unit-tested alone.
 | call | one host, small | one host, large | across hosts |
 |---|---|---|---|
 | all_reduce | BOARD, else ONE_SHOT up to one_shot_bytes | SINGLE_COPY | TWO_LEVEL_ONE_SHOT, else TWO_LEVEL |
-| reduce_scatter, reduce | as all_reduce (the one-step result, each rank keeps its part) | RING | TWO_LEVEL |
-| all_gather | BOARD | RING | TWO_LEVEL |
-| broadcast | BOARD | CHAIN | TWO_LEVEL |
+| reduce_scatter | as all_reduce (the one-step result, each rank keeps its part) | SINGLE_COPY | TWO_LEVEL |
+| reduce | as all_reduce | RING | TWO_LEVEL |
+| all_gather | BOARD | SINGLE_COPY | TWO_LEVEL |
+| broadcast | BOARD | SINGLE_COPY | TWO_LEVEL |
 | barrier | BOARD | DISSEMINATION | TWO_LEVEL |
 | gather | BOARD | DIRECT | TWO_LEVEL_DIRECT |
 | scatter | DIRECT | DIRECT | TWO_LEVEL_DIRECT |
@@ -21,22 +22,23 @@ below is unit-tested alone.
 | federated_average | DEADLINE | DEADLINE | DEADLINE |
 
 "One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). A large
-all-reduce on a board reads peers' arrays directly (SINGLE_COPY: three waits at any rank count).
+call on a board reads peers' arrays directly (SINGLE_COPY: at most three waits at any rank count).
 Where the host forbids that, the ranks agree to run `without_single_copy` instead (which
-SHMCOLL_SINGLE_COPY=0 picks at once): a ring through n ranks takes 2(n-1) steps one after another,
-and with many ranks on few cores each step waits for processes to be scheduled; so from
-SPLIT_HOST_AT ranks it runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD
-consecutive ranks instead of hosts (at 32 ranks: 20 steps, not 62). Inside TWO_LEVEL all-reduce,
-each slice crosses hosts in one step or around a ring (`across_hosts`). A group with no board (TCP
-only, or a sub-group) takes the large column's algorithm (RING for all_reduce), except
-all_reduce's ONE_SHOT. all_gather_v's pieces differ in size, so no rank can choose by size alone:
-on a board every rank publishes a head saying whether its piece fits, and all decide alike from
-the heads.
+SHMCOLL_SINGLE_COPY=0 picks at once): RING, CHAIN for broadcast, and for all-reduce from
+SPLIT_HOST_AT ranks NEIGHBOURHOODS. A ring through n ranks takes 2(n-1) steps one after another,
+and with many ranks on few cores each step waits for processes to be scheduled; so NEIGHBOURHOODS
+runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD consecutive ranks instead of
+hosts (at 32 ranks: 20 steps, not 62). Inside TWO_LEVEL all-reduce, each slice crosses hosts in
+one step or around a ring (`across_hosts`). A group with no board (TCP only, or a sub-group) takes
+the large column's algorithm, SINGLE_COPY's fallback where it says so, except all_reduce's
+ONE_SHOT. all_gather_v's pieces differ in size, so no rank can choose by size alone: on a board
+every rank publishes a head saying whether its piece fits, and all decide alike from the heads.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..types import Collective
@@ -119,18 +121,29 @@ def _flat(large: Algorithm, small: Algorithm | None = Algorithm.BOARD, across: A
     return choose
 
 
-def without_single_copy(where: Setting) -> Algorithm:
-    """A SINGLE_COPY all-reduce's algorithm where its ranks may not read each other's memory."""
-    return Algorithm.NEIGHBOURHOODS if where.size >= SPLIT_HOST_AT else Algorithm.RING
+def without_single_copy(coll: Collective, where: Setting) -> Algorithm:
+    """What a large call on one host's board runs where its ranks may not read each other's memory."""
+    if coll is Collective.ALL_REDUCE and where.size >= SPLIT_HOST_AT:
+        return Algorithm.NEIGHBOURHOODS
+    return _streamed(coll)
 
 
-def _large_all_reduce(nbytes: int, where: Setting) -> Algorithm:
-    if where.hosts > 1:
-        return Algorithm.TWO_LEVEL
-    if where.board_bytes is None:
-        return Algorithm.RING
-    may_read = where.single_copy and where.board_bytes >= DESCRIPTOR_BYTES
-    return Algorithm.SINGLE_COPY if may_read else without_single_copy(where)
+def _streamed(coll: Collective) -> Algorithm:
+    return Algorithm.CHAIN if coll is Collective.BROADCAST else Algorithm.RING
+
+
+def _single_copy_or_else(coll: Collective) -> Callable[[int, Setting], Algorithm]:
+    """A chooser for a call that, too large for the board, reads peers' memory where it may."""
+    def choose(nbytes: int, where: Setting) -> Algorithm:
+        if where.hosts > 1:
+            return Algorithm.TWO_LEVEL
+        if where.board_bytes is None:
+            return _streamed(coll)
+        if where.fits_board(nbytes):
+            return Algorithm.BOARD
+        may_read = where.single_copy and where.board_bytes >= DESCRIPTOR_BYTES
+        return Algorithm.SINGLE_COPY if may_read else without_single_copy(coll, where)
+    return choose
 
 
 def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:
@@ -142,11 +155,11 @@ def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:
 
 _SMALL_REDUCTIONS = (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE)
 _CHOOSERS = {
-    Collective.ALL_REDUCE: _large_all_reduce,
-    Collective.REDUCE_SCATTER: _flat(Algorithm.RING, small=None),
+    Collective.ALL_REDUCE: _single_copy_or_else(Collective.ALL_REDUCE),
+    Collective.REDUCE_SCATTER: _single_copy_or_else(Collective.REDUCE_SCATTER),
     Collective.REDUCE: _flat(Algorithm.RING, small=None),
-    Collective.ALL_GATHER: _flat(Algorithm.RING),
-    Collective.BROADCAST: _flat(Algorithm.CHAIN),
+    Collective.ALL_GATHER: _single_copy_or_else(Collective.ALL_GATHER),
+    Collective.BROADCAST: _single_copy_or_else(Collective.BROADCAST),
     Collective.BARRIER: _flat(Algorithm.DISSEMINATION),
     Collective.GATHER: _flat(Algorithm.DIRECT, across=Algorithm.TWO_LEVEL_DIRECT),
     Collective.SCATTER: _flat(Algorithm.DIRECT, small=None, across=Algorithm.TWO_LEVEL_DIRECT),

@@ -1,28 +1,32 @@
-"""Large all-reduce on one host with every byte crossing between processes once.
+"""Large collectives on one host with every byte crossing between processes once.
 
 Through shared memory every byte crosses twice: the writer copies it into a slot, the reader
 reduces or copies it out. Here each rank instead reads its peers' arrays straight out of their
-memory (Linux cross-memory attach, `process_vm_readv`, the kernel copies once), as OpenMPI's
-shared-memory transport does for large messages:
+memory (Linux cross-memory attach, `process_vm_readv`: the kernel copies once), as OpenMPI's
+shared-memory transport does for large messages. Every call:
 
-1. every rank publishes on the board where its array is (pid and address) and the call's header,
-   so mismatched calls are caught as on any board call;
-2. each rank owns an equal range of the array; it folds that range of every rank's array in rank
-   order (kernels.reduce_from_peers, through a scratch area that stays in cache) into its own
-   array, divides it for AVG, then says so on a step word of its entry;
-3. once every owner has said so, each rank copies every other range out of its owner's array;
-4. the board's done words: nobody returns (and lets the caller change its array) while a peer may
-   still read it.
+1. publishes on the board where its array is (pid and address) with the call's header, so
+   mismatched calls are caught as on any board call, and reads every rank's;
+2. reads what it needs from its peers' arrays:
+   - all_reduce: each rank owns an equal range; it folds that range of every rank's array in rank
+     order (kernels.reduce_from_peers, through a scratch area that stays in cache) into its own
+     array, divides it for AVG, says so on a step word of its entry, and once every owner has,
+     copies every other range out of its owner's array;
+   - reduce_scatter: the same fold of its own block, in the call's private copy of the input;
+   - all_gather: every peer's block into its place; broadcast: the root's array;
+3. waits on the board's done words: nobody returns (and lets the caller change its array) while a
+   peer may still read it.
 
-Only the owner of a range writes it, and no rank reads a range while its owner writes it, so the
-result is bitwise the same on every rank. Three waits per call, whatever the number of ranks:
-when ranks outnumber cores, no rank waits on a chain of others being scheduled, as around a ring.
+Only the owner of a range writes it, and no rank reads a range while its owner writes it, so
+results are bitwise the same on every rank. At most three waits per call, whatever the number of
+ranks: when ranks outnumber cores, no rank waits on a chain of others being scheduled, as around
+a ring.
 
 Whether ranks may read each other depends on the host (ptrace rules such as Yama's
 ptrace_scope, seccomp in containers, pid namespaces). So the first such call of a group asks:
 each rank reads a random token from every peer and votes on its step word; all ranks see all
-votes, so all agree. If any rank says no, that call and every later one runs the fallback the plan
-gives (select.without_single_copy) instead.
+votes, so all agree. If any rank says no, that call and every later one runs the fallback the
+plan gives (select.without_single_copy) instead.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ OFFER, DECLINE, REDUCED = 1, 2, 3
 _token = np.zeros(1, dtype=np.int64)  # what peers read from this process to prove they read the right one
 _TOKEN_ADDRESS = _token.__array_interface__["data"][0]
 _scratch = threading.local()
+#: What runs a call where ranks may not read each other: the algorithm select would pick otherwise.
+Fallback = Callable[[Call], None]
 
 
 def _new_token() -> None:
@@ -64,29 +70,84 @@ _new_token()
 os.register_at_fork(after_in_child=_new_token)
 
 
-def single_copy_all_reduce(c: Call, data: np.ndarray, op: ReduceKind,
-                           fallback: Callable[[Call, np.ndarray], None]) -> None:
-    """data (1-D storage array, contiguous) reduced in place; by fallback(c, data) where ranks may
-    not read each other."""
+def single_copy_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, fallback: Fallback) -> None:
+    """data (1-D storage array, contiguous) reduced in place; by fallback(c) where ranks may not
+    read each other."""
+    peers = _publish_and_agree(c, data, fallback)
+    if peers is None:
+        return
+    ranges = _byte_ranges(c, data)
+    _reduce_range(c, data, op, peers, ranges[c.rank])
+    board, seq = c.board, c.meta.seq
+    _signal(board, seq, c.rank, REDUCED)
+    _wait_for_all(c, board, c.board_guard(), REDUCED, "reduce its range")
+    out = data.view(np.uint8)
+    for src in _others(c):
+        lo, hi = ranges[src]
+        _read(c, out[lo:hi], peers, src, lo)
+    _finish(c)
+
+
+def single_copy_reduce_scatter(c: Call, work: np.ndarray, out: np.ndarray, op: ReduceKind,
+                               fallback: Fallback) -> None:
+    """out = block c.rank of the reduction of every rank's `work` (a private 1-D copy of the
+    input, n equal blocks, that peers read during the call)."""
+    peers = _publish_and_agree(c, work, fallback)
+    if peers is None:
+        return
+    lo, hi = _byte_ranges(c, work)[c.rank]
+    _reduce_range(c, work, op, peers, (lo, hi))
+    out[:] = work[lo // work.itemsize:hi // work.itemsize]
+    _finish(c)
+
+
+def single_copy_all_gather(c: Call, local: np.ndarray, out: np.ndarray, fallback: Fallback) -> None:
+    """out (1-D, n * len(local)) receives every rank's block in rank order."""
+    peers = _publish_and_agree(c, local, fallback)
+    if peers is None:
+        return
+    block, gathered = local.nbytes, out.view(np.uint8)
+    gathered[c.rank * block:(c.rank + 1) * block] = local.view(np.uint8)
+    for src in _others(c):
+        _read(c, gathered[src * block:(src + 1) * block], peers, src, 0)
+    _finish(c)
+
+
+def single_copy_broadcast(c: Call, root: int, data: np.ndarray, fallback: Fallback) -> None:
+    """data (1-D) becomes the root's on every rank."""
+    peers = _publish_and_agree(c, data, fallback)
+    if peers is None:
+        return
+    if c.rank != root:
+        _read(c, data.view(np.uint8), peers, root, 0)
+    _finish(c)
+
+
+def _publish_and_agree(c: Call, source: np.ndarray, fallback: Fallback) -> np.ndarray | None:
+    """Publish where `source` is (an array of the call's shape and type, which peers will read)
+    and read every rank's descriptor: the ranks' (pid, address) pairs as int64 rows. None once
+    fallback(c) has run instead, where the ranks may not read each other (asked on the first call)."""
     board = c.board
     if board.single_copy_agreed is False:
-        fallback(c, data)
-        return
+        fallback(c)
+        return None
     guard, seq = c.board_guard(), c.meta.seq
-    board.publish(c.meta, c.code, data, c.deadline, guard, payload=_descriptor(data))
+    board.publish(c.meta, c.code, source, c.deadline, guard, payload=_descriptor(source))
     descriptors = [board.read(src, seq, c.meta, c.deadline, guard).view(np.int64).copy() for src in range(c.size)]
     if board.single_copy_agreed is None:
         board.single_copy_agreed = _agree(c, board, guard, descriptors)
         if not board.single_copy_agreed:
-            board.finish(seq)
-            board.wait_all_finished(seq, c.deadline, guard)
-            fallback(c, data)
-            return
-    peers = np.array([d[[PID, ADDRESS]] for d in descriptors], dtype=np.int64)
-    _reduce_own_range(c, board, guard, data, op, peers)
-    _copy_other_ranges(c, board, guard, data, peers)
+            _finish(c)
+            fallback(c)
+            return None
+    return np.array([d[[PID, ADDRESS]] for d in descriptors], dtype=np.int64)
+
+
+def _finish(c: Call) -> None:
+    """Until no peer may still read our array: everyone has finished the call."""
+    board, seq = c.board, c.meta.seq
     board.finish(seq)
-    board.wait_all_finished(seq, c.deadline, guard)
+    board.wait_all_finished(seq, c.deadline, c.board_guard())
 
 
 def _descriptor(data: np.ndarray) -> np.ndarray:
@@ -138,27 +199,26 @@ def _byte_ranges(c: Call, data: np.ndarray) -> list[tuple[int, int]]:
     return [(a * data.itemsize, b * data.itemsize) for a, b in segment_bounds(data.size, c.size)]
 
 
-def _reduce_own_range(c: Call, board: Board, guard: BoardGuard, data: np.ndarray, op: ReduceKind,
-                      peers: np.ndarray) -> None:
-    lo, hi = _byte_ranges(c, data)[c.rank]
+def _others(c: Call) -> list[int]:
+    """Every other rank, starting after our own (so ranks spread their reads over their peers
+    instead of all reading rank 0 first)."""
+    return [(c.rank + k) % c.size for k in range(1, c.size)]
+
+
+def _reduce_range(c: Call, data: np.ndarray, op: ReduceKind, peers: np.ndarray, byte_range: tuple[int, int]) -> None:
+    """data[byte_range] = every rank's same range folded in rank order (divided, for AVG)."""
+    lo, hi = byte_range
     failed = kernels.reduce_from_peers(data.view(np.uint8), peers, c.rank, lo, hi, c.code, int(op), _scratch_area())
     if failed is not None:
-        _read_failed(guard, *failed)
+        _read_failed(c, *failed)
     scale_if_avg(c, data[lo // data.itemsize:hi // data.itemsize], op, c.size)
-    _signal(board, c.meta.seq, c.rank, REDUCED)
-    _wait_for_all(c, board, guard, REDUCED, "reduce its range")
 
 
-def _copy_other_ranges(c: Call, board: Board, guard: BoardGuard, data: np.ndarray, peers: np.ndarray) -> None:
-    """Every other owner's range out of its array, starting after our own rank (so ranks spread
-    their reads over the owners instead of all reading rank 0 first)."""
-    out, ranges = data.view(np.uint8), _byte_ranges(c, data)
-    for k in range(1, c.size):
-        src = (c.rank + k) % c.size
-        lo, hi = ranges[src]
-        error = kernels.read_peer(out[lo:hi], int(peers[src, 0]), int(peers[src, 1]) + lo)
-        if error:
-            _read_failed(guard, src, error)
+def _read(c: Call, out: np.ndarray, peers: np.ndarray, src: int, offset: int) -> None:
+    """len(out) bytes of rank src's array from byte `offset` into out (uint8)."""
+    error = kernels.read_peer(out, int(peers[src, 0]), int(peers[src, 1]) + offset)
+    if error:
+        _read_failed(c, src, error)
 
 
 def _scratch_area() -> np.ndarray:
@@ -169,9 +229,9 @@ def _scratch_area() -> np.ndarray:
     return area
 
 
-def _read_failed(guard: BoardGuard, src: int, error: int) -> None:
+def _read_failed(c: Call, src: int, error: int) -> None:
     """A read of rank src's array failed after every rank had agreed reads work: src is gone (the
     guard raises PeerLost), or its memory changed under the call."""
-    guard(src)
+    c.board_guard()(src)
     message = f"reading rank {src}'s array directly failed: {os.strerror(error)}"
     raise PeerLost(message, src) if error == errno.ESRCH else CollectiveError(message)
