@@ -288,9 +288,8 @@ def _sub_mismatch(pg):
     box = {}
     made = attempt(lambda: box.setdefault("g", pg.split([2, 0, 1])))
     g = box.get("g")
-    if g is None:  # rank 3: the members' failure aborts the shared transport, possibly mid-split here
-        return made["kind"]
-    assert made["kind"] == "returned"
+    if g is None:  # rank 3, or a member still finishing the split when the others' failure aborted the transport
+        return made
     count = 4 if g.rank == 0 else 5
     return attempt(lambda: g.all_reduce(np.ones(count, dtype=np.float32)))
 
@@ -298,8 +297,8 @@ def _sub_mismatch(pg):
 @pytest.mark.usefixtures("transport")
 def test_subgroup_mismatch_raises_collective_mismatch():
     got = run_ranks(4, _sub_mismatch)
-    assert got[3] in ("returned", "CollectiveMismatch")
-    for res in got[:3]:
+    assert got[3]["kind"] in ("returned", "CollectiveMismatch")
+    for res in got[:3]:  # from its own call, or relayed into its split
         assert res["kind"] == "CollectiveMismatch", res
         assert "sub-group over parent ranks [2, 0, 1]" in res["msg"] and "2305843009213693952" not in res["msg"]
 
