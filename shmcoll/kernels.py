@@ -52,6 +52,10 @@ read_peer = _native.read_peer
 #: rank me's array as uint8; peers[r]: rank r's pid and array address, int64), reading
 #: len(scratch) // 2 bytes of a peer at a time into scratch.
 reduce_from_peers = _native.reduce_from_peers
+#: collapse_to_huge_pages(buffer) -> 0, or the errno: the whole 2 MiB pages inside a buffer
+#: backed by huge pages now (MADV_COLLAPSE, Linux 6.1+), so a peer's read of it pins one
+#: page per 2 MiB instead of 512. Contents do not change.
+collapse_to_huge_pages = _native.collapse_to_huge_pages
 
 
 #: reduce_into(dst, src, code, op): dst[i] = op(dst[i], src[i]) in place over contiguous storage

@@ -1,7 +1,8 @@
 """Large collectives that read peers' arrays directly (algorithms/single_copy.py).
 
 In one process: the native reads and the rank-order fold, with "peers" that are other arrays of
-this process (a process may read itself through the same system call). Across real ranks over
+this process (a process may read itself through the same system call), and moving arrays that
+come back onto huge pages. Across real ranks over
 shared memory: exact results and bitwise-identical ranks for every reducible type, the other
 calls that read peers (reduce_scatter, all_gather, broadcast), the agreement that makes every rank
 fall back together when one cannot be read, mismatched calls, and a rank killed inside each step.
@@ -12,6 +13,7 @@ The board is shrunk to 64 KiB (SMALL_BOARD) so that arrays of a few hundred KiB 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import signal
 
@@ -133,6 +135,53 @@ def test_a_rank_may_read_a_peer_only_where_the_peers_token_is_found():
     elsewhere = mine.copy()
     elsewhere[single_copy.PID] = NO_SUCH_PID
     assert not single_copy.can_read(elsewhere)
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`, in KiB."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and first == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_collapsing_to_huge_pages_keeps_the_contents():
+    """On 4 KiB pages, as torch allocates; where the kernel collapses (Linux 6.1+, THP not off),
+    the whole 2 MiB pages inside become huge pages."""
+    region = mmap.mmap(-1, 9 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc maps large blocks
+    values = np.frombuffer(region, dtype=np.int64)
+    values[:] = np.arange(values.size)
+    error = kernels.collapse_to_huge_pages(values)
+    assert np.array_equal(values, np.arange(values.size))
+    if error == 0:
+        assert _anon_huge_kib(_address(values)) >= 6 << 10  # at least 3 whole 2 MiB pages of 9 MiB
+    else:
+        assert error in (errno.EINVAL, errno.EAGAIN, errno.ENOMEM, errno.EPERM), os.strerror(error)
+    assert kernels.collapse_to_huge_pages(bytes(16)) in (0, errno.EINVAL)  # read-only, and no whole page: nothing
+    del values
+    region.close()
+
+
+def test_only_large_arrays_that_come_back_move_to_huge_pages(monkeypatch):
+    moved = []
+    monkeypatch.setattr(kernels, "collapse_to_huge_pages", lambda a: moved.append(_address(a)) or 0)
+    monkeypatch.setattr(single_copy, "_seen_arrays", {})
+    big = np.zeros(single_copy.HUGE_PAGES_FROM_BYTES, dtype=np.uint8)
+    small = np.zeros(single_copy.HUGE_PAGES_FROM_BYTES - 1, dtype=np.uint8)
+    for _ in range(3):
+        single_copy._prefer_huge_pages(big)
+        single_copy._prefer_huge_pages(small)
+    assert moved == [_address(big)]  # the second time only, and never the small one
+    others = [np.zeros(single_copy.HUGE_PAGES_FROM_BYTES + 64 * k, dtype=np.uint8)
+              for k in range(1, single_copy.ARRAYS_REMEMBERED + 2)]
+    for other in others:
+        single_copy._prefer_huge_pages(other)
+    assert len(single_copy._seen_arrays) == single_copy.ARRAYS_REMEMBERED  # the oldest forgotten
 
 
 # ---------------------------------------------------------------------------------------------

@@ -305,6 +305,18 @@ done:
     return result;
 }
 
+static PyObject *collapse_to_huge_pages(PyObject *self, PyObject *arg) {
+    held_buffer mem = {0};
+    if (hold(arg, &mem, 0, "collapse_to_huge_pages"))
+        return NULL;
+    int error;
+    Py_BEGIN_ALLOW_THREADS
+    error = sc_collapse_to_huge_pages(mem.view.buf, (size_t)mem.view.len);
+    Py_END_ALLOW_THREADS
+    release(&mem);
+    return PyLong_FromLong(error);
+}
+
 static PyObject *use_cpu_specific_loops(PyObject *self, PyObject *arg) {
     int use = PyObject_IsTrue(arg);
     if (use < 0)
@@ -329,6 +341,9 @@ static PyMethodDef methods[] = {
     {"reduce_from_peers", (PyCFunction)(void (*)(void))reduce_from_peers, METH_FASTCALL,
      "reduce_from_peers(own, peers, me, lo, hi, code, op, scratch) -> None, or (rank, errno) of the failed "
      "read: bytes [lo, hi) of every rank's array (peers: int64 pairs pid, address) folded in rank order into own"},
+    {"collapse_to_huge_pages", collapse_to_huge_pages, METH_O,
+     "collapse_to_huge_pages(buffer) -> 0, or the errno: back the whole huge pages inside the buffer with huge "
+     "pages now (MADV_COLLAPSE)"},
     {"use_cpu_specific_loops", use_cpu_specific_loops, METH_O,
      "use_cpu_specific_loops(use) -> whether in use: this CPU's faster 16-bit loops (the default), or the "
      "portable ones, which give the same bits (for tests and benchmarks)"},

@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
 
 #include "reduce.h"
@@ -27,6 +28,19 @@ int sc_read_peer(void *out, int64_t pid, uint64_t address, size_t n) {
         to += got, address += (uint64_t)got, n -= (size_t)got;
     }
     return 0;
+}
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+enum { HUGE_PAGE = 2 << 20 };
+
+int sc_collapse_to_huge_pages(void *start, size_t n) {
+    uintptr_t from = ((uintptr_t)start + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
+    uintptr_t to = ((uintptr_t)start + n) & ~(uintptr_t)(HUGE_PAGE - 1);
+    if (to <= from)
+        return 0;
+    return madvise((void *)from, to - from, MADV_COLLAPSE) == 0 ? 0 : errno;
 }
 
 int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,

@@ -20,4 +20,8 @@ int sc_read_peer(void *out, int64_t pid, uint64_t address, size_t n);
 int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,
                          int code, int op, uint8_t *scratch, size_t piece, int *failed);
 
+/* Ask the kernel to back the whole 2 MiB-aligned huge pages inside [start, start + n) with huge
+   pages now (MADV_COLLAPSE): 0, or the errno (EINVAL before Linux 6.1, or where THP is off). */
+int sc_collapse_to_huge_pages(void *start, size_t n);
+
 #endif
