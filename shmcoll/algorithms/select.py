@@ -59,7 +59,7 @@ class Algorithm(enum.Enum):
     BOARD_OR_RING = "board or ring"  # board_v.py: one board step if every piece fits its entry, else RING
     ONE_SHOT = "one-shot"  # ring.py: every rank sends its whole input to every other, all fold alike
     RING = "ring"  # ring.py: reduce-scatter and all-gather around a ring, bandwidth-optimal
-    SINGLE_COPY = "single copy"  # single_copy.py: each rank reads its range of every peer's array, then the rest
+    SINGLE_COPY = "single copy"  # single_copy.py: each rank reads what it needs straight from its peers' arrays
     CHAIN = "chain"  # broadcast.py: pipelined chain from the root
     DISSEMINATION = "dissemination"  # barrier.py: ceil(log2 n) rounds of signals
     DIRECT = "direct"  # direct.py: an agreement step, then each block straight to its destination
