@@ -127,7 +127,7 @@ def test_reduce_from_peers_refuses_arguments_that_describe_no_reduction(me, lo, 
 
 
 def test_a_rank_may_read_a_peer_only_where_the_peers_token_is_found():
-    mine = single_copy._descriptor(np.zeros(4))
+    mine = single_copy._descriptor(_address(np.zeros(4)))
     assert single_copy.can_read(mine)
     wrong_token = mine.copy()
     wrong_token[single_copy.TOKEN] += 1
@@ -174,13 +174,13 @@ def test_only_large_arrays_that_come_back_move_to_huge_pages(monkeypatch):
     big = np.zeros(single_copy.HUGE_PAGES_FROM_BYTES, dtype=np.uint8)
     small = np.zeros(single_copy.HUGE_PAGES_FROM_BYTES - 1, dtype=np.uint8)
     for _ in range(3):
-        single_copy._prefer_huge_pages(big)
-        single_copy._prefer_huge_pages(small)
+        single_copy._prefer_huge_pages(big, _address(big))
+        single_copy._prefer_huge_pages(small, _address(small))
     assert moved == [_address(big)]  # the second time only, and never the small one
     others = [np.zeros(single_copy.HUGE_PAGES_FROM_BYTES + 64 * k, dtype=np.uint8)
               for k in range(1, single_copy.ARRAYS_REMEMBERED + 2)]
     for other in others:
-        single_copy._prefer_huge_pages(other)
+        single_copy._prefer_huge_pages(other, _address(other))
     assert len(single_copy._seen_arrays) == single_copy.ARRAYS_REMEMBERED  # the oldest forgotten
 
 
@@ -233,7 +233,7 @@ def test_large_reduce_scatter_all_gather_and_broadcast_read_peers_directly(n):
 def _one_rank_cannot_be_read(pg):
     if pg.rank == 1:  # as a rank in another pid namespace would be
         real = single_copy._descriptor
-        single_copy._descriptor = lambda data: real(data) + np.eye(1, 8, single_copy.TOKEN, dtype=np.int64)[0]
+        single_copy._descriptor = lambda address: real(address) + np.eye(1, 8, single_copy.TOKEN, dtype=np.int64)[0]
     data = np.arange(ELEMENTS, dtype=np.int64) * (pg.rank + 1)
     for _ in range(2):  # the agreement's call, then a call that knows the answer
         data[:] = np.arange(ELEMENTS) * (pg.rank + 1)

@@ -41,8 +41,6 @@ import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveError, PeerLost
-from ..transport.base import BoardGuard
-from ..transport.shm_board import Board
 from ..types import ReduceKind
 from .call import Call, segment_bounds
 from .ring import scale_if_avg
@@ -83,9 +81,8 @@ def single_copy_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, fallback: 
         return
     ranges = _byte_ranges(c, data)
     _reduce_range(c, data, op, peers, ranges[c.rank])
-    board, seq = c.board, c.meta.seq
-    _signal(board, seq, c.rank, REDUCED)
-    _wait_for_all(c, board, c.board_guard(), REDUCED, "reduce its range")
+    _signal(c, REDUCED)
+    _wait_for_all(c, REDUCED, "reduce its range")
     out = data.view(np.uint8)
     for src in _others(c):
         lo, hi = ranges[src]
@@ -136,12 +133,13 @@ def _publish_and_agree(c: Call, source: np.ndarray, fallback: Fallback) -> np.nd
     if board.single_copy_agreed is False:
         fallback(c)
         return None
-    _prefer_huge_pages(source)
+    address = source.__array_interface__["data"][0]
+    _prefer_huge_pages(source, address)
     guard, seq = c.board_guard(), c.meta.seq
-    board.publish(c.meta, c.code, source, c.deadline, guard, payload=_descriptor(source))
+    board.publish(c.meta, c.code, source, c.deadline, guard, payload=_descriptor(address))
     descriptors = [board.read(src, seq, c.meta, c.deadline, guard).view(np.int64).copy() for src in range(c.size)]
     if board.single_copy_agreed is None:
-        board.single_copy_agreed = _agree(c, board, guard, descriptors)
+        board.single_copy_agreed = _agree(c, descriptors)
         if not board.single_copy_agreed:
             _finish(c)
             fallback(c)
@@ -156,7 +154,7 @@ def _finish(c: Call) -> None:
     board.wait_all_finished(seq, c.deadline, c.board_guard())
 
 
-def _prefer_huge_pages(array: np.ndarray) -> None:
+def _prefer_huge_pages(array: np.ndarray, address: int) -> None:
     """Move a large array that comes back (a training loop's gradient buckets, a benchmark's
     buffer) onto huge pages, once. A peer's read pins every page it covers: torch allocates on
     4 KiB pages (numpy asks for huge ones), and reading 16 MiB of them takes about a third longer.
@@ -164,7 +162,7 @@ def _prefer_huge_pages(array: np.ndarray) -> None:
     older kernel) only leaves it slower."""
     if array.nbytes < HUGE_PAGES_FROM_BYTES:
         return
-    key = (array.__array_interface__["data"][0], array.nbytes)
+    key = (address, array.nbytes)
     moved = _seen_arrays.get(key)
     if moved is None:
         _seen_arrays[key] = False
@@ -175,9 +173,9 @@ def _prefer_huge_pages(array: np.ndarray) -> None:
         kernels.collapse_to_huge_pages(array)
 
 
-def _descriptor(data: np.ndarray) -> np.ndarray:
-    """PID, ADDRESS, TOKEN_ADDRESS, TOKEN, then the step word and its sleepers, zero."""
-    address = data.__array_interface__["data"][0]
+def _descriptor(address: int) -> np.ndarray:
+    """PID, ADDRESS (of the array peers read), TOKEN_ADDRESS, TOKEN, then the step word and its
+    sleepers, zero."""
     words = np.zeros(DESCRIPTOR_BYTES // 8, dtype=np.int64)
     words[:STEP] = os.getpid(), address, _TOKEN_ADDRESS, _token[0]
     return words
@@ -187,14 +185,16 @@ def _step_value(seq: int, step: int) -> int:
     return (seq + 1) << 2 | step
 
 
-def _signal(board: Board, seq: int, rank: int, step: int) -> None:
-    word = board.payload_word(rank, seq, STEP)
-    kernels.store_and_wake(board.mem, word, _step_value(seq, step), 2 * board.payload_word(rank, seq, STEP_SLEEPERS))
+def _signal(c: Call, step: int) -> None:
+    """Set our step word for this call to `step` and wake its waiters."""
+    board, seq = c.board, c.meta.seq
+    word, sleepers = board.payload_word(c.rank, seq, STEP), 2 * board.payload_word(c.rank, seq, STEP_SLEEPERS)
+    kernels.store_and_wake(board.mem, word, _step_value(seq, step), sleepers)
 
 
-def _wait_for_all(c: Call, board: Board, guard: BoardGuard, step: int, what: str) -> None:
+def _wait_for_all(c: Call, step: int, what: str) -> None:
     """Until every peer's step word for this call reaches `step` (OFFER: it has voted)."""
-    seq = c.meta.seq
+    board, guard, seq = c.board, c.board_guard(), c.meta.seq
     for src in range(c.size):
         if src != c.rank:
             board.wait_at_least(board.payload_word(src, seq, STEP), _step_value(seq, step),
@@ -202,12 +202,12 @@ def _wait_for_all(c: Call, board: Board, guard: BoardGuard, step: int, what: str
                                 functools.partial(guard, src), f"rank {src} to {what}")
 
 
-def _agree(c: Call, board: Board, guard: BoardGuard, descriptors: list[np.ndarray]) -> bool:
+def _agree(c: Call, descriptors: list[np.ndarray]) -> bool:
     """Whether every rank can read every peer's token: each votes, all read all votes."""
-    seq = c.meta.seq
+    board, seq = c.board, c.meta.seq
     yes = all(can_read(d) for src, d in enumerate(descriptors) if src != c.rank)
-    _signal(board, seq, c.rank, OFFER if yes else DECLINE)
-    _wait_for_all(c, board, guard, OFFER, "vote on reading arrays directly")
+    _signal(c, OFFER if yes else DECLINE)
+    _wait_for_all(c, OFFER, "vote on reading arrays directly")
     votes = [kernels.load_word(board.mem, board.payload_word(src, seq, STEP)) for src in range(c.size)]
     return yes and _step_value(seq, DECLINE) not in votes
 
