@@ -567,6 +567,12 @@ def _async_work(rank, n, port):
     results["small completed"] = small_work.is_completed()
     results["small future"] = _numpy(small_work.get_future().wait()[0])
 
+    waited_by_caller = torch.from_numpy(_ints(rank, COUNT).astype(np.float64))
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False  # what torch's own functions pass when async_op=False
+    results["sync call returns None"] = dist.group.WORLD.allreduce([waited_by_caller], opts) is None
+    results["sync call result"] = _numpy(waited_by_caller)
+
     after, before = (rank + 1) % n, (rank - 1) % n
     got = torch.zeros(COUNT, dtype=torch.float64)
     receiving = dist.irecv(got, src=before, tag=9)
@@ -978,6 +984,14 @@ def test_async_small_call(transport):
     for got in _async(transport):
         assert got["small wait"] is True and got["small completed"] is True
         np.testing.assert_array_equal(got["small future"], want)
+
+
+def test_a_small_call_the_caller_waits_for_returns_no_work(transport):
+    """asyncOp=False: torch's functions take None for "already done", and the sum is in place."""
+    want = _floats(ASYNC_N, COUNT).sum(axis=0)
+    for got in _async(transport):
+        assert got["sync call returns None"] is True
+        np.testing.assert_array_equal(got["sync call result"], want)
 
 
 def test_async_leaves_no_shared_memory(transport):

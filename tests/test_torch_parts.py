@@ -38,25 +38,39 @@ def _import_torch():
 
 
 # ---- tensor views ----
-def test_flat_view_shares_the_tensors_memory():
+def test_native_view_shares_the_tensors_memory():
     t = torch.zeros(2, 3, dtype=torch.float32)
-    view = tv.flat_view(t)
+    view = tv.native_view(t)
     view[4] = 7
     assert view.shape == (6,) and t[1, 1].item() == 7
 
 
-def test_flat_view_is_cached_per_tensor_and_rebuilt_when_storage_moves():
+def test_native_view_is_cached_per_tensor_and_rebuilt_when_storage_moves():
     t = torch.arange(4.0)
-    first = tv.flat_view(t)
-    assert tv.flat_view(t) is first
+    first = tv.native_view(t)
+    assert tv.native_view(t) is first
     t.resize_(1000)  # new storage: the cached view would point at freed memory
-    second = tv.flat_view(t)
+    second = tv.native_view(t)
     assert second is not first and second.size == 1000
+
+
+def test_native_view_follows_a_tensor_whose_dtype_or_layout_changes_in_place():
+    t = torch.arange(6.0).reshape(2, 3)
+    assert tv.native_view(t).dtype == np.float32
+    t.data = t.data.view(torch.int32)  # same memory, same element count, another dtype
+    assert tv.native_view(t).dtype == np.int32
+    t.t_()  # same memory, transposed in place: no longer contiguous
+    assert tv.native_view(t) is None
+
+
+def test_native_view_is_none_for_what_shmcoll_does_not_reduce_as_it_is():
+    assert tv.native_view(torch.ones(4, dtype=torch.int8)) is None
+    assert tv.native_view(torch.ones(4, 4)[:, 1]) is None
 
 
 def test_the_cache_never_keeps_a_tensor_alive():
     t = torch.ones(8)
-    tv.flat_view(t)
+    tv.native_view(t)
     key = id(t)
     assert key in tv._views
     del t
@@ -237,7 +251,7 @@ def test_views_leave_the_storage_resizable():
     """FSDP frees a flat parameter by resizing its storage to 0 (a .numpy() view forbids that)."""
     t = torch.ones(16)
     tv.owned_view(t)
-    tv.flat_view(t)
+    tv.native_view(t)
     t.untyped_storage().resize_(0)
     assert t.untyped_storage().size() == 0
 

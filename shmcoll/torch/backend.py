@@ -5,7 +5,8 @@ one shmcoll call on flat numpy views of the tensors (tensors.py), runs it, and r
 (work.py). Where a call runs:
 
 - on the caller's thread, when it is small (at most INLINE_BYTES) and nothing queued before it
-  is still running: the result is in place when the method returns;
+  is still running: the result is in place when the method returns, which returns a DoneWork,
+  or None where torch's own function waits anyway (asyncOp False; torch reads None as done);
 - else on the group's own ordered worker, in call order, so DDP's buckets reduce while autograd
   computes the next ones. Work.wait() waits for it; its future completes on a Completer thread.
 
@@ -33,6 +34,8 @@ from .work import Completer, DoneWork, PendingWork
 #: Calls moving at most this many bytes run on the caller's thread when the worker is idle: a
 #: hand-off to the worker costs more than such a call saves by overlapping.
 INLINE_BYTES = 256 << 10
+
+_SUM = dist.ReduceOp.SUM
 
 Job = Callable[[], Any]
 Finish = Callable[[Any], list[torch.Tensor]]
@@ -68,12 +71,22 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         return self._submit(0, job, finish, name)
 
     # ---- reductions ----
-    def allreduce(self, tensors, opts=None) -> dist.Work:
+    def allreduce(self, tensors, opts=None) -> dist.Work | None:
+        """A small SUM over one contiguous tensor of a native dtype, with nothing queued (what a
+        loop of dist.all_reduce makes) runs in as few steps as possible; the rest in _allreduce."""
+        if opts is not None and len(tensors) == 1 and opts.reduceOp == _SUM:  # the common call, kept short
+            view = tv.native_view(tensors[0])
+            if view is not None and self._may_inline(view.nbytes):
+                self.shmcoll_group.all_reduce(view)
+                return _done(tensors, opts)
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors, opts) -> dist.Work | None:
         t, (kind, factor), g = _only(tensors, "allreduce"), _op(opts), self.shmcoll_group
         view = tv.native_view(t) if factor is None else None
-        if view is not None and self._may_inline(view.nbytes):  # the common small call, kept short
+        if view is not None and self._may_inline(view.nbytes):
             g.all_reduce(view, kind)
-            return DoneWork(tensors)
+            return _done(tensors, opts)
         operand = tv.reduce_operand(t, kind, factor)
         arr = operand.array
 
@@ -334,6 +347,12 @@ def _only(tensors, call: str):
     if len(tensors) != 1:
         raise InvalidArgument(f"{call}: shmcoll takes exactly one tensor (one CPU device), got {len(tensors)}")
     return tensors[0]
+
+
+def _done(outputs: list[torch.Tensor], opts) -> DoneWork | None:
+    """What a call that finished before returning gives back: None when the caller waits anyway
+    (torch's Python functions pass asyncOp=False and take None as "already done"), else a Work."""
+    return DoneWork(outputs) if opts is None or opts.asyncOp else None
 
 
 def _op(opts) -> tuple[ReduceKind, float | None]:

@@ -4,9 +4,9 @@ Two kinds of view:
 - `owned_view`: a numpy array whose base holds the tensor, so the array keeps it alive. Every
   Operand holds one: a call queued on the worker, or a contiguous copy made for one call, must
   not outlive its memory (torch lets a caller drop the tensors of an async call).
-- `flat_view`: built once from the data pointer and cached per tensor object, for the small
+- `native_view`: built once from the data pointer and cached per tensor object, for the small
   all_reduce that runs before the method returns (a training loop passes the same tensors every
-  step): a hit costs a dict lookup and two cheap checks instead of an export. It holds no
+  step): a hit costs a dict lookup and a few attribute tests instead of an export. It holds no
   reference to the tensor, so the cache never keeps one alive (a weak reference drops the entry
   when the tensor goes); only a caller that holds the tensor for the whole call may use it.
 
@@ -54,22 +54,27 @@ class _Entry(NamedTuple):
     ref: weakref.ref
     data_ptr: int
     numel: int
+    dtype: torch.dtype
     array: np.ndarray
 
 
 _views: dict[int, _Entry] = {}
 
 
-def flat_view(t: torch.Tensor) -> np.ndarray:
-    """The 1-D numpy array over a contiguous CPU tensor's elements (bytes for dtypes numpy lacks)."""
+def native_view(t: torch.Tensor) -> np.ndarray | None:
+    """The 1-D numpy array over t's elements when shmcoll reduces t as it is (a contiguous CPU
+    tensor of a native dtype), else None. Only such views are cached, so a hit needs no dtype test."""
     entry = _views.get(id(t))
-    if entry is not None and entry.ref() is t and entry.data_ptr == t.data_ptr() and entry.numel == t.numel():
+    if (entry is not None and entry.ref() is t and entry.data_ptr == t.data_ptr() and entry.numel == t.numel()
+            and entry.dtype is t.dtype and t.is_contiguous()):
         return entry.array
+    if t.dtype not in _NATIVE or not t.is_contiguous():
+        return None
     if t.device.type != "cpu":
         raise InvalidArgument(f"shmcoll takes CPU tensors, not {t.device} ones")
     array = _from_pointer(t)
     key = id(t)
-    _views[key] = _Entry(weakref.ref(t, lambda ref: _forget(key, ref)), t.data_ptr(), t.numel(), array)
+    _views[key] = _Entry(weakref.ref(t, lambda ref: _forget(key, ref)), t.data_ptr(), t.numel(), t.dtype, array)
     return array
 
 
@@ -142,11 +147,6 @@ def _copier(source: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
 def bytes_operand(t: torch.Tensor) -> Operand:
     staged, back = contiguous(t)
     return Operand(byte_view(staged), back)
-
-
-def native_view(t: torch.Tensor) -> np.ndarray | None:
-    """t's flat view when shmcoll reduces it as it is (a native dtype, contiguous), else None."""
-    return flat_view(t) if t.dtype in _NATIVE and t.is_contiguous() else None
 
 
 def reduce_operand(t: torch.Tensor, kind: ReduceKind, factor: float | None = None) -> Operand:
