@@ -561,6 +561,13 @@ def _async_work(rank, n, port):
 
     results["in flight"], results["in flight waits"] = _in_flight(rank, n, keep_inputs=True)
 
+    first, behind = large(10), large(11)
+    pending = dist.all_reduce(first, async_op=True)
+    dist.all_reduce(behind)  # waited for by its caller, yet queued behind `first`
+    results["blocking call returned after the queued one"] = pending.is_completed()
+    pending.wait()
+    results["queued, blocking"] = [_numpy(first), _numpy(behind)]
+
     small = torch.from_numpy(_ints(rank, COUNT).astype(np.float64))
     small_work = dist.all_reduce(small, async_op=True)
     results["small wait"] = small_work.wait()
@@ -984,6 +991,13 @@ def test_async_small_call(transport):
     for got in _async(transport):
         assert got["small wait"] is True and got["small completed"] is True
         np.testing.assert_array_equal(got["small future"], want)
+
+
+def test_a_blocking_call_waits_behind_the_async_ones_before_it(transport):
+    for got in _async(transport):
+        assert got["blocking call returned after the queued one"] is True
+        for salt, value in zip((10, 11), got["queued, blocking"]):
+            np.testing.assert_array_equal(value, _floats(ASYNC_N, LARGE, salt).sum(axis=0))
 
 
 def test_a_small_call_the_caller_waits_for_returns_no_work(transport):

@@ -54,21 +54,23 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         self._closed = threading.Event()
 
     # ---- how a call runs ----
-    def _may_inline(self, nbytes: int) -> bool:
+    def _may_inline(self, nbytes: int, opts) -> bool:
+        """Nothing is queued, and the call is small or its caller waits for it anyway (asyncOp
+        False): a hand-off to the worker would only add two thread switches."""
         last = self._last
-        return nbytes <= INLINE_BYTES and (last is None or last.done())
+        return (last is None or last.done()) and (nbytes <= INLINE_BYTES or (opts is not None and not opts.asyncOp))
 
-    def _submit(self, nbytes: int, job: Job, finish: Finish, name: str) -> dist.Work:
-        if self._may_inline(nbytes):
-            return DoneWork(finish(job()))
+    def _submit(self, nbytes: int, job: Job, finish: Finish, name: str, opts) -> dist.Work | None:
+        if self._may_inline(nbytes, opts):
+            return _done(finish(job()), opts)
         handle = self._worker.submit(name, job)
         self._last = handle
         return PendingWork(handle, finish, self._completer)
 
-    def _small(self, job: Job, finish: Finish, name: str) -> dist.Work:
+    def _small(self, job: Job, finish: Finish, name: str, opts) -> dist.Work | None:
         """A call that moves nothing worth overlapping (a barrier): run now, or queued behind
         what the worker still has (call order)."""
-        return self._submit(0, job, finish, name)
+        return self._submit(0, job, finish, name, opts)
 
     # ---- reductions ----
     def allreduce(self, tensors, opts=None) -> dist.Work | None:
@@ -76,7 +78,7 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         loop of dist.all_reduce makes) runs in as few steps as possible; the rest in _allreduce."""
         if opts is not None and len(tensors) == 1 and opts.reduceOp == _SUM:  # the common call, kept short
             view = tv.native_view(tensors[0])
-            if view is not None and self._may_inline(view.nbytes):
+            if view is not None and self._may_inline(view.nbytes, opts):
                 self.shmcoll_group.all_reduce(view)
                 return _done(tensors, opts)
         return self._allreduce(tensors, opts)
@@ -84,7 +86,7 @@ class ShmcollProcessGroup(dist.ProcessGroup):
     def _allreduce(self, tensors, opts) -> dist.Work | None:
         t, (kind, factor), g = _only(tensors, "allreduce"), _op(opts), self.shmcoll_group
         view = tv.native_view(t) if factor is None else None
-        if view is not None and self._may_inline(view.nbytes):
+        if view is not None and self._may_inline(view.nbytes, opts):
             g.all_reduce(view, kind)
             return _done(tensors, opts)
         operand = tv.reduce_operand(t, kind, factor)
@@ -93,9 +95,9 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         def finish(_):
             operand.finish()
             return tensors
-        return self._submit(arr.nbytes, lambda: g.all_reduce(arr, kind), finish, "allreduce")
+        return self._submit(arr.nbytes, lambda: g.all_reduce(arr, kind), finish, "allreduce", opts)
 
-    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work | None:
         """Each tensor reduced on its own, in one call per dtype over their concatenation."""
         if not tensors:
             return DoneWork([])
@@ -106,9 +108,9 @@ class ShmcollProcessGroup(dist.ProcessGroup):
             jobs.append(_bind(self.shmcoll_group.all_reduce, operand.array, kind))
             finishes.append(_splitter(operand, flat, same))
             nbytes += operand.array.nbytes
-        return self._submit(nbytes, _all(jobs), _then_all(finishes, tensors), "allreduce_coalesced")
+        return self._submit(nbytes, _all(jobs), _then_all(finishes, tensors), "allreduce_coalesced", opts)
 
-    def reduce(self, tensors, opts=None) -> dist.Work:
+    def reduce(self, tensors, opts=None) -> dist.Work | None:
         t, root = _only(tensors, "reduce"), _root(opts, self._n)
         kind, factor = _op(opts)
         operand = tv.reduce_operand(t, kind, factor)
@@ -119,42 +121,43 @@ class ShmcollProcessGroup(dist.ProcessGroup):
             if self.rank() == root:
                 operand.finish()
             return tensors
-        return self._submit(arr.nbytes, lambda: g.reduce(root, arr, kind), finish, "reduce")
+        return self._submit(arr.nbytes, lambda: g.reduce(root, arr, kind), finish, "reduce", opts)
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work | None:
         out, ins = _only(output_tensors, "reduce_scatter"), _only(input_tensors, "reduce_scatter")
         self._check_parts(ins, out, "reduce_scatter")
         stacked = torch.cat([x.detach().reshape(-1) for x in ins])
-        return self._reduce_scatter_flat(out, stacked, _op(opts), output_tensors)
+        return self._reduce_scatter_flat(out, stacked, _op(opts), output_tensors, opts)
 
-    def _reduce_scatter_base(self, output, input, opts=None) -> dist.Work:
+    def _reduce_scatter_base(self, output, input, opts=None) -> dist.Work | None:
         if input.numel() != self._n * output.numel():
             raise InvalidArgument(f"reduce_scatter_tensor: the input has {input.numel()} elements, not world size "
                                   f"{self._n} x the output's {output.numel()}")
-        return self._reduce_scatter_flat(output, input, _op(opts), [output])
+        return self._reduce_scatter_flat(output, input, _op(opts), [output], opts)
 
     reduce_scatter_single = _reduce_scatter_base
 
-    def _reduce_scatter_flat(self, out, flat, op: tuple[ReduceKind, float | None], outputs) -> dist.Work:
+    def _reduce_scatter_flat(self, out, flat, op: tuple[ReduceKind, float | None], outputs,
+                             opts) -> dist.Work | None:
         kind, factor = op
         operand = tv.reduce_operand(flat, kind, factor)
         arr, g = operand.array, self.shmcoll_group
         return self._submit(arr.nbytes, lambda: g.reduce_scatter(arr, kind),
-                            lambda piece: _write_then(out, piece, outputs), "reduce_scatter")
+                            lambda piece: _write_then(out, piece, outputs), "reduce_scatter", opts)
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work | None:
         (kind, factor), jobs, finishes, nbytes = _op(opts), [], [], 0
         for out, inp in zip(outputs, inputs):
             operand = tv.reduce_operand(inp, kind, factor)
             jobs.append(_bind(self.shmcoll_group.reduce_scatter, operand.array, kind))
             finishes.append(_bind_write(out))
             nbytes += operand.array.nbytes
-        return self._submit(nbytes, _all(jobs), _then_each(finishes, outputs), "reduce_scatter_coalesced")
+        return self._submit(nbytes, _all(jobs), _then_each(finishes, outputs), "reduce_scatter_coalesced", opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # ---- data movement ----
-    def broadcast(self, tensors, opts=None) -> dist.Work:
+    def broadcast(self, tensors, opts=None) -> dist.Work | None:
         t, root = _only(tensors, "broadcast"), _root(opts, self._n)
         operand = tv.bytes_operand(t)
         arr, g = operand.array, self.shmcoll_group
@@ -162,40 +165,40 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         def finish(_):
             operand.finish()
             return tensors
-        return self._submit(arr.nbytes, lambda: g.broadcast(root, arr), finish, "broadcast")
+        return self._submit(arr.nbytes, lambda: g.broadcast(root, arr), finish, "broadcast", opts)
 
-    def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+    def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work | None:
         outs, t = _only(output_tensors, "allgather"), _only(input_tensors, "allgather")
         self._check_parts(outs, t, "allgather")
         arr, g = tv.bytes_operand(t).array, self.shmcoll_group
         return self._submit(arr.nbytes * self._n, lambda: g.all_gather(arr),
-                            lambda gathered: _scatter_bytes(gathered, outs, output_tensors), "allgather")
+                            lambda gathered: _scatter_bytes(gathered, outs, output_tensors), "allgather", opts)
 
-    def _allgather_base(self, output, input, opts=None) -> dist.Work:
+    def _allgather_base(self, output, input, opts=None) -> dist.Work | None:
         if output.numel() != self._n * input.numel():
             raise InvalidArgument(f"all_gather_into_tensor: the output has {output.numel()} elements, not world "
                                   f"size {self._n} x the input's {input.numel()}")
         arr, g = tv.bytes_operand(input).array, self.shmcoll_group
         return self._submit(arr.nbytes * self._n, lambda: g.all_gather(arr),
-                            lambda gathered: _write_then(output, gathered, [output]), "allgather")
+                            lambda gathered: _write_then(output, gathered, [output]), "allgather", opts)
 
     all_gather_single = _allgather_base
 
-    def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work:
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> dist.Work | None:
         """One all_gather over the inputs' concatenated bytes, cut back into every output."""
         for outs, t in zip(output_lists, input_list):
             self._check_parts(outs, t, "allgather_coalesced")
-        return self._gather_concatenated(input_list, lambda k, i: output_lists[k][i], output_lists)
+        return self._gather_concatenated(input_list, lambda k, i: output_lists[k][i], output_lists, opts)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work | None:
         if not all(o.is_contiguous() for o in outputs):
             raise InvalidArgument("all_gather_into_tensor (coalesced) needs contiguous outputs")
         parts = [list(o.detach().reshape(self._n, -1).unbind(0)) for o in outputs]
-        return self._gather_concatenated(inputs, lambda k, i: parts[k][i], outputs)
+        return self._gather_concatenated(inputs, lambda k, i: parts[k][i], outputs, opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def _gather_concatenated(self, inputs, target, outputs) -> dist.Work:
+    def _gather_concatenated(self, inputs, target, outputs, opts) -> dist.Work | None:
         sizes = [t.nbytes for t in inputs]
         arr = np.concatenate([tv.bytes_operand(t).array for t in inputs]) if inputs else np.empty(0, np.uint8)
         g, total = self.shmcoll_group, sum(sizes)
@@ -207,18 +210,18 @@ class ShmcollProcessGroup(dist.ProcessGroup):
                     _write(target(k, i), gathered[offset:offset + size])
                     offset += size
             return outputs
-        return self._submit(arr.nbytes * self._n, lambda: g.all_gather(arr), finish, "allgather_coalesced")
+        return self._submit(arr.nbytes * self._n, lambda: g.all_gather(arr), finish, "allgather_coalesced", opts)
 
-    def gather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+    def gather(self, output_tensors, input_tensors, opts=None) -> dist.Work | None:
         t, root = _only(input_tensors, "gather"), _root(opts, self._n)
         outs = _only(output_tensors, "gather") if self.rank() == root else []
         if self.rank() == root:
             self._check_parts(outs, t, "gather")
         arr, g = tv.bytes_operand(t).array, self.shmcoll_group
         return self._submit(arr.nbytes * self._n, lambda: g.gather(root, arr),
-                            lambda gathered: _scatter_bytes(gathered, outs, output_tensors), "gather")
+                            lambda gathered: _scatter_bytes(gathered, outs, output_tensors), "gather", opts)
 
-    def scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+    def scatter(self, output_tensors, input_tensors, opts=None) -> dist.Work | None:
         out, root = _only(output_tensors, "scatter"), _root(opts, self._n)
         arr = None
         if self.rank() == root:
@@ -227,9 +230,9 @@ class ShmcollProcessGroup(dist.ProcessGroup):
             arr = np.concatenate([tv.bytes_operand(x).array for x in ins])
         g, nbytes = self.shmcoll_group, out.nbytes
         return self._submit(nbytes * self._n, lambda: g.scatter(root, arr),
-                            lambda piece: _write_then(out, piece, output_tensors), "scatter")
+                            lambda piece: _write_then(out, piece, output_tensors), "scatter", opts)
 
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> dist.Work:
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> dist.Work | None:
         """all_to_all_single: equal blocks go straight through; uneven splits (in rows of dim 0)
         travel padded to the largest block any rank sends, agreed first."""
         src = tv.bytes_operand(input).array
@@ -237,15 +240,15 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         if not input_split_sizes and not output_split_sizes:  # even, and so on every rank (torch's rule)
             _splits(None, input, self._n, "input")
             g = self.shmcoll_group
-            return self._submit(src.nbytes, lambda: g.all_to_all(src), finish, "all_to_all_single")
+            return self._submit(src.nbytes, lambda: g.all_to_all(src), finish, "all_to_all_single", opts)
         row = input.numel() // input.shape[0] * input.element_size() if input.dim() and input.shape[0] else 0
         blocks_in = [k * row for k in _splits(input_split_sizes, input, self._n, "input")]
         blocks_out = [k * row for k in _splits(output_split_sizes, output, self._n, "output")]
-        return self._all_to_all_padded(_cut(src, blocks_in), blocks_out, finish, "all_to_all_single")
+        return self._all_to_all_padded(_cut(src, blocks_in), blocks_out, finish, "all_to_all_single", opts)
 
     all_to_all_single = alltoall_base
 
-    def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+    def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work | None:
         if len(input_tensors) != self._n or len(output_tensors) != self._n:
             raise InvalidArgument(f"all_to_all takes {self._n} input and output tensors (one per rank)")
         pieces = [tv.bytes_operand(t).array for t in input_tensors]
@@ -255,10 +258,10 @@ class ShmcollProcessGroup(dist.ProcessGroup):
             for t, piece in zip(output_tensors, _cut(data, sizes)):
                 _write(t, piece)
             return output_tensors
-        return self._all_to_all_padded(pieces, sizes, finish, "all_to_all")
+        return self._all_to_all_padded(pieces, sizes, finish, "all_to_all", opts)
 
     def _all_to_all_padded(self, pieces: list[np.ndarray], sizes_out: list[int], finish: Finish,
-                           name: str) -> dist.Work:
+                           name: str, opts) -> dist.Work | None:
         """Piece j to rank j, whatever the sizes: one small all_reduce agrees on the widest piece,
         then every piece travels padded to it; sizes_out says how much of each arrival is data."""
         g, n = self.shmcoll_group, self._n
@@ -271,12 +274,12 @@ class ShmcollProcessGroup(dist.ProcessGroup):
                 padded[j, :p.nbytes] = p
             received = g.all_to_all(padded.reshape(-1)).reshape(n, -1)
             return np.concatenate([received[j, :sizes_out[j]] for j in range(n)])
-        return self._submit(sum(p.nbytes for p in pieces), job, finish, name)
+        return self._submit(sum(p.nbytes for p in pieces), job, finish, name, opts)
 
     # ---- synchronisation and point to point ----
-    def barrier(self, opts=None) -> dist.Work:
+    def barrier(self, opts=None) -> dist.Work | None:
         g = self.shmcoll_group
-        return self._small(g.barrier, lambda _: [], "barrier")
+        return self._small(g.barrier, lambda _: [], "barrier", opts)
 
     def send(self, tensors, dstRank, tag) -> dist.Work:
         t = _only(tensors, "send")
