@@ -4,9 +4,10 @@ torch hands every call a list of tensors and an options object; each method here
 one shmcoll call on flat numpy views of the tensors (tensors.py), runs it, and returns a Work
 (work.py). Where a call runs:
 
-- on the caller's thread, when it is small (at most INLINE_BYTES) and nothing queued before it
-  is still running: the result is in place when the method returns, which returns a DoneWork,
-  or None where torch's own function waits anyway (asyncOp False; torch reads None as done);
+- on the caller's thread, when nothing queued before it is still running and the call is small
+  (at most INLINE_BYTES) or its caller waits for it anyway (asyncOp False: torch's functions
+  without async_op). The result is in place when the method returns, which returns a DoneWork,
+  or None where the caller waits (torch reads None as done);
 - else on the group's own ordered worker, in call order, so DDP's buckets reduce while autograd
   computes the next ones. Work.wait() waits for it; its future completes on a Completer thread.
 
