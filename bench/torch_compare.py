@@ -231,7 +231,9 @@ def adapter_line(adapter: dict[str, Any] | None, ranks: int) -> str:
     if adapter is None:
         return "adapter overhead: error (the shmcoll all_reduce job failed)"
     return (f"adapter overhead: {adapter['overhead_us']:.1f} us (dist.all_reduce {adapter['torch_us']:.1f} us - "
-            f"shmcoll_group.all_reduce {adapter['direct_us']:.1f} us, {human(adapter['size'])}, {ranks} ranks)")
+            f"shmcoll_group.all_reduce {adapter['direct_us']:.1f} us, {human(adapter['size'])}, {ranks} ranks); "
+            f"of it torch's own path {adapter['torch_path_us']:.1f} us (a Python group that only makes the "
+            f"shmcoll call: {adapter['floor_us']:.1f} us) and shmcoll.torch's {adapter['own_us']:.1f} us")
 
 
 def header(args: argparse.Namespace, command: str) -> list[str]:

@@ -73,7 +73,10 @@ def test_quick_run_prints_both_backends_and_writes_the_same_json(tmp_path):
         assert cells == [row["what"], str(row["ranks"]), f"{row['gloo']:.1f} {row['unit']}",
                          f"{row['shmcoll']:.1f} {row['unit']}", f"{row['ratio']:.3g}x"]
     adapter = [m for ln in out.splitlines() if (m := ADAPTER_LINE.match(ln))]
-    assert len(adapter) == 1 and adapter[0].group(1) == f"{doc['adapter_overhead']['overhead_us']:.1f}", out
+    overhead = doc["adapter_overhead"]
+    assert len(adapter) == 1 and adapter[0].group(1) == f"{overhead['overhead_us']:.1f}", out
+    assert overhead["torch_path_us"] + overhead["own_us"] == pytest.approx(overhead["overhead_us"])
+    assert f"torch's own path {overhead['torch_path_us']:.1f} us" in adapter[0].string
 
 
 def _sleepers(count: int) -> list[subprocess.Popen]:
