@@ -123,9 +123,16 @@ def test_missing_world_size_names_variables():
     assert "SHMCOLL_RANK" not in msg
 
 
-def test_missing_both_names_both():
-    msg = raises({})
-    assert "SHMCOLL_RANK" in msg and "SHMCOLL_WORLD_SIZE" in msg
+def test_no_launcher_at_all_is_a_group_of_one():
+    """As an MPI program started without mpirun: `python train.py` runs alone."""
+    c = load_config(environ={})
+    assert (c.rank, c.world_size, c.master_addr, c.master_port) == (0, 1, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("kw", [{"rank": 0}, {"world_size": 1}])
+def test_half_an_explicit_numbering_is_refused(kw):
+    msg = raises({}, **kw)
+    assert "not set" in msg
 
 
 @pytest.mark.parametrize("var,value", [("SHMCOLL_RANK", "one"), ("SHMCOLL_RANK", "1.5"),
@@ -454,9 +461,10 @@ def test_master_port_kept_without_torchrun():
      ["under Open MPI's mpirun", "MASTER_ADDR", "MASTER_PORT", "mpirun -x MASTER_ADDR=", "-x MASTER_PORT="]),
     (mpirun_env, ("MASTER_PORT",),
      ["under Open MPI's mpirun", "set SHMCOLL_MASTER_PORT (or MASTER_PORT)", "'10.0.0.1'"]),
-    (srun_env, ("MASTER_ADDR", "MASTER_PORT"),
+    (srun_env, ("MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
      ["under Slurm's srun", "before srun", "scontrol show hostnames", "MASTER_PORT="]),
-    (srun_env, ("MASTER_ADDR",), ["under Slurm's srun", "set SHMCOLL_MASTER_ADDR (or MASTER_ADDR)"]),
+    (srun_env, ("MASTER_ADDR", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
+     ["under Slurm's srun", "set SHMCOLL_MASTER_ADDR (or MASTER_ADDR)"]),
     (mpiexec_env, ("MASTER_ADDR", "MASTER_PORT"), ["under mpiexec (PMI)", "-genv MASTER_ADDR", "-genv MASTER_PORT"]),
     (torchrun_env, ("MASTER_ADDR",), ["under torchrun", "torchrun sets MASTER_ADDR"]),
 ])
@@ -464,6 +472,59 @@ def test_missing_rendezvous_under_a_launcher(make, drop, needles):
     msg = raises({k: v for k, v in make(1).items() if k not in drop})
     for needle in needles:
         assert needle in msg, (needle, msg)
+
+
+# --- srun with nothing exported: the step's first host, a port from the job and step ids ----
+
+def _srun_bare(rank: int, **changes: str) -> dict[str, str]:
+    e = {k: v for k, v in srun_env(rank).items() if not k.startswith("MASTER_")}
+    e.update(changes)
+    return e
+
+
+def test_srun_without_exports_meets_at_the_steps_first_host():
+    configs = [load_config(environ=_srun_bare(r)) for r in range(4)]
+    assert {(c.master_addr, c.master_port) for c in configs} == {("node01", lch.slurm_port(srun_env(0)))}
+    assert "SLURM_JOB_ID" in configs[0].master_port_from
+
+
+def test_srun_port_differs_between_steps_and_jobs():
+    ports = {lch.slurm_port({"SLURM_JOB_ID": job, "SLURM_STEP_ID": step})
+             for job in ("1234", "1235") for step in ("0", "1", "2")}
+    assert len(ports) == 6 and all(1024 < p <= 65535 for p in ports)
+
+
+def test_srun_step_node_list_wins_over_the_jobs():
+    e = _srun_bare(0, SLURM_STEP_NODELIST="gpu[3-4]", SLURM_JOB_NODELIST="node[01-08],gpu[3-4]")
+    assert load_config(environ=e).master_addr == "gpu3"
+
+
+def test_srun_exports_win_over_the_step():
+    e = _srun_bare(0, MASTER_ADDR="10.1.2.3")
+    c = load_config(environ=e)
+    assert (c.master_addr, c.master_port) == ("10.1.2.3", lch.slurm_port(e))
+    assert load_config(environ=srun_env(0)).master_port == 29500
+
+
+def test_srun_task_zero_off_the_first_host_says_to_export():
+    """An arbitrary distribution may put task 0 elsewhere: it serves the rendezvous, so it says so."""
+    msg = raises(_srun_bare(0, SLURM_NODEID="1"))
+    assert "task 0 runs on node 1" in msg and "'node01'" in msg and "MASTER_ADDR" in msg
+    assert load_config(environ=_srun_bare(2, SLURM_NODEID="1")).master_addr == "node01"
+
+
+@pytest.mark.parametrize("nodelist,first", [
+    ("node01", "node01"), ("node[01-04]", "node01"), ("node[07-09,12],gpu1", "node07"), ("a,b", "a"),
+    ("rack[1-2]-n[3-4]", "rack1-n3"), ("n[0012-0015]", "n0012"), (" node5 ", "node5"), ("x[4,2]", "x4"),
+])
+def test_first_slurm_host(nodelist, first):
+    assert lch.first_slurm_host(nodelist) == first
+
+
+@pytest.mark.parametrize("nodelist", ["node[01-04", ",node1", ""])
+def test_unreadable_slurm_node_lists_are_refused(nodelist):
+    with pytest.raises(InvalidArgument, match="Slurm node list"):
+        lch.first_slurm_host(nodelist)
 
 
 def test_missing_rendezvous_without_launcher_mentions_none():

@@ -3,7 +3,7 @@ no arguments, and tests/programs/external_launcher_check.py checks numbering and
 
 mpirun missing -> skip, unless SHMCOLL_REQUIRE_MPIRUN=1 (CI sets it once OpenMPI is installed),
 which turns the skip into a failure so a broken install cannot pass silently. torch missing -> skip.
-Slurm's srun cannot run here (no Slurm daemons): tests/test_config.py covers its variables.
+A process started with no launcher at all runs as a group of one. Slurm's srun: tests/test_slurm_launch.py.
 """
 
 from __future__ import annotations
@@ -150,6 +150,21 @@ def test_mpirun_without_master_addr_says_what_to_export(mpirun):
     assert rc != 0, out
     assert "InvalidArgument" in out, out
     assert "under Open MPI's mpirun" in out and "mpirun -x MASTER_ADDR=" in out, out
+
+
+# --- no launcher -------------------------------------------------------------------------------
+
+def test_no_launcher_runs_as_a_group_of_one():
+    """`python train.py` with no launcher and nothing exported: a group of one, as an MPI program
+    started without mpirun, whose collectives return its own data."""
+    code = ("import numpy as np, shmcoll\n"
+            "with shmcoll.init() as pg:\n"
+            "    x = np.arange(4.0)\n"
+            "    pg.all_reduce(x)\n"
+            "    print(pg.rank, pg.world_size, x.tolist(), pg.all_gather(x).tolist())")
+    rc, out = run_bounded([sys.executable, "-c", code], clean_env(), timeout=LAUNCH_S)
+    assert rc == 0, out
+    assert out.strip() == "0 1 [0.0, 1.0, 2.0, 3.0] [0.0, 1.0, 2.0, 3.0]", out
 
 
 # --- torchrun ----------------------------------------------------------------------------------

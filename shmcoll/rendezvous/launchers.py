@@ -3,14 +3,18 @@
 Launchers disagree on names (torchrun, Open MPI, MPICH/PMI, Slurm), so each setting has an ordered
 list of fallbacks; the first non-empty one wins and an explicit argument beats all of them. The
 variable that supplied the rank names the launcher, which words the errors (how to export the
-rendezvous address there) and adds the launcher's own job identity to the derived job id. Under
-torchrun, MASTER_PORT belongs to torch (its agent serves a TCPStore there), so shmcoll's rendezvous
-takes the next port but one (`torchrun_port`) unless SHMCOLL_MASTER_PORT or an explicit argument
-says otherwise. No I/O: only the environment mapping it is given.
+rendezvous address there) and adds the launcher's own job identity to the derived job id.
+
+Under torchrun, MASTER_PORT belongs to torch (its agent serves a TCPStore there), so shmcoll's
+rendezvous takes the next port but one (`torchrun_port`) unless SHMCOLL_MASTER_PORT or an explicit
+argument says otherwise. Under srun, a rendezvous address or port that nobody set comes from the
+job step (`slurm_master`). With no rank and no world size anywhere, the process is a group of one.
+No I/O: only the environment mapping it is given.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -82,8 +86,9 @@ MPIEXEC = Launcher(
     "mpiexec (PMI)", "export them to every rank: "
     "mpiexec -genv MASTER_ADDR <host of rank 0> -genv MASTER_PORT <free port> ...")
 SRUN = Launcher(
-    "Slurm's srun", "export them before srun (srun passes the environment on): "
-    'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) MASTER_PORT=<free port>',
+    "Slurm's srun", "srun's SLURM_STEP_NODELIST and SLURM_JOB_ID give them when set; else export them before "
+    'srun (it passes the environment on): export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
+    "| head -n 1) MASTER_PORT=<free port>",
     ("SLURM_JOB_ID", "SLURM_STEP_ID"))
 
 EXTERNAL_LAUNCHERS = (TORCHRUN, MPIRUN, MPIEXEC, SRUN)  # the ones whose errors explain how to export
@@ -179,6 +184,8 @@ def resolve_ranks(rank, world_size, environ) -> tuple[int, int, int | None, str 
     """rank, world_size, local rank and the rank's source variable, validated against each other."""
     world, world_src = _resolve_int(world_size, environ, WORLD_SIZE_VARS, "world size")
     r, rank_src = _resolve_int(rank, environ, RANK_VARS, "rank")
+    if r is None and world is None:
+        return 0, 1, None, None  # no launcher at all: a group of one, as an MPI program without mpirun
     _missing_ranks(r, world, rank_src, world_src, environ)
     assert r is not None and world is not None  # _missing_ranks raised otherwise
     _check_one_launcher(rank_src, world_src)
@@ -224,14 +231,69 @@ def _resolve_port(explicit, environ) -> tuple[int | None, str]:
     return p, src or "init(master_port=)"
 
 
+SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+SLURM_PORT_BASE = 20000
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist, without running scontrol: "node[07-09,12],gpu1" gives
+    "node07", "rack[1-2]-n[3-4]" gives "rack1-n3" (each bracket's first number, padding kept)."""
+    host, rest = [], nodelist.strip()
+    while rest and rest[0] != ",":
+        if rest[0] == "[":
+            close = rest.find("]")
+            if close < 0:
+                raise InvalidArgument(f"cannot read the Slurm node list {nodelist!r}: a '[' is not closed")
+            host.append(rest[1:close].split(",")[0].split("-")[0])
+            rest = rest[close + 1:]
+        else:
+            host.append(rest[0])
+            rest = rest[1:]
+    if not host:
+        raise InvalidArgument(f"cannot read the Slurm node list {nodelist!r}: no host in it")
+    return "".join(host)
+
+
+def slurm_port(environ: Mapping[str, str]) -> int:
+    """SLURM_PORT_BASE + (SLURM_JOB_ID mod 4000) x 10 + SLURM_STEP_ID mod 10: the same on every rank
+    of a step, different for a job's first ten steps, and for jobs whose ids differ below 4000."""
+    job = environ.get("SLURM_JOB_ID", "").strip()
+    step = environ.get("SLURM_STEP_ID", "").strip()
+    job_number = int(job) if job.isdigit() else zlib.crc32(job.encode())
+    step_number = int(step) if step.isdigit() else 0
+    return SLURM_PORT_BASE + (job_number % 4000) * 10 + step_number % 10
+
+
+def slurm_master(environ: Mapping[str, str]) -> tuple[str, int] | None:
+    """Where an srun step meets when nothing names it: the first host of its node list, where
+    task 0 runs under every distribution but an arbitrary one, and slurm_port; None outside a
+    Slurm job step. Task 0 itself checks that it runs there (SLURM_NODEID 0), since it serves
+    the rendezvous."""
+    nodes = lookup(environ, SLURM_NODELIST_VARS)
+    if nodes is None or lookup(environ, ("SLURM_JOB_ID",)) is None:
+        return None
+    first = first_slurm_host(nodes[1])
+    if environ.get("SLURM_PROCID", "").strip() == "0" and environ.get("SLURM_NODEID", "0").strip() not in ("", "0"):
+        raise InvalidArgument(
+            f"task 0 runs on node {environ['SLURM_NODEID'].strip()} of the step, not on its first host {first!r}, "
+            f"where the others would look for it: {SRUN.how_to_set_master}")
+    return first, slurm_port(environ)
+
+
 def resolve_master(addr, port, world, launcher: Launcher, environ) -> tuple[str, int, str]:
-    """Rendezvous endpoint and the port's origin; a single rank needs none (loopback, port 0)."""
+    """Rendezvous endpoint and the port's origin; a single rank needs none (loopback, port 0).
+    Under srun, what is not set comes from the step (slurm_master)."""
     if addr is None:
         found = lookup(environ, MASTER_ADDR_VARS)
         addr = found[1] if found else None
     elif not isinstance(addr, str) or not addr.strip():
         raise InvalidArgument(f"master_addr must be a non-empty string, got {addr!r}")
     p, port_from = _resolve_port(port, environ)
+    slurm = slurm_master(environ) if launcher is SRUN and world > 1 and (not addr or p is None) else None
+    if slurm is not None:
+        addr = addr or slurm[0]
+        if p is None:
+            p, port_from = slurm[1], f"derived from SLURM_JOB_ID and SLURM_STEP_ID ({slurm[1]})"
     if world == 1:
         return (addr.strip() if addr else SINGLE_RANK_ADDR), (p if p is not None else 0), port_from
     under = f" under {launcher.name}" if launcher in EXTERNAL_LAUNCHERS else ""
