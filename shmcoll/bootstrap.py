@@ -160,7 +160,7 @@ def _build_transport(cfg: Config, client: RendezvousStore, deadline: float) -> T
             return _shm_transport(cfg, client, hosts, pids, deadline)
         if choice in ("auto", "hier"):
             return _hier_transport(cfg, client, hosts, pids, deadline)
-        return _tcp_transport(cfg, client, deadline)
+        return _tcp_transport(cfg, client, deadline, spans_hosts=len(set(hosts.values())) > 1)
     except Deadline as exc:
         raise CollectiveTimeout(f"rendezvous at {_where(cfg)} did not finish within {cfg.timeout:g} s") from exc
     except StoreAbort as exc:
@@ -228,23 +228,30 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
     shm = _shm_transport(cfg, client, hosts, pids, deadline, mailbox)
     try:
         remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
-        net = _tcp_transport(cfg, client, deadline, remote, mailbox, local=shm)
+        net = _tcp_transport(cfg, client, deadline, spans_hosts=True, peers=remote, mailbox=mailbox, local=shm)
     except BaseException:
         shm.close()
         raise
     return HierarchicalTransport(shm, net, topology, mailbox)
 
 
-def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, peers: set[int] | None = None,
-                   mailbox: Mailbox | None = None, local: ShmTransport | None = None) -> NetTransport:
+def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool,
+                   peers: set[int] | None = None, mailbox: Mailbox | None = None,
+                   local: ShmTransport | None = None) -> NetTransport:
     """TCP to `peers` (default every other rank); under a hierarchy, `local` is this host's
-    shared-memory transport and the mailbox the one both share."""
-    listener = open_listener(client.local_address)
+    shared-memory transport and the mailbox the one both share.
+
+    Each rank listens where it reached the store from and publishes that address. A rank that
+    reached it over loopback runs on rank 0's host; in a job across hosts (where the rendezvous
+    name may resolve to loopback on rank 0's host only: Debian maps the hostname to 127.0.1.1) it
+    listens on every interface and publishes no address, and each peer reaches it where the peer
+    itself reached the store."""
+    here = client.local_address
+    unnamed = spans_hosts and ipaddress.ip_address(here).is_loopback
+    listener = open_listener("" if unnamed else here)
     try:
-        me = json.dumps([client.local_address, listener.getsockname()[1]])
-        addrs = {r: tuple(json.loads(v)) for r, v in _gather(cfg, client, "tcp", me, deadline).items()}
-        if local is not None:  # the TCP side of a hierarchy: its peers are on other hosts
-            _check_routable(cfg, addrs)
+        me = json.dumps(["" if unnamed else here, listener.getsockname()[1]])
+        addrs = {r: _reachable(json.loads(v), client) for r, v in _gather(cfg, client, "tcp", me, deadline).items()}
     except BaseException:
         listener.close()
         raise
@@ -253,25 +260,18 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, peers:
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local)
 
 
+def _reachable(published: list, client: RendezvousStore) -> tuple[str, int]:
+    """Where to connect to a rank that published [address, port]: no address means rank 0's
+    host, reached where this rank reached the store."""
+    address, port = published
+    return (address or client.store_address), int(port)
+
+
 def _raise_if_aborted(client: RendezvousStore, deadline: float) -> None:
     """StoreAbort when a rank published a start-up failure (or its connection to the store dropped)."""
     reason = client.get(ABORT_KEY, deadline)
     if reason is not None:
         raise StoreAbort(reason)
-
-
-def _check_routable(cfg: Config, addrs: dict[int, tuple[str, int]]) -> None:
-    """Ranks connect to the address each rank reached the rendezvous from. Some over loopback and
-    some not means the rendezvous name resolves to loopback on rank 0's host (Debian's /etc/hosts
-    maps the hostname to 127.0.1.1): the other hosts could never connect, so say so now. (All over
-    loopback is one machine simulating several hosts, which works.)"""
-    looped = sorted(r for r, (address, _) in addrs.items() if ipaddress.ip_address(address).is_loopback)
-    if looped and len(looped) < len(addrs):
-        raise InvalidArgument(
-            f"ranks {looped} reach the rendezvous {_where(cfg)} over loopback, the others over the network, "
-            f"so ranks on other hosts could not connect to them: set SHMCOLL_MASTER_ADDR (or --master-addr) "
-            f"to an address of rank 0's host that every host routes to (`getent hosts {cfg.master_addr}` "
-            f"on each host shows what the name resolves to)")
 
 
 def _shm_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str], pids: dict[int, int],

@@ -129,3 +129,26 @@ def test_two_hosts_two_ranks_each(hosts, tmp_path):
 def test_uneven_hosts_one_and_two(hosts, tmp_path):
     oks = run_job(tmp_path, f"{hosts}1 slots=1   # the rendezvous host\n{hosts}2 slots=2\n")
     check_layout(oks, [f"{hosts}1", f"{hosts}2", f"{hosts}2"])
+
+
+@pytest.fixture
+def first_host_named_loopback(hosts):
+    """Inside its own namespace, host 1's name resolves to 127.0.1.1 first, as Debian's installer
+    writes /etc/hosts; host 2 still resolves it to host 1's real address. Undone afterwards."""
+    path = Path("/etc/netns") / f"{hosts}1" / "hosts"
+    original = path.read_text()
+    path.write_text(f"127.0.1.1 {hosts}1\n{original}")
+    try:
+        inside = _sh("ip", "netns", "exec", f"{hosts}1", "getent", "hosts", f"{hosts}1")
+        assert inside.stdout.split()[0] == "127.0.1.1", inside
+        yield hosts
+    finally:
+        path.write_text(original)
+
+
+def test_a_rendezvous_name_that_is_loopback_on_its_own_host(first_host_named_loopback, tmp_path):
+    """The ranks on rank 0's host reach the store over loopback; those on the other host over the
+    bridge. The store and those ranks listen on every interface, so the job still forms."""
+    hosts = first_host_named_loopback
+    oks = run_job(tmp_path, f"{hosts}1 slots=2\n{hosts}2 slots=2\n")
+    check_layout(oks, [f"{hosts}1", f"{hosts}1", f"{hosts}2", f"{hosts}2"])

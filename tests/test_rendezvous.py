@@ -23,7 +23,7 @@ from shmcoll.net.handshake import (
     client_handshake,
     server_handshake,
 )
-from shmcoll.rendezvous.store import StoreClient, StoreServer
+from shmcoll.rendezvous.store import StoreClient, StoreServer, listen_address
 
 from bounds import CALL_DEADLINE_S, DROP_LATE_S, LATE_S, NEVER_S, NO_WAIT_S, THROUGH_FLOOD_S, WAIT_HANG_S
 
@@ -133,9 +133,20 @@ def test_set_get_wait(store):
         assert a.wait(["peer/0", "peer/1"], dl()) == ({"peer/0": '["127.0.0.1", 1234]', "peer/1": "second"}, [])
         assert a.wait([], dl()) == ({}, [])
         assert isinstance(a.local_address, str) and a.local_address.startswith("127.")
+        assert a.store_address == "127.0.0.1"
     finally:
         a.close()
         b.close()
+
+
+def test_the_store_listens_on_every_interface_unless_told_loopback_literally():
+    """A name may resolve to loopback on rank 0's host only, so the store takes every interface for
+    it; 127.0.0.1 written out means one machine and stays private; another host's address is an
+    error, since rank 0 serves the store."""
+    assert listen_address("127.0.0.1") == "127.0.0.1"
+    assert listen_address("localhost") == ""
+    with pytest.raises(OSError):
+        listen_address("192.0.2.1")  # TEST-NET-1: no host's address
 
 
 def test_wait_blocks_until_another_client_sets(store):

@@ -236,6 +236,8 @@ def test_the_store_host_is_found_through_prefix_stores():
     server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     assert store_mod.store_host(dist.PrefixStore("g/", dist.PrefixStore("h/", server))) == "127.0.0.1"
     assert store_mod.address_toward("127.0.0.1") == "127.0.0.1"
+    seen = store_mod.TorchStore(server)
+    assert (seen.local_address, seen.store_address) == ("127.0.0.1", "127.0.0.1")
 
 
 def test_operands_keep_their_memory_alive():

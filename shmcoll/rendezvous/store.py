@@ -7,6 +7,7 @@ the job-secret handshake; sizes are bounded, nothing is unpickled.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 import struct
@@ -44,12 +45,26 @@ def _recv_msg(sock: socket.socket, deadline: float) -> dict:
     return msg
 
 
+def listen_address(addr: str) -> str:
+    """Where rank 0 serves the store for the rendezvous address `addr`: every interface, as torch's
+    TCPStore does, so that a name that resolves to loopback on rank 0's host (Debian maps the
+    hostname to 127.0.1.1) still reaches it from the others; but a loopback address written as such
+    stays private to this host. OSError when `addr` is not this host's: rank 0 must run there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((addr, 0))
+    try:
+        return addr if ipaddress.ip_address(addr).is_loopback else ""
+    except ValueError:  # a name, not an address
+        return ""
+
+
 class RendezvousStore(Protocol):
     """What start-up needs of a store (bootstrap.py): shmcoll's StoreClient, or torch's store seen
     through shmcoll.torch. Every call takes an absolute monotonic deadline; `wait` raises
     StoreAbort once a rank has published a start-up failure under ABORT_KEY."""
 
     local_address: str  # the address this rank reached the store from: where it listens
+    store_address: str  # the address this rank reached the store at: rank 0's host, as seen from here
 
     def set(self, key: str, value: str, deadline: float) -> None: ...
 
@@ -80,7 +95,7 @@ class StoreServer:
         self._claimed: set[int] = set()  # the ids of the clients connected now
         self._contested = False  # a second process claimed a connected id: two jobs meet here
         self._handlers: list[threading.Thread] = []  # joined by close(), even those already done serving
-        listener = socket.create_server((addr, port), reuse_port=False, backlog=_BACKLOG)
+        listener = socket.create_server((listen_address(addr), port), reuse_port=False, backlog=_BACKLOG)
         self.port = listener.getsockname()[1]
         self._where = f"{addr}:{self.port}"
         self._gate = Gate(listener, secret, purpose, self._admit, self._start_serving, name="shmcoll-store")
@@ -213,6 +228,7 @@ class StoreClient:
                 self._sock.close()
                 raise
         self.local_address = self._sock.getsockname()[0]
+        self.store_address = self._sock.getpeername()[0]
 
     def _call(self, request: dict, deadline: float) -> dict:
         _send_msg(self._sock, request, deadline)

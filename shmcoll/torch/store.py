@@ -30,7 +30,9 @@ class TorchStore:
 
     def __init__(self, store: dist.Store):
         self._store = store
-        self.local_address = address_toward(store_host(store))
+        host = store_host(store)
+        self.local_address = address_toward(host)
+        self.store_address = _resolve(host)
 
     def set(self, key: str, value: str, deadline: float) -> None:
         self._store.set(_PREFIX + key, value)
@@ -74,12 +76,20 @@ def store_host(store: dist.Store) -> str:
     return os.environ.get("MASTER_ADDR", "127.0.0.1")
 
 
+def _resolve(host: str) -> str:
+    """host's IPv4 address as this machine resolves it; loopback when it does not resolve."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+
+
 def address_toward(host: str) -> str:
     """This machine's address on the route to `host` (no packet is sent): the address other
     ranks can reach this one at, as shmcoll's own store tells from the connection it accepted."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(host), 9))
+            probe.connect((_resolve(host), 9))
             return probe.getsockname()[0]
     except OSError:
         return "127.0.0.1"
