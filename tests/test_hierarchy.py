@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import shmcoll
 from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
 
@@ -365,3 +366,37 @@ def test_subgroup_spanning_hosts_runs_two_level(monkeypatch):
     results = run_ranks(4, _subgroup_all_reduce)
     assert all(hosts == ((0, 2), (1, 3)) for _, hosts in results)
     assert _cross([out for out, _ in results], _hosts("halves", 4)) == 2 * S
+
+
+# ---- many hosts: a small all-reduce among the leaders by recursive doubling ----
+
+def _small_all_reduces(pg):
+    """Small all-reduces among one rank per host: SUM, AVG and a SUM of NaNs whose payloads differ
+    by rank (x86 keeps the first operand's payload, so a fold in another order on two ranks gives
+    other bits); the results, and the bytes sent to each rank during the first SUM alone."""
+    summed = np.full(2, pg.rank + 1.0, dtype=np.float32)  # 8 bytes
+    traffic = _traffic_of(pg, lambda _: pg.all_reduce(summed))
+    averaged = np.arange(4, dtype=np.float64) * (pg.rank + 1)
+    pg.all_reduce(averaged, shmcoll.ReduceKind.AVG)
+    nans = np.full(3, 0x7FC00001 + pg.rank, dtype=np.uint32)
+    pg.all_reduce(nans.view(np.float32))
+    return {"sum": summed.tolist(), "avg": averaged.tolist(), "nan bits": nans.tolist(), "tcp": traffic["tcp"]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n, messages", [(5, 10), (8, 24)])
+def test_small_all_reduce_among_many_hosts_doubles(n, messages, monkeypatch):
+    """One rank per host, more hosts than ONE_SHOT_MAX_HOSTS: recursive doubling. At 8 hosts each
+    rank sends the 8 bytes log2 8 = 3 times (24 messages, against 56 for one step to all); at 5 the
+    fifth hands its array to the first and gets the result back around 2 steps among 4 (10)."""
+    from shmcoll.algorithms.select import ONE_SHOT_MAX_HOSTS
+
+    assert n > ONE_SHOT_MAX_HOSTS
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    results = run_ranks(n, _small_all_reduces)
+    assert sum(sum(out["tcp"]) for out in results) == messages * 8
+    for out in results:
+        assert out["sum"] == [n * (n + 1) / 2] * 2
+        assert out["avg"] == [i * (n + 1) / 2 for i in range(4)]
+    assert len({tuple(out["nan bits"]) for out in results}) == 1

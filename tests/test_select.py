@@ -10,11 +10,13 @@ import pytest
 from shmcoll.algorithms.board_v import HEAD_BYTES
 from shmcoll.algorithms.select import (
     NEIGHBOURHOOD,
+    ONE_SHOT_MAX_HOSTS,
     SPLIT_HOST_AT,
     Algorithm,
     Setting,
     across_hosts,
     select,
+    small_across_hosts,
     without_single_copy,
 )
 from shmcoll.algorithms.single_copy import DESCRIPTOR_BYTES
@@ -109,9 +111,12 @@ def test_where_of_a_tcp_group():
     assert where.setting == Setting(hosts=1, board_bytes=None, one_shot_bytes=123, size=1)
 
 
-def test_two_level_slices_cross_hosts_in_one_step_while_small():
-    assert across_hosts(ONE_SHOT, ONE_SHOT) is A.ONE_SHOT
-    assert across_hosts(ONE_SHOT + 1, ONE_SHOT) is A.RING
+@pytest.mark.parametrize("hosts, small", [(2, A.ONE_SHOT), (ONE_SHOT_MAX_HOSTS, A.ONE_SHOT),
+                                         (ONE_SHOT_MAX_HOSTS + 1, A.RECURSIVE_DOUBLING), (1024, A.RECURSIVE_DOUBLING)])
+def test_two_level_slices_cross_hosts_in_few_steps_while_small(hosts, small):
+    assert across_hosts(ONE_SHOT, ONE_SHOT, hosts) is small
+    assert across_hosts(ONE_SHOT + 1, ONE_SHOT, hosts) is A.RING
+    assert small_across_hosts(hosts) is small
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,10 +29,12 @@ SPLIT_HOST_AT ranks NEIGHBOURHOODS. A ring through n ranks takes 2(n-1) steps on
 and with many ranks on few cores each step waits for processes to be scheduled; so NEIGHBOURHOODS
 runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD consecutive ranks instead of
 hosts (at 32 ranks: 20 steps, not 62). Inside TWO_LEVEL all-reduce, each slice crosses hosts in
-one step or around a ring (`across_hosts`). A group with no board (TCP only, or a sub-group) takes
-the large column's algorithm, SINGLE_COPY's fallback where it says so, except all_reduce's
-ONE_SHOT. all_gather_v's pieces differ in size, so no rank can choose by size alone: on a board
-every rank publishes a head saying whether its piece fits, and all decide alike from the heads.
+one step (by recursive doubling among more than ONE_SHOT_MAX_HOSTS hosts) or around a ring
+(`across_hosts`); TWO_LEVEL_ONE_SHOT's leaders choose as a small slice does (`small_across_hosts`).
+A group with no board (TCP only, or a sub-group) takes the large column's algorithm, SINGLE_COPY's
+fallback where it says so, except all_reduce's ONE_SHOT. all_gather_v's pieces differ in size, so
+no rank can choose by size alone: on a board every rank publishes a head saying whether its piece
+fits, and all decide alike from the heads.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ from .single_copy import DESCRIPTOR_BYTES
 SPLIT_HOST_AT = 16
 #: Ranks per neighbourhood, about (Topology.neighbourhoods).
 NEIGHBOURHOOD = 8
+#: Hosts among which a small all-reduce across hosts still finishes in one step, each host's rank
+#: sending its array to every other; among more, RECURSIVE_DOUBLING sends log2 as many.
+ONE_SHOT_MAX_HOSTS = 4
 
 
 class Algorithm(enum.Enum):
@@ -59,6 +64,7 @@ class Algorithm(enum.Enum):
     BOARD_OR_RING = "board or ring"  # board_v.py: one board step if every piece fits its entry, else RING
     ONE_SHOT = "one-shot"  # ring.py: every rank sends its whole input to every other, all fold alike
     RING = "ring"  # ring.py: reduce-scatter and all-gather around a ring, bandwidth-optimal
+    RECURSIVE_DOUBLING = "recursive doubling"  # doubling.py: log2 n exchanges of the whole array
     SINGLE_COPY = "single copy"  # single_copy.py: each rank reads what it needs straight from its peers' arrays
     CHAIN = "chain"  # broadcast.py: pipelined chain from the root
     DISSEMINATION = "dissemination"  # barrier.py: ceil(log2 n) rounds of signals
@@ -96,11 +102,17 @@ def select(coll: Collective, nbytes: int, where: Setting) -> Algorithm:
     return _CHOOSERS[coll](nbytes, where)
 
 
-def across_hosts(slice_bytes: int, one_shot_bytes: int) -> Algorithm:
+def across_hosts(slice_bytes: int, one_shot_bytes: int, hosts: int) -> Algorithm:
     """TWO_LEVEL all-reduce's middle phase: each column of ranks (local rank j of every host)
-    all-reduces its slice across hosts in one step while the slice is small, else around a ring.
-    Every rank of a column holds the same slice, so the column decides alike."""
-    return Algorithm.ONE_SHOT if slice_bytes <= one_shot_bytes else Algorithm.RING
+    all-reduces its slice across hosts: as small_across_hosts while the slice is small, else around
+    a ring. Every rank of a column holds the same slice, so the column decides alike."""
+    return small_across_hosts(hosts) if slice_bytes <= one_shot_bytes else Algorithm.RING
+
+
+def small_across_hosts(hosts: int) -> Algorithm:
+    """A small all-reduce among one rank per host (TWO_LEVEL_ONE_SHOT's leaders, or a column): one
+    step of hosts-1 messages per rank, or log2(hosts) steps of one message each."""
+    return Algorithm.ONE_SHOT if hosts <= ONE_SHOT_MAX_HOSTS else Algorithm.RECURSIVE_DOUBLING
 
 
 def _one_step_all_reduce(nbytes: int, where: Setting) -> Algorithm | None:

@@ -25,8 +25,9 @@ from .barrier import dissemination_barrier
 from .broadcast import chain_broadcast
 from .call import Call, segment_bounds
 from .direct import INT64_CODE, SIGNAL_CODE, shape_header, shapes_to_lengths
+from .doubling import recursive_doubling_all_reduce
 from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
-from .select import Algorithm, across_hosts
+from .select import Algorithm, across_hosts, small_across_hosts
 
 
 def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int) -> None:
@@ -45,19 +46,22 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
 
 
 def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], one_shot_bytes: int) -> None:
-    if across_hosts(piece.nbytes, one_shot_bytes) is Algorithm.ONE_SHOT:
-        one_shot_all_reduce(c, piece, op, ranks)
-    else:
-        ring_all_reduce(c, piece, op, ranks)
+    _ALL_REDUCE_ACROSS[across_hosts(piece.nbytes, one_shot_bytes, len(ranks))](c, piece, op, ranks)
+
+
+_ALL_REDUCE_ACROSS = {Algorithm.ONE_SHOT: one_shot_all_reduce, Algorithm.RING: ring_all_reduce,
+                      Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce}
 
 
 def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
-    """Latency first: one-shot in the host, one-shot among host leaders, leader fans out."""
+    """Latency first: one-shot in the host, one-shot (or recursive doubling) among host leaders,
+    leader fans out."""
     host = topo.local_ranks(c.rank)
     one_shot_all_reduce(c, data, summed(op), host)
     leader = host[0]
     if c.rank == leader:
-        one_shot_all_reduce(c, data, summed(op), topo.leaders())
+        leaders = topo.leaders()
+        _ALL_REDUCE_ACROSS[small_across_hosts(len(leaders))](c, data, summed(op), leaders)
         for peer in host[1:]:
             c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
     else:

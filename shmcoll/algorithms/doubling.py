@@ -1,0 +1,60 @@
+"""Recursive doubling all-reduce: ceil(log2 n) exchange steps, for small arrays among many ranks.
+
+The one-shot all-reduce (ring.py) finishes in one step, but each rank sends and receives n-1
+whole arrays; across many hosts that is many messages per call. Here, in step k, position p
+exchanges its partial result with position p XOR 2^k, so after log2 n steps every rank holds the
+whole reduction, having sent log2 n arrays. When n is not a power of two, the positions past the
+largest power of two first hand their array to a partner below it, and get the result back at the
+end (two more steps for them).
+
+Bitwise identical everywhere: both ends of an exchange fold the lower position's value first
+(`lower op higher`), so they compute the same bits even where an op is not commutative bit for
+bit (a SUM of two NaNs keeps the first one's payload), and partners hold equal values at every
+step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .. import kernels
+from ..types import ReduceKind
+from .call import Call
+from .ring import scale_if_avg, summed
+
+
+def recursive_doubling_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int]) -> None:
+    """In place over a 1-D storage array, among `members` (this rank one of them)."""
+    ranks = list(members)
+    n, p = len(ranks), ranks.index(c.rank)
+    core = 1 << (n.bit_length() - 1)  # the largest power of two <= n
+    fold = summed(op)
+    if p >= core:  # an extra position: its partner below does its share
+        partner = ranks[p - core]
+        c.t.send(partner, c.tag, data, c.code, c.meta, c.deadline)
+        c.t.recv_into(partner, c.tag, data, c.code, c.deadline, c.meta)
+        return
+    extra = ranks[p + core] if p + core < n else None
+    if extra is not None:
+        c.t.recv_into(extra, c.tag, data, c.code, c.deadline, c.meta, fold)  # lower op higher
+    distance = 1
+    while distance < core:
+        _exchange(c, data, fold, ranks[p ^ distance], lower=not p & distance)
+        distance <<= 1
+    scale_if_avg(c, data, op, n)
+    if extra is not None:
+        c.t.send(extra, c.tag, data, c.code, c.meta, c.deadline)
+
+
+def _exchange(c: Call, data: np.ndarray, op: ReduceKind, partner: int, lower: bool) -> None:
+    """data = (lower position's data) op (higher position's data), on both ends."""
+    c.t.send(partner, c.tag, data, c.code, c.meta, c.deadline)
+    if lower:
+        c.t.recv_into(partner, c.tag, data, c.code, c.deadline, c.meta, op)
+        return
+    theirs = np.empty_like(data)
+    c.t.recv_into(partner, c.tag, theirs, c.code, c.deadline, c.meta)
+    kernels.reduce_into(theirs, data, c.code, op)
+    data[:] = theirs
