@@ -1,7 +1,8 @@
-"""One rank started by an external launcher (mpirun, torchrun): shmcoll.init() with no arguments,
-then exact checks of the basic collectives, and one line "OK rank=R world=W ..." on success.
+"""One rank started by an external launcher (mpirun, torchrun, srun): shmcoll.init() with no
+arguments, then exact checks of the basic collectives, and one line "OK rank=R world=W ..." on success.
 
-Usage: external_launcher_check.py mpirun|torchrun [--expect-port N|MASTER_PORT+K] [--expect-secret]
+Usage: external_launcher_check.py mpirun|torchrun|srun [--expect-port N|MASTER_PORT+K] [--expect-secret]
+       [--report-rendezvous]
 
 The launcher's own variables are the reference: the group's rank and size must equal what the
 launcher assigned, so a config bug that merely yields *some* consistent numbering still fails.
@@ -26,6 +27,7 @@ REFERENCE = {
     "mpirun": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "srun": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),  # Slurm has no tasks-on-this-node count
 }
 BIG = 3 << 20  # bytes: several ring slots and chunks, so the streaming paths run, not only the board
 
@@ -39,16 +41,20 @@ def expected_port(spec: str | None) -> int | None:
     return int(spec)
 
 
-def check_config(launcher: str, expect_port: int | None, expect_secret: bool) -> None:
-    """The resolved config must match the launcher's own numbering, port rule and secret."""
+def check_config(launcher: str, expect_port: int | None, expect_secret: bool, report: bool) -> None:
+    """The resolved config must match the launcher's own numbering, port rule and secret. With
+    `report`, one line says this rank's pid and where it meets the others."""
     names = REFERENCE[launcher]
-    want = [int(os.environ[n]) for n in names]
+    want = [None if n is None else int(os.environ[n]) for n in names]
     cfg = load_config()
     got = [cfg.rank, cfg.world_size, cfg.local_rank, cfg.local_world_size]
     assert got == want, f"config {got} != launcher's {dict(zip(names, want))}"
     if expect_port is not None:
         assert cfg.master_port == expect_port, (cfg.master_port, expect_port, cfg.master_port_from)
     assert (cfg.secret is not None) == expect_secret, cfg.secret
+    if report:
+        line = f"PID {os.getpid()} addr={cfg.master_addr} port={cfg.master_port} from={cfg.master_port_from}\n"
+        os.write(1, line.encode())
 
 
 def check_group(pg, launcher: str) -> None:
@@ -89,9 +95,10 @@ def main() -> int:
     ap.add_argument("launcher", choices=sorted(REFERENCE))
     ap.add_argument("--expect-port", default=None)
     ap.add_argument("--expect-secret", action="store_true")
+    ap.add_argument("--report-rendezvous", action="store_true")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(float(os.environ.get("CHECK_DEADLINE", "60")), exit=True)
-    check_config(args.launcher, expected_port(args.expect_port), args.expect_secret)
+    check_config(args.launcher, expected_port(args.expect_port), args.expect_secret, args.report_rendezvous)
     with shmcoll.init() as pg:
         check_group(pg, args.launcher)
         pg.barrier()
