@@ -559,10 +559,19 @@ def test_init_unknown_transport_from_environment(bare_env, monkeypatch):
         assert pg.world_size == 1
 
 
-def test_init_without_environment_names_shmcoll_rank(bare_env):
-    with pytest.raises(InvalidArgument, match="SHMCOLL_RANK") as info:
-        shmcoll.init()
-    assert "SHMCOLL_WORLD_SIZE" in str(info.value)
+def test_init_without_environment_is_a_group_of_one(bare_env):
+    with shmcoll.init() as pg:
+        assert (pg.rank, pg.world_size) == (0, 1)
+        x = np.arange(3.0)
+        pg.all_reduce(x)
+        assert x.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_init_with_half_a_numbering_names_the_other_half(bare_env):
+    with pytest.raises(InvalidArgument, match="SHMCOLL_WORLD_SIZE"):
+        shmcoll.init(rank=0)
+    with pytest.raises(InvalidArgument, match="SHMCOLL_RANK"):
+        shmcoll.init(world_size=2)
 
 
 @pytest.mark.parametrize("kwargs", [
