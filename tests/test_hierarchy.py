@@ -400,3 +400,44 @@ def test_small_all_reduce_among_many_hosts_doubles(n, messages, monkeypatch):
         assert out["sum"] == [n * (n + 1) / 2] * 2
         assert out["avg"] == [i * (n + 1) / 2 for i in range(4)]
     assert len({tuple(out["nan bits"]) for out in results}) == 1
+
+
+# ---- many hosts: a large all-reduce by halving and doubling ----
+
+def _large_all_reduces(pg):
+    """The bytes sent to each rank during an all-reduce of S; then the sum of an odd length (uneven
+    segments) and an AVG, for their values."""
+    x = np.full(S // 4, pg.rank + 1.0, dtype=np.float32)
+    traffic = _traffic_of(pg, lambda _: pg.all_reduce(x))
+    odd = np.arange(S // 8 - 3, dtype=np.float64) + pg.rank
+    pg.all_reduce(odd)
+    averaged = np.full(S // 8, 2.0 * (pg.rank + 1))
+    pg.all_reduce(averaged, shmcoll.ReduceKind.AVG)
+    return {"tcp": traffic["tcp"], "sum": sorted(set(x.tolist())), "odd": odd[[0, 1, -1]].tolist(),
+            "avg": sorted(set(averaged.tolist()))}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [4, 5])
+def test_large_all_reduce_among_many_hosts_halves_then_doubles(n, monkeypatch):
+    """One rank per host, HALVING_FROM_HOSTS hosts or more: position p swaps half of S with p XOR 2
+    (out, then back) and a quarter with p XOR 1, never talking to p XOR 3 (a ring would send all
+    1.5 S to p + 1). At 5 hosts the fifth sends its S to the first and gets S back."""
+    from shmcoll.algorithms.select import HALVING_FROM_HOSTS
+
+    assert n >= HALVING_FROM_HOSTS
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    results = run_ranks(n, _large_all_reduces)
+    for rank, out in enumerate(results):
+        want = [0] * n
+        if rank < 4:
+            want[rank ^ 1], want[rank ^ 2] = S // 2, S
+        if rank == 0 and n == 5:
+            want[4] = S
+        if rank == 4:
+            want[0] = S
+        assert out["tcp"] == want, (rank, out["tcp"])
+        assert out["sum"] == [n * (n + 1) / 2]
+        assert out["odd"] == [n * (n - 1) / 2, n + n * (n - 1) / 2, n * (S // 8 - 4) + n * (n - 1) / 2]
+        assert out["avg"] == [n + 1.0]

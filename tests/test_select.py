@@ -9,6 +9,7 @@ import pytest
 
 from shmcoll.algorithms.board_v import HEAD_BYTES
 from shmcoll.algorithms.select import (
+    HALVING_FROM_HOSTS,
     NEIGHBOURHOOD,
     ONE_SHOT_MAX_HOSTS,
     SPLIT_HOST_AT,
@@ -115,8 +116,13 @@ def test_where_of_a_tcp_group():
                                          (ONE_SHOT_MAX_HOSTS + 1, A.RECURSIVE_DOUBLING), (1024, A.RECURSIVE_DOUBLING)])
 def test_two_level_slices_cross_hosts_in_few_steps_while_small(hosts, small):
     assert across_hosts(ONE_SHOT, ONE_SHOT, hosts) is small
-    assert across_hosts(ONE_SHOT + 1, ONE_SHOT, hosts) is A.RING
     assert small_across_hosts(hosts) is small
+
+
+@pytest.mark.parametrize("hosts, large", [(2, A.RING), (HALVING_FROM_HOSTS - 1, A.RING),
+                                         (HALVING_FROM_HOSTS, A.HALVING_DOUBLING), (1024, A.HALVING_DOUBLING)])
+def test_large_two_level_slices_cross_many_hosts_by_halving_and_doubling(hosts, large):
+    assert across_hosts(ONE_SHOT + 1, ONE_SHOT, hosts) is large
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,8 +29,9 @@ SPLIT_HOST_AT ranks NEIGHBOURHOODS. A ring through n ranks takes 2(n-1) steps on
 and with many ranks on few cores each step waits for processes to be scheduled; so NEIGHBOURHOODS
 runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD consecutive ranks instead of
 hosts (at 32 ranks: 20 steps, not 62). Inside TWO_LEVEL all-reduce, each slice crosses hosts in
-one step (by recursive doubling among more than ONE_SHOT_MAX_HOSTS hosts) or around a ring
-(`across_hosts`); TWO_LEVEL_ONE_SHOT's leaders choose as a small slice does (`small_across_hosts`).
+one step (by recursive doubling among more than ONE_SHOT_MAX_HOSTS hosts), or around a ring (by
+halving and doubling from HALVING_FROM_HOSTS hosts) (`across_hosts`); TWO_LEVEL_ONE_SHOT's leaders
+choose as a small slice does (`small_across_hosts`).
 A group with no board (TCP only, or a sub-group) takes the large column's algorithm, SINGLE_COPY's
 fallback where it says so, except all_reduce's ONE_SHOT. all_gather_v's pieces differ in size, so
 no rank can choose by size alone: on a board every rank publishes a head saying whether its piece
@@ -55,6 +56,9 @@ NEIGHBOURHOOD = 8
 #: Hosts among which a small all-reduce across hosts still finishes in one step, each host's rank
 #: sending its array to every other; among more, RECURSIVE_DOUBLING sends log2 as many.
 ONE_SHOT_MAX_HOSTS = 4
+#: Hosts from which a large slice crosses by HALVING_DOUBLING rather than around a ring: the same
+#: bytes, in 2 log2(hosts) steps instead of 2 (hosts - 1).
+HALVING_FROM_HOSTS = 4
 
 
 class Algorithm(enum.Enum):
@@ -65,6 +69,7 @@ class Algorithm(enum.Enum):
     ONE_SHOT = "one-shot"  # ring.py: every rank sends its whole input to every other, all fold alike
     RING = "ring"  # ring.py: reduce-scatter and all-gather around a ring, bandwidth-optimal
     RECURSIVE_DOUBLING = "recursive doubling"  # doubling.py: log2 n exchanges of the whole array
+    HALVING_DOUBLING = "halving-doubling"  # halving.py: a ring's bytes in 2 log2 n steps (Rabenseifner)
     SINGLE_COPY = "single copy"  # single_copy.py: each rank reads what it needs straight from its peers' arrays
     CHAIN = "chain"  # broadcast.py: pipelined chain from the root
     DISSEMINATION = "dissemination"  # barrier.py: ceil(log2 n) rounds of signals
@@ -105,8 +110,11 @@ def select(coll: Collective, nbytes: int, where: Setting) -> Algorithm:
 def across_hosts(slice_bytes: int, one_shot_bytes: int, hosts: int) -> Algorithm:
     """TWO_LEVEL all-reduce's middle phase: each column of ranks (local rank j of every host)
     all-reduces its slice across hosts: as small_across_hosts while the slice is small, else around
-    a ring. Every rank of a column holds the same slice, so the column decides alike."""
-    return small_across_hosts(hosts) if slice_bytes <= one_shot_bytes else Algorithm.RING
+    a ring, or by halving and doubling from HALVING_FROM_HOSTS hosts. Every rank of a column holds
+    the same slice, so the column decides alike."""
+    if slice_bytes <= one_shot_bytes:
+        return small_across_hosts(hosts)
+    return Algorithm.HALVING_DOUBLING if hosts >= HALVING_FROM_HOSTS else Algorithm.RING
 
 
 def small_across_hosts(hosts: int) -> Algorithm:

@@ -26,6 +26,7 @@ from .broadcast import chain_broadcast
 from .call import Call, segment_bounds
 from .direct import INT64_CODE, SIGNAL_CODE, shape_header, shapes_to_lengths
 from .doubling import recursive_doubling_all_reduce
+from .halving import halving_doubling_all_reduce
 from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
 from .select import Algorithm, across_hosts, small_across_hosts
 
@@ -50,7 +51,8 @@ def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], 
 
 
 _ALL_REDUCE_ACROSS = {Algorithm.ONE_SHOT: one_shot_all_reduce, Algorithm.RING: ring_all_reduce,
-                      Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce}
+                      Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce,
+                      Algorithm.HALVING_DOUBLING: halving_doubling_all_reduce}
 
 
 def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
