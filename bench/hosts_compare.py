@@ -1,0 +1,413 @@
+"""shmcoll across network-namespace "hosts", against OpenMPI and gloo, and the link they all share.
+
+Run as root on one machine (iproute2; OpenMPI with mpi4py, and torch, are optional):
+
+    python bench/hosts_compare.py                          # 2x2 and 4x1; 8x1 too on 8 CPUs or more
+    python bench/hosts_compare.py --layout 2x2,4x1,8x1 --rounds 3 --json /tmp/hosts.json
+
+tools/netns.sh makes the hosts (PREFIX1..PREFIXn, a fresh prefix per run; taken down at the end, also
+after a failure or Ctrl-C). A layout HxK is H hosts with K ranks each. Every column of its table is
+one job per round, each rank bench/hosts_rank.py timing a float32 SUM all_reduce in place with the
+loop shmcoll-bench uses (so the columns differ only in the library):
+
+  shmcoll two-level  shmcoll-run --hostfile F --rsh "ip netns exec" hosts_rank.py shmcoll --transport hier
+  shmcoll flat TCP   the same with --transport tcp (a ring over TCP between every pair of ranks)
+  OpenMPI            mpirun --host H1:K,H2:K,... --mca plm_rsh_agent AGENT, btl self,vader,tcp on the
+                     hosts' subnet, mpi_yield_when_idle 1, --bind-to none; AGENT runs each daemon with
+                     `ip netns exec HOST unshare --uts` under the hostname HOST: vader names its segments
+                     after the hostname, and hosts sharing the machine's name collide (the ranks segfault)
+  gloo               shmcoll-run as above, -x GLOO_SOCKET_IFNAME=eth0, torch.distributed gloo
+
+--rounds R runs every column R times, alternating, and keeps each size's best time. Then "the link":
+one Python socket stream from host 1 to host 2, and then one each way at once (GB/s per direction),
+the most any single TCP connection between two of these hosts carries here. A library that is not
+installed is a column of n/a with the reason below the table. Every job is killed after --timeout
+seconds, and whatever it left in the namespaces with it. Exit status 0; 1 when a job failed; 2 on a
+usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from shmcoll.bench.adapters import GLOO, OPENMPI
+from shmcoll.bench.inputs import UsageError, parse_size
+from shmcoll.bench.peer_jobs import EXIT_TIMEOUT, GRACE_S, child_env, missing_reason, run_command, tail
+from shmcoll.bench.plot import human
+
+REPO = Path(__file__).resolve().parents[1]
+NETNS = REPO / "tools" / "netns.sh"
+RANK = REPO / "bench" / "hosts_rank.py"
+DEFAULT_SIZES = "8,1K,64K,1M,16M,64M"
+HIER, TCP = "hier", "tcp"
+COLUMNS = {HIER: "shmcoll two-level", TCP: "shmcoll flat TCP", OPENMPI: "OpenMPI", GLOO: "gloo"}
+LINK_PORT = 45123  # free in any fresh namespace
+SETUP_S = 60.0     # netns.sh up/down, ip netns pids
+AGENT = """#!/bin/sh
+# mpirun's rsh agent, written by bench/hosts_compare.py: mpirun runs "AGENT HOST COMMAND" with the
+# command as one string for a shell. Run it in namespace HOST, under the hostname HOST.
+host=$1; shift
+exec ip netns exec "$host" unshare --uts sh -c "hostname $host && $*"
+"""
+
+
+@dataclass(frozen=True)
+class Layout:
+    hosts: int
+    per_host: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.hosts}x{self.per_host}"
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.per_host
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The namespaces tools/netns.sh made: PREFIX1..PREFIX<count> on SUBNET.0/24."""
+
+    prefix: str
+    subnet: str
+    count: int
+
+    def name(self, i: int) -> str:
+        return f"{self.prefix}{i + 1}"
+
+
+@dataclass
+class Column:
+    """One column of one layout over every round: its best time per size, or why it has none."""
+
+    name: str
+    status: str = "ok"  # ok, n/a (not installed here), failed (in some round)
+    reason: str = ""
+    library: str = ""
+    transport: str = ""
+    best_us: dict[int, float] = field(default_factory=dict)
+    commands: list[str] = field(default_factory=list)
+
+    def merge(self, rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            self.best_us[r["size"]] = min(self.best_us.get(r["size"], math.inf), r["time_us"])
+
+    def describe(self) -> dict[str, Any]:
+        return dict(title=COLUMNS[self.name], status=self.status, reason=self.reason, library=self.library,
+                    transport=self.transport, commands=self.commands)
+
+
+# ---- processes ----
+
+def sh(*cmd: str, timeout: float = SETUP_S) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def reap(hosts: Hosts) -> None:
+    """SIGKILL whatever still runs in the hosts' namespaces (this run made them, so it is all ours):
+    a timed-out job's ranks, an mpirun daemon that outlived mpirun. Nothing outlives its job."""
+    for i in range(hosts.count):
+        for pid in sh("ip", "netns", "pids", hosts.name(i)).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@contextmanager
+def namespaces(count: int) -> Iterator[Hosts]:
+    """`count` fresh hosts under a unique prefix; always taken down, processes in them first."""
+    prefix = "hc" + secrets.token_hex(3)
+    hosts = Hosts(prefix, "", count)
+    try:
+        up = sh("bash", str(NETNS), "up", str(count), prefix)
+        found = re.search(r" on (\d+\.\d+\.\d+)\.0/24", up.stdout)
+        if up.returncode != 0 or not found:
+            raise SystemExit(f"hosts_compare.py: tools/netns.sh up {count} {prefix} failed: {tail(up.stderr)}")
+        hosts = Hosts(prefix, found.group(1), count)
+        yield hosts
+    finally:
+        reap(hosts)
+        down = sh("bash", str(NETNS), "down", prefix)
+        if down.returncode != 0:
+            print(f"# tools/netns.sh down {prefix} failed: {tail(down.stderr)}", file=sys.stderr, flush=True)
+
+
+def run_together(cmds: list[list[str]], timeout: float) -> list[tuple[int, str, str]]:
+    """Start every command at once; (status, stdout, stderr) of each, 124 for those still running at
+    the timeout (their process groups are killed)."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                              start_new_session=True) for c in cmds]
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                results.append((p.returncode, out, err))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate()
+                results.append((EXIT_TIMEOUT, out, err + "(timed out)"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return results
+
+
+# ---- the jobs ----
+
+def unavailable(column: str, mpirun: str) -> str | None:
+    """Why a column cannot run on this machine at all, or None."""
+    if column == OPENMPI:
+        return missing_reason(OPENMPI, mpirun) or (None if shutil.which("unshare") else
+                                                   "the mpirun agent needs unshare (util-linux)")
+    return missing_reason(GLOO) if column == GLOO else None
+
+
+def job_command(column: str, layout: Layout, hosts: Hosts, out: Path, tmp: Path, args: argparse.Namespace) -> list[str]:
+    """The launcher line of one column's job on the first layout.hosts hosts."""
+    names = [hosts.name(i) for i in range(layout.hosts)]
+    library = column if column in (OPENMPI, GLOO) else "shmcoll"
+    rank = [str(RANK), library, str(out),
+            ",".join(map(str, args.sizes)), "--iters", str(args.iters), "--warmup", str(args.warmup),
+            "--max-time", f"{args.max_time:g}", "--timeout", f"{args.timeout:g}"]
+    if column in (HIER, TCP):
+        rank += ["--transport", column]
+    if column == OPENMPI:
+        subnet = f"{hosts.subnet}.0/24"
+        return [shutil.which(args.mpirun) or args.mpirun, "--allow-run-as-root", "-np", str(layout.world),
+                "--host", ",".join(f"{h}:{layout.per_host}" for h in names),
+                "--mca", "plm_rsh_agent", str(tmp / "agent.sh"), "--mca", "btl", "self,vader,tcp",
+                "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
+                "--mca", "mpi_yield_when_idle", "1", "--bind-to", "none", sys.executable, *rank]
+    hostfile = tmp / f"hosts-{layout.name}"
+    hostfile.write_text("".join(f"{h} slots={layout.per_host}\n" for h in names))
+    exports = ["-x", "GLOO_SOCKET_IFNAME=eth0", "-x", "OMP_NUM_THREADS=1"] if column == GLOO else []
+    return [sys.executable, "-m", "shmcoll.launch.run_cli", "--hostfile", str(hostfile), "--rsh", "ip netns exec",
+            "--timeout", f"{args.timeout:g}", *exports, *rank]
+
+
+def run_job(col: Column, layout: Layout, hosts: Hosts, tmp: Path, args: argparse.Namespace) -> None:
+    """One round of one column: its rows merged into col, or col marked failed with the reason."""
+    out = tmp / f"{layout.name}-{col.name}.json"
+    out.unlink(missing_ok=True)
+    cmd = job_command(col.name, layout, hosts, out, tmp, args)
+    col.commands.append(shlex.join(cmd))
+    env = child_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    t0 = time.monotonic()
+    rc, _, err = run_command(cmd, args.timeout + GRACE_S, env)
+    reap(hosts)
+    print(f"# {layout.name} {COLUMNS[col.name]}: exit {rc} after {time.monotonic() - t0:.1f} s", file=sys.stderr,
+          flush=True)
+    if rc == 0 and out.exists():
+        doc = json.loads(out.read_text())
+        col.library, col.transport = doc["library"], doc["transport"]
+        col.merge(doc["rows"])
+        return
+    col.status = "failed"
+    col.reason = ("timed out: " if rc == EXIT_TIMEOUT else f"exit {rc}: ") + tail(err)
+
+
+def run_layouts(hosts: Hosts, tmp: Path, args: argparse.Namespace) -> dict[str, dict[str, Column]]:
+    """Every column of every layout, round after round; a column that is n/a is never started."""
+    (tmp / "agent.sh").write_text(AGENT)
+    (tmp / "agent.sh").chmod(0o755)
+    cols = {lay.name: {c: Column(c) for c in COLUMNS} for lay in args.layouts}
+    for r in range(args.rounds):
+        print(f"# round {r + 1} of {args.rounds}", file=sys.stderr, flush=True)
+        for lay in args.layouts:
+            for col in cols[lay.name].values():
+                why = unavailable(col.name, args.mpirun)
+                if why:
+                    col.status, col.reason = "n/a", why
+                else:
+                    run_job(col, lay, hosts, tmp, args)
+    return cols
+
+
+# ---- the link ----
+
+def streams(hosts: Hosts, pairs: list[tuple[int, int]], seconds: float, timeout: float) -> list[float | None]:
+    """GB/s of one Python socket stream per (from, to) pair, all at once (None where one failed)."""
+    ns = ["ip", "netns", "exec"]
+    recvs = [[*ns, hosts.name(b), sys.executable, str(RANK), "recv", str(LINK_PORT)] for _, b in pairs]
+    sends = [[*ns, hosts.name(a), sys.executable, str(RANK), "send", hosts.name(b), str(LINK_PORT), f"{seconds:g}"]
+             for a, b in pairs]
+    results = run_together(recvs + sends, seconds + timeout)
+    reap(hosts)
+    rates: list[float | None] = []
+    for rc, out, err in results[:len(pairs)]:
+        doc = json.loads(out) if rc == 0 and out.strip() else None
+        rates.append(doc["bytes"] / doc["seconds"] / 1e9 if doc and doc["seconds"] > 0 else None)
+        if doc is None:
+            print(f"# link: receiver exit {rc}: {tail(err)}", file=sys.stderr, flush=True)
+    return rates
+
+
+def measure_link(hosts: Hosts, args: argparse.Namespace) -> dict[str, Any]:
+    a, b = hosts.name(0), hosts.name(1)
+    one = streams(hosts, [(0, 1)], args.link_seconds, args.timeout)
+    both = streams(hosts, [(0, 1), (1, 0)], args.link_seconds, args.timeout)
+    return {"seconds": args.link_seconds, "one_way": {"from": a, "to": b, "gbps": one[0]},
+            "both": [{"from": a, "to": b, "gbps": both[0]}, {"from": b, "to": a, "gbps": both[1]}]}
+
+
+# ---- output ----
+
+def cell(value: float | None, col: Column) -> str:
+    """A time, else why there is none (n/a, failed), else '-'."""
+    return f"{value:.1f}" if value is not None else col.status if col.status != "ok" else "-"
+
+
+def ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def table_rows(cols: dict[str, Column], sizes: list[int]) -> list[dict[str, Any]]:
+    """Per size: each column's best time (us) and the two-level's time over OpenMPI's and gloo's."""
+    rows = []
+    for size in sizes:
+        row: dict[str, Any] = {"size": size, **{c: cols[c].best_us.get(size) for c in COLUMNS}}
+        for peer in (OPENMPI, GLOO):
+            row[f"hier_over_{peer}"] = row[HIER] / row[peer] if row[HIER] and row[peer] else None
+        rows.append(row)
+    return rows
+
+
+def table(layout: Layout, cols: dict[str, Column], rows: list[dict[str, Any]], rounds: int) -> list[str]:
+    lines = [f"## {layout.hosts} hosts x {layout.per_host} rank{'s' * (layout.per_host > 1)} ({layout.name}): "
+             f"float32 SUM all_reduce, time per call in us, best of {rounds} round{'s' * (rounds > 1)}", "",
+             "| size | " + " | ".join(f"{t} (us)" for t in COLUMNS.values())
+             + " | two-level / OpenMPI | two-level / gloo |",
+             "|---" * (len(COLUMNS) + 3) + "|"]
+    for row in rows:
+        cells = [human(row["size"]), *(cell(row[c], cols[c]) for c in COLUMNS),
+                 ratio(row[f"hier_over_{OPENMPI}"]), ratio(row[f"hier_over_{GLOO}"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for c in cols.values():
+        what = c.library + (f", over {c.transport}" if c.transport else "")
+        lines.append(f"# {COLUMNS[c.name]}: " + (what if c.status == "ok" else f"{c.status} ({c.reason})"))
+    return lines + [""]
+
+
+def link_lines(link: dict[str, Any], hosts: Hosts) -> list[str]:
+    def rate(x: dict[str, Any]) -> str:
+        return f"{x['from']} -> {x['to']} " + (f"{x['gbps']:.2f} GB/s" if x["gbps"] is not None else "failed")
+    return [f"## the link: one Python socket stream between two hosts ({hosts.subnet}.0/24 through a bridge), "
+            f"{link['seconds']:g} s each", "",
+            f"one way: {rate(link['one_way'])}",
+            "both directions at once, per direction: " + ", ".join(rate(x) for x in link["both"])]
+
+
+# ---- the run ----
+
+def layouts_arg(text: str) -> list[Layout]:
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d+)x(\d+)", part)
+        if not m or not 2 <= int(m.group(1)) <= 200 or int(m.group(2)) < 1:
+            raise argparse.ArgumentTypeError(f"a layout is HOSTSxRANKS with 2..200 hosts, like 2x2: {part!r}")
+        out.append(Layout(int(m.group(1)), int(m.group(2))))
+    return out
+
+
+def sizes_arg(text: str) -> list[int]:
+    """'8,1K,64K' -> [8, 1024, 65536]: float32 buffers, so whole multiples of 4 bytes."""
+    try:
+        return sorted({max(4, parse_size(s) // 4 * 4) for s in text.split(",") if s.strip()})
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    default_layout = "2x2,4x1" + (",8x1" if (os.cpu_count() or 1) >= 8 else "")
+    p = argparse.ArgumentParser(prog="bench/hosts_compare.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="What is measured and how: bench/README.md.")
+    p.add_argument("--layout", dest="layouts", type=layouts_arg, default=layouts_arg(default_layout),
+                   metavar="LIST", help=f"HOSTSxRANKS, comma-separated (default here {default_layout}: 8x1 only "
+                                        "on 8 CPUs or more, where 8 ranks do not just queue for the cores)")
+    p.add_argument("--sizes", type=sizes_arg, default=sizes_arg(DEFAULT_SIZES), metavar="LIST",
+                   help=f"bytes, K/M/G suffixes allowed (default {DEFAULT_SIZES})")
+    p.add_argument("--rounds", type=int, default=1, help="run every column R times, alternating; best time (default 1)")
+    p.add_argument("--iters", type=int, default=1000, help="timed calls per size at most (default 1000)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed calls per size first, fewer from 4 MiB (default 20)")
+    p.add_argument("--max-time", dest="max_time", type=float, default=0.5,
+                   help="aim for this many seconds of timed calls per size (default 0.5)")
+    p.add_argument("--link-seconds", dest="link_seconds", type=float, default=2.0,
+                   help="how long each link stream sends (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before one job is killed (default 300)")
+    p.add_argument("--mpirun", default="mpirun", help="the mpirun to use (default: mpirun on PATH)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every figure here")
+    args = p.parse_args(argv)
+    if not args.layouts or args.rounds < 1 or args.iters < 1 or args.warmup < 0 or args.max_time < 0 \
+            or args.link_seconds <= 0 or args.timeout <= 0:
+        p.error("need a layout, --rounds >= 1, --iters >= 1, --warmup >= 0, --max-time >= 0, "
+                "--link-seconds > 0 and --timeout > 0")
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        p.error("needs root and iproute2 (the 'ip' command): the hosts are network namespaces")
+    return args
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signum)  # SIGTERM: unwind, so the namespaces are taken down
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    command = shlex.join(sys.orig_argv)
+    print(f"# $ {command}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hosts-compare-") as tmp, \
+            namespaces(max(lay.hosts for lay in args.layouts)) as hosts:
+        print(f"# hosts {hosts.name(0)}..{hosts.name(hosts.count - 1)} on {hosts.subnet}.0/24 (tools/netns.sh)",
+              flush=True)
+        cols = run_layouts(hosts, Path(tmp), args)
+        link = measure_link(hosts, args)
+    doc: dict[str, Any] = {"command": command, "config": {k: v for k, v in vars(args).items() if k != "layouts"},
+                           "layouts": {}, "link": link}
+    doc["config"]["layouts"] = [lay.name for lay in args.layouts]
+    for lay in args.layouts:
+        rows = table_rows(cols[lay.name], args.sizes)
+        print("\n" + "\n".join(table(lay, cols[lay.name], rows, args.rounds)), flush=True)
+        doc["layouts"][lay.name] = {"hosts": lay.hosts, "ranks_per_host": lay.per_host, "rows": rows,
+                                    "columns": {c.name: c.describe() for c in cols[lay.name].values()}}
+    print("\n".join(link_lines(link, hosts)), flush=True)
+    doc["seconds"] = time.monotonic() - t0
+    print(f"\n# took {doc['seconds']:.0f} s", flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(doc, indent=1) + "\n")
+    failed = any(c.status == "failed" for lc in cols.values() for c in lc.values())
+    return 1 if failed or any(x["gbps"] is None for x in [link["one_way"], *link["both"]]) else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt as e:  # the hosts are down by now (namespaces' finally)
+        print("# interrupted; the hosts were taken down", file=sys.stderr, flush=True)
+        sys.exit(128 + (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT))

@@ -1,0 +1,138 @@
+"""One process of bench/hosts_compare.py, started inside a network-namespace "host".
+
+    hosts_rank.py shmcoll|openmpi|gloo OUT SIZES [--transport T] [--iters K] [--warmup K] [--max-time S]
+    hosts_rank.py recv PORT                  one end of "the link": receive one stream, print its rate
+    hosts_rank.py send HOST PORT SECONDS     the other end: send to HOST:PORT for SECONDS
+
+A rank times a float32 SUM all_reduce, in place, at each size with shmcoll.bench.measure.measure,
+the loop shmcoll-bench and its OpenMPI and gloo peers use (warm-up, an iteration count every rank
+agrees on, a barrier, the timed loop; the slowest rank's mean per call), so the columns differ only
+in the library. Rank 0 writes {"library", "transport", "rows"} to OUT. shmcoll joins with
+shmcoll.init() and gloo with shmcoll-run's variables (peers.py's adapter), OpenMPI through mpirun's.
+Large sizes get fewer warm-up calls (64 MiB's worth, at least 2): across hosts a 64 MiB call of gloo
+takes a good part of a second, and 20 of them would be most of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import socket
+import sys
+import time
+
+import numpy as np
+
+from shmcoll.bench.adapters import GLOO, OPENMPI, SHMCOLL, open_group
+from shmcoll.bench.collectives import COLLECTIVES
+from shmcoll.bench.measure import Spec, measure
+from shmcoll.bench.results import write_json
+
+WARMUP_BYTES = 64 << 20  # warm-up calls per size: at most this many bytes' worth (at least 2 calls)
+CHUNK = 1 << 20          # one send or receive of the link
+CONNECT_S = 20.0         # the link's ends wait this long for each other
+
+
+def time_sizes(group, args: argparse.Namespace, library: str) -> list[dict]:
+    """measure.measure at every size: the rows of shmcoll-bench's JSON form."""
+    spec = Spec(COLLECTIVES["all_reduce"], "f32", "sum", args.iters, args.warmup, False, args.max_time)
+    rows = []
+    for size in args.sizes:
+        warmup = max(2, min(args.warmup, WARMUP_BYTES // size))
+        row = measure(group, dataclasses.replace(spec, warmup=warmup), np.dtype(np.float32), size, library)
+        rows.append(row.to_json(warmup=warmup))
+    return rows
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """Join the job of `args.library`, time every size, rank 0 writes OUT."""
+    if args.library == SHMCOLL:
+        import shmcoll
+
+        with shmcoll.init(transport=args.transport) as pg:
+            t = pg.transport
+            where = t.name if t.topology is None else f"{t.name} ({t.topology.describe()})"
+            rows = time_sizes(pg, args, SHMCOLL)
+            if pg.rank == 0:
+                write_json(args.out, {"library": f"shmcoll {shmcoll.__version__}", "transport": where, "rows": rows})
+        return 0
+    group = open_group(args.library, args.timeout)
+    try:
+        rows = time_sizes(group, args, args.library)
+        if group.rank == 0:
+            write_json(args.out, {"library": group.library, "transport": "", "rows": rows})
+    finally:
+        group.close()
+    return 0
+
+
+def recv(port: int) -> int:
+    """Accept one stream on `port`, read it to its end; print its bytes and seconds from the first byte."""
+    with socket.create_server(("", port)) as server:
+        server.settimeout(CONNECT_S)
+        conn, _ = server.accept()
+    buf = memoryview(bytearray(CHUNK))
+    with conn:
+        conn.settimeout(CONNECT_S)
+        conn.recv_into(buf)  # the clock starts at the first byte, not at the connection
+        t0, total = time.perf_counter(), 0
+        while got := conn.recv_into(buf):
+            total += got
+        seconds = time.perf_counter() - t0
+    print(json.dumps({"bytes": total, "seconds": seconds}), flush=True)
+    return 0
+
+
+def send(host: str, port: int, seconds: float) -> int:
+    """Connect to host:port (retrying while the receiver starts), send zeros for `seconds`, close."""
+    deadline = time.monotonic() + CONNECT_S
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=CONNECT_S)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    data = memoryview(bytes(CHUNK))
+    with sock:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            sock.sendall(data)
+    return 0
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/hosts_rank.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="role", required=True)
+    for library in (SHMCOLL, OPENMPI, GLOO):
+        r = sub.add_parser(library)
+        r.set_defaults(library=library)
+        r.add_argument("out")
+        r.add_argument("sizes", type=lambda s: [int(x) for x in s.split(",")], help="bytes, comma-separated")
+        r.add_argument("--transport", default="auto", help="shmcoll only: hier, tcp, auto")
+        r.add_argument("--iters", type=int, default=1000)
+        r.add_argument("--warmup", type=int, default=20)
+        r.add_argument("--max-time", dest="max_time", type=float, default=0.5)
+        r.add_argument("--timeout", type=float, default=300.0, help="gloo's collective timeout (seconds)")
+    r = sub.add_parser("recv")
+    r.add_argument("port", type=int)
+    s = sub.add_parser("send")
+    s.add_argument("host")
+    s.add_argument("port", type=int)
+    s.add_argument("seconds", type=float)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    if args.role == "recv":
+        return recv(args.port)
+    if args.role == "send":
+        return send(args.host, args.port, args.seconds)
+    return run_rank(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

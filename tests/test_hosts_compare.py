@@ -1,0 +1,97 @@
+"""bench/hosts_compare.py for real, at its smallest: two namespace hosts with one rank each, two sizes,
+one round. Checked: the table's shape, a positive time in every shmcoll cell, the JSON saying what
+the table says, both link figures, and nothing left of the namespaces. OpenMPI's and gloo's cells
+are checked only where that library is installed, and no ratio's value ever: these machines are
+noisy. Needs root and `ip netns`, skipped as tests/test_netns_hosts.py skips (SHMCOLL_REQUIRE_NETNS=1
+makes that a failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from test_netns_hosts import leftovers, netns_unavailable
+
+from shmcoll.bench.adapters import GLOO, OPENMPI
+from shmcoll.bench.peer_jobs import missing_reason
+
+from bounds import REAP_S, RUN_HANG_S
+from harness import REPO, subprocess_env
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = REPO / "bench" / "hosts_compare.py"
+ARGS = ["--layout", "2x1", "--sizes", "8,64K", "--rounds", "1", "--max-time", "0.1", "--link-seconds", "0.5",
+        "--timeout", "20"]
+HEADER = ("| size | shmcoll two-level (us) | shmcoll flat TCP (us) | OpenMPI (us) | gloo (us) "
+          "| two-level / OpenMPI | two-level / gloo |")
+COLUMNS = ["hier", "tcp", OPENMPI, GLOO]
+TIME = re.compile(r"^\d+\.\d$")
+RATIO = re.compile(r"^\d+\.\d\dx$")
+GBPS = r"(\d+\.\d\d) GB/s"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The script's stdout and its JSON document; SIGTERM past the bound, so it still takes its hosts down."""
+    reason = netns_unavailable()
+    if reason is not None:
+        if os.environ.get("SHMCOLL_REQUIRE_NETNS") == "1":
+            pytest.fail(f"SHMCOLL_REQUIRE_NETNS=1 but {reason}")
+        pytest.skip(reason)
+    path = tmp_path_factory.mktemp("hosts") / "out.json"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *ARGS, "--json", str(path)], cwd=REPO, text=True,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=RUN_HANG_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=REAP_S + 30)
+        pytest.fail(f"hosts_compare.py outlived {RUN_HANG_S:g} s\n{out}\n{err[-3000:]}")
+    assert proc.returncode == 0, out + err[-3000:]
+    return out, json.loads(path.read_text())
+
+
+def test_the_table_has_a_time_in_every_shmcoll_cell_and_says_what_the_json_says(run):
+    out, doc = run
+    lines = out.splitlines()
+    assert lines[0].startswith("# $ ") and "hosts_compare.py --layout 2x1 --sizes 8,64K" in lines[0]
+    table = [ln for ln in lines if ln.startswith("|")]
+    assert table[0] == HEADER and table[1] == "|---" * 7 + "|", out
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in table[2:]]
+    assert [row[0] for row in cells] == ["8 B", "64 KiB"]
+    rows = doc["layouts"]["2x1"]["rows"]
+    assert [r["size"] for r in rows] == [8, 65536]
+    installed = {c: c in ("hier", "tcp") or missing_reason(c) is None for c in COLUMNS}
+    for row, r in zip(cells, rows):
+        for cell, col in zip(row[1:5], COLUMNS):
+            if installed[col]:
+                assert TIME.match(cell) and float(cell) > 0, (col, cell, out)
+                assert cell == f"{r[col]:.1f}"
+            else:
+                assert cell == "n/a" and r[col] is None
+        for cell, peer in zip(row[5:], (OPENMPI, GLOO)):
+            if installed[peer]:
+                assert RATIO.match(cell) and cell == f"{r[f'hier_over_{peer}']:.2f}x", (cell, out)
+    columns = doc["layouts"]["2x1"]["columns"]
+    assert columns["hier"]["transport"] == "hier (1 + 1 ranks on 2 hosts)"
+    assert columns["tcp"]["transport"] == "tcp"
+    assert all(columns[c]["status"] == ("ok" if installed[c] else "n/a") for c in COLUMNS), columns
+
+
+def test_the_link_is_measured_and_the_hosts_are_gone(run):
+    out, doc = run
+    link = doc["link"]
+    one = re.search(rf"^one way: (\S+) -> (\S+) {GBPS}$", out, re.M)
+    both = re.search(rf"^both directions at once, per direction: \S+ -> \S+ {GBPS}, \S+ -> \S+ {GBPS}$", out, re.M)
+    assert one and both, out
+    assert float(one.group(3)) > 0 and one.group(3) == f"{link['one_way']['gbps']:.2f}"
+    assert [both.group(1), both.group(2)] == [f"{x['gbps']:.2f}" for x in link["both"]]
+    prefix = one.group(1)[:-1]
+    assert one.group(2) == prefix + "2" and leftovers(prefix) == []
