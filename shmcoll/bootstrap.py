@@ -20,7 +20,7 @@ import os
 import time
 import weakref
 
-from .config import Config, load_config, spin_seconds
+from .config import Config, load_config, spin_seconds, tcp_spin_seconds
 from .errors import (
     CollectiveError,
     CollectiveMismatch,
@@ -160,7 +160,8 @@ def _build_transport(cfg: Config, client: RendezvousStore, deadline: float) -> T
             return _shm_transport(cfg, client, hosts, pids, deadline)
         if choice in ("auto", "hier"):
             return _hier_transport(cfg, client, hosts, pids, deadline)
-        return _tcp_transport(cfg, client, deadline, spans_hosts=len(set(hosts.values())) > 1)
+        here = sum(1 for h in hosts.values() if h == cfg.host_id)
+        return _tcp_transport(cfg, client, deadline, spans_hosts=len(set(hosts.values())) > 1, local_ranks=here)
     except Deadline as exc:
         raise CollectiveTimeout(f"rendezvous at {_where(cfg)} did not finish within {cfg.timeout:g} s") from exc
     except StoreAbort as exc:
@@ -228,14 +229,15 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
     shm = _shm_transport(cfg, client, hosts, pids, deadline, mailbox)
     try:
         remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
-        net = _tcp_transport(cfg, client, deadline, spans_hosts=True, peers=remote, mailbox=mailbox, local=shm)
+        net = _tcp_transport(cfg, client, deadline, spans_hosts=True, local_ranks=len(topology.local_ranks(cfg.rank)),
+                             peers=remote, mailbox=mailbox, local=shm)
     except BaseException:
         shm.close()
         raise
     return HierarchicalTransport(shm, net, topology, mailbox)
 
 
-def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool,
+def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool, local_ranks: int,
                    peers: set[int] | None = None, mailbox: Mailbox | None = None,
                    local: ShmTransport | None = None) -> NetTransport:
     """TCP to `peers` (default every other rank); under a hierarchy, `local` is this host's
@@ -257,7 +259,8 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spa
         raise
     socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers,
                          check=lambda: _raise_if_aborted(client, deadline))
-    return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local)
+    return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local,
+                        spin_s=tcp_spin_seconds(cfg.tuning, local_ranks))
 
 
 def _reachable(published: list, client: RendezvousStore) -> tuple[str, int]:

@@ -151,8 +151,25 @@ def spin_seconds(tuning: Tuning, local_ranks: int) -> float:
     host's ranks outnumber the cores this process may run on."""
     if tuning.spin_us is not None:
         return tuning.spin_us * 1e-6
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return (SPIN_US_OWN_CORE if local_ranks <= cores else SPIN_US_SHARED_CORES) * 1e-6
+    return (SPIN_US_OWN_CORE if local_ranks <= _cores() else SPIN_US_SHARED_CORES) * 1e-6
+
+
+#: How long a wait for a TCP peer's frame reads the socket itself before it sleeps (transport/tcp.py),
+#: where each rank has a core of its own; where ranks outnumber cores it sleeps at once, since a
+#: spinning reader there only takes the core from the rank it waits for.
+TCP_SPIN_US_OWN_CORE = 200
+
+
+def tcp_spin_seconds(tuning: Tuning, local_ranks: int) -> float:
+    """How long this rank's TCP waits poll their socket first: SHMCOLL_SPIN_US if set, else by
+    whether the host's ranks outnumber the cores this process may run on."""
+    if tuning.spin_us is not None:
+        return tuning.spin_us * 1e-6
+    return TCP_SPIN_US_OWN_CORE * 1e-6 if local_ranks <= _cores() else 0.0
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:

@@ -861,3 +861,50 @@ def test_a_frame_too_large_to_allocate_drops_the_peer_as_a_protocol_error():
     finally:
         t.close()
         peer.close()
+
+
+# ---- a waiting caller reads its peer's socket itself (NetTransport spin_s) ----
+
+def _data_frame(tag: int, payload: bytes) -> bytes:
+    return frame.pack(frame.DATA, 1, tag, frame.Meta(), 8, (len(payload),), len(payload)) + payload
+
+
+def test_a_waiting_caller_reads_whole_frames_and_leaves_partial_ones_to_the_reader():
+    """With spin_s, recv reads frames already whole in the socket on the caller's thread; a frame
+    still arriving is left to the reader thread (a caller must never block mid-frame past its
+    deadline), and either way every frame arrives once, whole, in order."""
+    a, b = _tcp_pair()
+    transport = NetTransport(rank=0, world_size=2, socks={1: a}, timeout=WAIT_HANG_S, spin_s=WAIT_HANG_S)
+    try:
+        b.sendall(_data_frame(5, b"first") + _data_frame(5, b"second"))
+        got = [transport.recv(1, 5, time.monotonic() + WAIT_HANG_S).payload.tobytes() for _ in range(2)]
+        assert got == [b"first", b"second"]
+
+        late = _data_frame(6, bytes(range(200)))
+        b.sendall(late[:frame.HEADER_SIZE + 50])  # the header and part of the payload
+        received: list[bytes] = []
+        waiter = threading.Thread(target=lambda: received.append(
+            transport.recv(1, 6, time.monotonic() + WAIT_HANG_S).payload.tobytes()))
+        waiter.start()
+        b.sendall(late[frame.HEADER_SIZE + 50:])
+        waiter.join(WAIT_HANG_S)
+        assert received == [bytes(range(200))]
+    finally:
+        transport.close()
+        b.close()
+
+
+def test_a_waiting_caller_sees_its_peer_leave():
+    """The caller reads the goodbye (or the reader thread does): the wait ends as PeerLost, at once."""
+    a, b = _tcp_pair()
+    transport = NetTransport(rank=0, world_size=2, socks={1: a}, timeout=WAIT_HANG_S, spin_s=WAIT_HANG_S)
+    try:
+        b.sendall(frame.pack(frame.GOODBYE, 1, 0, frame.Meta(), 0, (), 0))
+        b.shutdown(socket.SHUT_WR)
+        t0 = time.monotonic()
+        with pytest.raises(shmcoll.PeerLost):
+            transport.recv(1, 5, time.monotonic() + WAIT_HANG_S)
+        assert time.monotonic() - t0 < FAULT_NOTICE_S
+    finally:
+        transport.close()
+        b.close()

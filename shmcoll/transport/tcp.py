@@ -1,14 +1,26 @@
 """NetTransport: one TCP connection per peer pair, one reader thread per connection.
 
-The reader thread always drains its socket into the mailbox, so sends never deadlock on a peer that
-is itself sending. Headers are validated (frame.unpack) before a payload buffer is allocated; a
-malformed frame closes that connection and the peer counts as lost. Payloads go out with sendmsg
-straight from the caller's array (no copy) and come in with recv_into.
+The reader thread drains its socket into the mailbox whenever data waits there, so sends never
+deadlock on a peer that is itself sending. Headers are validated (frame.unpack) before a payload
+buffer is allocated; a malformed frame closes that connection and the peer counts as lost.
+Payloads go out with sendmsg straight from the caller's array (no copy) and come in with recv_into.
+
+A caller waiting for a peer's message first reads that peer's socket itself for up to `spin_s`
+(config.tcp_spin_seconds), while its `_Inbox` lock keeps the reader thread out and asleep: a thread
+that sleeps in the kernel and is woken for every frame costs tens of microseconds a wake-up, on
+both sides of every exchange, which is most of a small message's round trip. Python threads cannot
+spin for one another (they would pass the GIL back and forth), so the waiting thread spins alone,
+and only then sleeps. Only frames already whole in the socket are read this way; the rest (large
+ones, a peer stopped mid-send, the connection's end) are the reader thread's, as before.
 """
 
 from __future__ import annotations
 
+import fcntl
+import select
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -32,12 +44,12 @@ class NetTransport(LinkTransport):
 
     def __init__(self, rank: int, world_size: int, socks: dict[int, socket.socket], *,
                  timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD, mailbox: Mailbox | None = None,
-                 local: Transport | None = None):
+                 local: Transport | None = None, spin_s: float = 0.0):
         """socks: one connected socket per peer this transport reaches (every other rank, or only
         the remote ones under a HierarchicalTransport, which passes the mailbox it shares and this
         host's shared-memory transport as `local`: its abort flag ends a blocked send here too)."""
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self._max_payload = max_payload
+        self._max_payload, self._spin_s = max_payload, spin_s
         self._mailbox = mailbox or Mailbox(rank, world_size)
         self._local = local
         self.bytes_to = [0] * world_size  # payload bytes sent to each rank (what the hierarchy moves where)
@@ -47,10 +59,11 @@ class NetTransport(LinkTransport):
         self._relayed = False  # this rank has sent its ABORT frames
         self._close_lock = threading.Lock()
         self._readers = []
+        self._inboxes = {peer: _Inbox(sock) for peer, sock in socks.items()}
         for peer, sock in socks.items():
             sock.settimeout(_POLL)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reader = threading.Thread(target=self._read_loop, args=(peer, sock),
+            reader = threading.Thread(target=self._read_loop, args=(peer, self._inboxes[peer]),
                                       name=f"shmcoll-tcp-reader-{peer}", daemon=True)
             reader.start()
             self._readers.append(reader)
@@ -91,36 +104,80 @@ class NetTransport(LinkTransport):
 
     # ---- receiving ----
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
-        return self._mailbox.take(src, tag, deadline, strict)
+        msg = self._mailbox.pop(src, tag)
+        if msg is None and self._spin_s > 0 and src in self._inboxes:
+            msg = self._read_while_waiting(src, tag, min(deadline, time.monotonic() + self._spin_s))
+        return msg if msg is not None else self._mailbox.take(src, tag, deadline, strict)
 
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
         return self._mailbox.take_any(set(srcs), tag, deadline)
 
-    def _read_loop(self, peer: int, sock: socket.socket) -> None:
-        graceful, reason = False, "connection closed"
+    def _read_while_waiting(self, src: int, tag: int, until: float) -> Message | None:
+        """Read src's frames on this thread until its message with tag came or `until` passed.
+        Only frames that are whole in the socket already: one still arriving (a large one, or a
+        peer stopped mid-send), a malformed one and the connection's end are left to the reader
+        thread, which blocks on them, while this caller waits on the mailbox with its deadline.
+        None when the message did not come here (it comes through the mailbox, or the mailbox
+        says why it cannot)."""
+        inbox = self._inboxes[src]
+        if not inbox.lock.acquire(blocking=False):
+            return None  # the reader thread is reading that socket
+        inbox.mute_reader(True)
         try:
-            while True:
-                header = frame.unpack(self._read(sock, HEADER_SIZE), peer, self._max_payload)
-                payload = _allocate(header.nbytes)
-                if header.nbytes:
-                    self._read_into(sock, payload.data)
-                if header.kind == DATA:
-                    self._mailbox.put(Message(header, payload))
-                elif header.kind == HEARTBEAT:
-                    self._mailbox.touch(peer)
-                elif header.kind == ABORT:
-                    self._mailbox.set_abort(AbortReason.decode(payload.tobytes(), peer))
-                else:  # GOODBYE
-                    graceful = True
+            while not inbox.finished:
+                if inbox.readable():
+                    if not inbox.whole_frame_waiting(src, self._max_payload):
+                        return None
+                    self._take_frame(src, inbox)
+                    msg = self._mailbox.pop(src, tag)
+                    if msg is not None:
+                        return msg
+                elif time.monotonic() >= until:
+                    return None
+            return None
+        finally:
+            inbox.lock.release()
+            inbox.mute_reader(False)
+
+    def _read_loop(self, peer: int, inbox: _Inbox) -> None:
+        """Whenever data waits on the socket and no caller is reading it, read one frame."""
+        while not inbox.finished:
+            if not inbox.wait_readable(_POLL):
+                if self._closing:
                     return
+                continue
+            with inbox.lock:
+                if not inbox.finished and inbox.readable():  # else a caller took what was there
+                    self._take_frame(peer, inbox)
+
+    def _take_frame(self, peer: int, inbox: _Inbox) -> None:
+        """Read one whole frame and deliver it; the connection's end (a goodbye, a protocol error,
+        EOF) is reported to the mailbox once and ends the reading."""
+        try:
+            header = frame.unpack(self._read(inbox.sock, HEADER_SIZE), peer, self._max_payload)
+            payload = _allocate(header.nbytes)
+            if header.nbytes:
+                self._read_into(inbox.sock, payload.data)
         except (frame.FrameError, ValueError) as exc:
-            reason = f"protocol error, connection dropped: {exc}"
+            self._connection_ended(peer, inbox, f"protocol error, connection dropped: {exc}", graceful=False)
+            return
         except (EOFError, OSError) as exc:
             reason = "its connection closed" if isinstance(exc, EOFError) else f"connection error: {exc}"
-            reason += " (process died?)"
-        finally:
-            if not self._closing:
-                self._mailbox.peer_gone(peer, "goodbye" if graceful else reason, graceful)
+            self._connection_ended(peer, inbox, reason + " (process died?)", graceful=False)
+            return
+        if header.kind == DATA:
+            self._mailbox.put(Message(header, payload))
+        elif header.kind == HEARTBEAT:
+            self._mailbox.touch(peer)
+        elif header.kind == ABORT:
+            self._mailbox.set_abort(AbortReason.decode(payload.tobytes(), peer))
+        else:  # GOODBYE
+            self._connection_ended(peer, inbox, "goodbye", graceful=True)
+
+    def _connection_ended(self, peer: int, inbox: _Inbox, reason: str, graceful: bool) -> None:
+        inbox.finished = True
+        if not self._closing:
+            self._mailbox.peer_gone(peer, reason, graceful)
 
     def _read(self, sock: socket.socket, n: int) -> bytearray:
         buf = bytearray(n)
@@ -222,6 +279,60 @@ class NetTransport(LinkTransport):
         self.join_background(2 * _POLL + 1.0)  # their sends fail on the shut sockets
         for sock in self._socks.values():
             sock.close()
+        for inbox in self._inboxes.values():
+            inbox.close()
+
+
+class _Inbox:
+    """The reading side of one connection: whoever holds `lock` reads whole frames from `sock`;
+    `finished` once the connection ended (nothing more will be read from it)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.finished = False
+        self._reader_wakes = select.epoll()  # what the reader thread sleeps on
+        self._reader_wakes.register(sock, select.EPOLLIN)
+        self._holder_looks = select.poll()  # what the lock's holder polls
+        self._holder_looks.register(sock, select.POLLIN)
+
+    def wait_readable(self, seconds: float) -> bool:
+        """Data (or the connection's end) waits on the socket, or comes within `seconds` (the
+        reader thread, not holding the lock; muted, it sleeps on whatever arrives)."""
+        try:
+            return bool(self._reader_wakes.poll(seconds))
+        except (OSError, ValueError):  # closed under us: reading says how
+            return True
+
+    def readable(self) -> bool:
+        """Data (or the connection's end) waits on the socket now (whoever holds the lock)."""
+        try:
+            return bool(self._holder_looks.poll(0))
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        """Release the epoll descriptor (once the reader thread is done with it)."""
+        self._reader_wakes.close()
+
+    def mute_reader(self, muted: bool) -> None:
+        """Keep the reader thread asleep while a caller reads (or wake it for what waits): a thread
+        woken for every frame would take the GIL from the caller it only races."""
+        try:
+            self._reader_wakes.modify(self.sock, 0 if muted else select.EPOLLIN)
+        except (OSError, ValueError):
+            pass  # closed: the reader thread ends on its own
+
+    def whole_frame_waiting(self, peer: int, max_payload: int) -> bool:
+        """A whole, valid frame waits in the socket's buffer (header peeked, not taken)."""
+        try:
+            waiting = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+            if waiting < HEADER_SIZE:
+                return False
+            header = frame.unpack(self.sock.recv(HEADER_SIZE, socket.MSG_PEEK), peer, max_payload)
+        except (OSError, ValueError, frame.FrameError):
+            return False
+        return waiting >= HEADER_SIZE + header.nbytes
 
 
 def _allocate(nbytes: int) -> np.ndarray:
