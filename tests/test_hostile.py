@@ -41,7 +41,7 @@ from shmcoll.net.gate import Gate
 from shmcoll.net.handshake import HandshakeDropped, client_handshake, server_handshake
 from shmcoll.net.mesh import _purpose as mesh_purpose
 from shmcoll.net.mesh import connect_mesh, open_listener
-from shmcoll.transport import frame
+from shmcoll.transport import frame, tcp
 from shmcoll.transport.mailbox import Mailbox
 from shmcoll.transport.tcp import NetTransport
 from shmcoll.types import WIRE_TYPES
@@ -905,6 +905,33 @@ def test_a_waiting_caller_sees_its_peer_leave():
         with pytest.raises(shmcoll.PeerLost):
             transport.recv(1, 5, time.monotonic() + WAIT_HANG_S)
         assert time.monotonic() - t0 < FAULT_NOTICE_S
+    finally:
+        transport.close()
+        b.close()
+
+
+def test_a_frame_nobody_waits_for_arrives_after_the_callers_quiet_time(monkeypatch):
+    """Once callers find their messages on the socket, the reader thread naps with the socket muted
+    (tcp.QUIET_SECONDS, made long enough here that the steps below fall inside it), but no longer:
+    an abort that arrives while no caller waits still reaches the mailbox, soon after."""
+    monkeypatch.setattr(tcp, "QUIET_SECONDS", 0.5)
+    a, b = _tcp_pair()
+    mailbox = Mailbox(0, 2)
+    transport = NetTransport(rank=0, world_size=2, socks={1: a}, timeout=WAIT_HANG_S, spin_s=WAIT_HANG_S,
+                             mailbox=mailbox)
+    inbox = transport._inboxes[1]
+    try:
+        b.sendall(_data_frame(5, b"found"))
+        assert transport.recv(1, 5, time.monotonic() + WAIT_HANG_S).payload.tobytes() == b"found"
+        b.sendall(frame.pack(frame.HEARTBEAT, 1, 0, frame.Meta(), 0, (), 0))  # read by the reader thread...
+        wait_until(lambda: inbox._napping, FAULT_NOTICE_S, "the reader thread to nap", interval=0.001)  # ...asleep
+        b.sendall(_data_frame(5, b"again"))
+        assert transport.recv(1, 5, time.monotonic() + WAIT_HANG_S).payload.tobytes() == b"again"
+        text = b"CollectiveError\n\nstop"
+        b.sendall(frame.pack(frame.ABORT, 1, 0, frame.Meta(), 0, (), len(text)) + text)
+        wait_until(lambda: mailbox.aborted is not None, FAULT_NOTICE_S, "the reader thread to deliver the abort",
+                   interval=0.001)
+        assert "stop" in mailbox.aborted.message
     finally:
         transport.close()
         b.close()

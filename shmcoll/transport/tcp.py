@@ -33,6 +33,10 @@ from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta
 from .mailbox import AbortReason, Mailbox, Message
 
 _POLL = 0.25  # socket timeout: how often blocked readers and writers look at the deadline and state
+#: Seconds after a caller found its message on the socket during which the reader thread leaves the
+#: socket to callers (asleep, not woken by what arrives): in a run of collectives the next frame
+#: comes within that, and a caller will be there to read it. A frame nobody asks for waits this long.
+QUIET_SECONDS = 2e-3
 _GOODBYE_SECONDS = 2.0
 #: Seconds between heartbeats to each peer. A rank silent for several of them is reported as such
 #: by a timeout (a SIGSTOPped or hung process), unlike a live rank that is itself waiting.
@@ -123,26 +127,25 @@ class NetTransport(LinkTransport):
         if not inbox.lock.acquire(blocking=False):
             return None  # the reader thread is reading that socket
         inbox.mute_reader(True)
+        msg = None
         try:
-            while not inbox.finished:
+            while msg is None and not inbox.finished:
                 if inbox.readable():
                     if not inbox.whole_frame_waiting(src, self._max_payload):
-                        return None
+                        break
                     self._take_frame(src, inbox)
                     msg = self._mailbox.pop(src, tag)
-                    if msg is not None:
-                        return msg
                 elif time.monotonic() >= until:
-                    return None
-            return None
+                    break
+            return msg
         finally:
             inbox.lock.release()
-            inbox.mute_reader(False)
+            inbox.leave(found=msg is not None)
 
     def _read_loop(self, peer: int, inbox: _Inbox) -> None:
         """Whenever data waits on the socket and no caller is reading it, read one frame."""
         while not inbox.finished:
-            if not inbox.wait_readable(_POLL):
+            if not inbox.wait_for_frames():
                 if self._closing:
                     return
                 continue
@@ -285,24 +288,53 @@ class NetTransport(LinkTransport):
 
 class _Inbox:
     """The reading side of one connection: whoever holds `lock` reads whole frames from `sock`;
-    `finished` once the connection ended (nothing more will be read from it)."""
+    `finished` once the connection ended (nothing more will be read from it).
+
+    The reader thread sleeps on the socket (`wait_for_frames`) unless callers are reading it: while
+    one polls, and for QUIET_SECONDS after one found its message there, the socket is muted for it
+    and it sleeps in short naps instead, checking whether callers are still at it. It unmutes the
+    socket itself before any long sleep, so nothing ever waits on a muted socket for long."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.lock = threading.Lock()
         self.finished = False
+        self._quiet_until = 0.0  # callers read here recently: the reader thread naps until then
+        self._napping = False  # the reader thread sleeps no longer than QUIET_SECONDS
         self._reader_wakes = select.epoll()  # what the reader thread sleeps on
         self._reader_wakes.register(sock, select.EPOLLIN)
         self._holder_looks = select.poll()  # what the lock's holder polls
         self._holder_looks.register(sock, select.POLLIN)
 
-    def wait_readable(self, seconds: float) -> bool:
-        """Data (or the connection's end) waits on the socket, or comes within `seconds` (the
-        reader thread, not holding the lock; muted, it sleeps on whatever arrives)."""
+    def wait_for_frames(self) -> bool:
+        """The reader thread's sleep, not holding the lock: True when data (or the connection's
+        end) may wait on the socket, False after a nap or _POLL seconds of nothing."""
+        quiet = self._quiet_until - time.monotonic()
+        if quiet > 0:
+            self._napping = True
+            self.mute_reader(True)
+            self._wait(quiet)
+            return False
+        self._napping = False  # first: a caller leaving from now on unmutes the socket itself
+        self.mute_reader(False)
+        return self._wait(_POLL)
+
+    def _wait(self, seconds: float) -> bool:
         try:
             return bool(self._reader_wakes.poll(seconds))
         except (OSError, ValueError):  # closed under us: reading says how
             return True
+
+    def leave(self, found: bool) -> None:
+        """A caller is done polling (holding the lock no more): after finding its message the
+        reader thread keeps napping, else the socket is the reader thread's again at once."""
+        if found:
+            self._quiet_until = time.monotonic() + QUIET_SECONDS
+            if self._napping:
+                return  # it wakes within QUIET_SECONDS and sees the callers' time go on
+        else:
+            self._quiet_until = 0.0
+        self.mute_reader(False)
 
     def readable(self) -> bool:
         """Data (or the connection's end) waits on the socket now (whoever holds the lock)."""
