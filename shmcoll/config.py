@@ -62,7 +62,8 @@ class Tuning:
     debug: bool = False  # SHMCOLL_DEBUG: log each collective's start and end to stderr
     shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
     shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each channel block (shm_layout.py)
-    spin_us: int | None = None  # SHMCOLL_SPIN_US: microseconds a waiter spins before it sleeps (unset: spin_seconds)
+    spin_us: int | None = None  # SHMCOLL_SPIN_US: microseconds a waiter spins before it sleeps
+    # (unset: spin_seconds for shared memory, tcp_spin_seconds for TCP)
     #: SHMCOLL_SHM_BOARD_BYTES: calls up to this size use the board; None: by the local rank count
     #: (transport/shm_layout.board_bytes_for)
     shm_board_bytes: int | None = None
