@@ -15,7 +15,7 @@ step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -27,23 +27,33 @@ from .ring import scale_if_avg, summed
 
 def recursive_doubling_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int]) -> None:
     """In place over a 1-D storage array, among `members` (this rank one of them)."""
+    def among_core(ranks: list[int], p: int, core: int) -> None:
+        distance = 1
+        while distance < core:
+            _exchange(c, data, summed(op), ranks[p ^ distance], lower=not p & distance)
+            distance <<= 1
+        scale_if_avg(c, data, op, len(ranks))
+
+    on_power_of_two(c, data, op, members, among_core)
+
+
+def on_power_of_two(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int],
+                    among_core: Callable[[list[int], int, int], None]) -> None:
+    """Run among_core(ranks, position, core) on the first `core` positions of members, the largest
+    power of two of them; each position past it hands its array to position - core first (which
+    folds it in, lower op higher) and gets the finished result back from it at the end."""
     ranks = list(members)
     n, p = len(ranks), ranks.index(c.rank)
-    core = 1 << (n.bit_length() - 1)  # the largest power of two <= n
-    fold = summed(op)
-    if p >= core:  # an extra position: its partner below does its share
+    core = 1 << (n.bit_length() - 1)
+    if p >= core:
         partner = ranks[p - core]
         c.t.send(partner, c.tag, data, c.code, c.meta, c.deadline)
         c.t.recv_into(partner, c.tag, data, c.code, c.deadline, c.meta)
         return
     extra = ranks[p + core] if p + core < n else None
     if extra is not None:
-        c.t.recv_into(extra, c.tag, data, c.code, c.deadline, c.meta, fold)  # lower op higher
-    distance = 1
-    while distance < core:
-        _exchange(c, data, fold, ranks[p ^ distance], lower=not p & distance)
-        distance <<= 1
-    scale_if_avg(c, data, op, n)
+        c.t.recv_into(extra, c.tag, data, c.code, c.deadline, c.meta, summed(op))
+    among_core(ranks, p, core)
     if extra is not None:
         c.t.send(extra, c.tag, data, c.code, c.meta, c.deadline)
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..types import ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
+from .doubling import on_power_of_two
 from .ring import scale_if_avg, summed
 
 Span = tuple[int, int]  # [first, last) segment
@@ -26,24 +27,14 @@ Span = tuple[int, int]  # [first, last) segment
 
 def halving_doubling_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int]) -> None:
     """In place over a 1-D storage array, among `members` (this rank one of them)."""
-    ranks = list(members)
-    n, p = len(ranks), ranks.index(c.rank)
-    core = 1 << (n.bit_length() - 1)  # the largest power of two <= n
-    if p >= core:  # an extra position: its partner below does its share
-        partner = ranks[p - core]
-        c.t.send(partner, c.tag, data, c.code, c.meta, c.deadline)
-        c.t.recv_into(partner, c.tag, data, c.code, c.deadline, c.meta)
-        return
-    extra = ranks[p + core] if p + core < n else None
-    if extra is not None:
-        c.t.recv_into(extra, c.tag, data, c.code, c.deadline, c.meta, summed(op))
-    segments = segment_bounds(len(data), core)
-    span = _reduce_scatter(c, data, summed(op), ranks, p, core, segments)
-    a, b = _elements(segments, span)
-    scale_if_avg(c, data[a:b], op, n)
-    _all_gather(c, data, ranks, p, core, segments, span)
-    if extra is not None:
-        c.t.send(extra, c.tag, data, c.code, c.meta, c.deadline)
+    def among_core(ranks: list[int], p: int, core: int) -> None:
+        segments = segment_bounds(len(data), core)
+        span = _reduce_scatter(c, data, summed(op), ranks, p, core, segments)
+        a, b = _elements(segments, span)
+        scale_if_avg(c, data[a:b], op, len(ranks))
+        _all_gather(c, data, ranks, p, core, segments, span)
+
+    on_power_of_two(c, data, op, members, among_core)
 
 
 def _reduce_scatter(c: Call, data: np.ndarray, op: ReduceKind, ranks: list[int], p: int, core: int,
