@@ -49,7 +49,7 @@ from types import FrameType
 from typing import Any
 
 from shmcoll.bench.adapters import GLOO, OPENMPI
-from shmcoll.bench.inputs import UsageError, parse_size
+from shmcoll.bench.inputs import UsageError, parse_float32_sizes
 from shmcoll.bench.peer_jobs import EXIT_TIMEOUT, GRACE_S, child_env, missing_reason, run_command, tail
 from shmcoll.bench.plot import human
 
@@ -337,7 +337,7 @@ def layouts_arg(text: str) -> list[Layout]:
 def sizes_arg(text: str) -> list[int]:
     """'8,1K,64K' -> [8, 1024, 65536]: float32 buffers, so whole multiples of 4 bytes."""
     try:
-        return sorted({max(4, parse_size(s) // 4 * 4) for s in text.split(",") if s.strip()})
+        return parse_float32_sizes(text)
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

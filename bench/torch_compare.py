@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch_compare_rank import BATCH, WIDTH, Policy
 
-from shmcoll.bench.inputs import UsageError, parse_size, parse_world_sizes
+from shmcoll.bench.inputs import UsageError, parse_float32_sizes, parse_world_sizes
 from shmcoll.bench.peer_jobs import child_env
 from shmcoll.bench.plot import human
 
@@ -275,12 +275,12 @@ def int_list(text: str) -> list[int]:
 def size_list(text: str) -> list[int]:
     """'8,64K,1M' -> [8, 65536, 1048576] (argparse type); each rounded down to whole float32s."""
     try:
-        sizes = [max(4, parse_size(x) // 4 * 4) for x in text.split(",") if x.strip()]
+        sizes = parse_float32_sizes(text)
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not sizes:
         raise argparse.ArgumentTypeError("--sizes is empty")
-    return sorted(set(sizes))
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ from shmcoll.bench.descriptor import Collective, Payload, Sizing
 from shmcoll.bench.inputs import (
     UsageError,
     block_values,
+    parse_float32_sizes,
     parse_size,
     parse_world_sizes,
     payload,
@@ -256,6 +257,13 @@ def test_parse_size(text, value):
 def test_parse_size_rejects(text):
     with pytest.raises(UsageError):
         parse_size(text)
+
+
+def test_parse_float32_sizes():
+    assert parse_float32_sizes("64K, 8,1,10,8,") == [4, 8, 65536]
+    assert parse_float32_sizes("") == []
+    with pytest.raises(UsageError):
+        parse_float32_sizes("8,1.5K")
 
 
 def test_parse_world_sizes():

@@ -54,6 +54,12 @@ def parse_size(text: str) -> int:
     return value
 
 
+def parse_float32_sizes(text: str) -> list[int]:
+    """'8,64K,1M' -> [8, 65536, 1048576]: distinct sizes in increasing order, each rounded down to
+    whole float32s (at least one), for benchmarks of float32 buffers."""
+    return sorted({max(4, parse_size(part) // 4 * 4) for part in text.split(",") if part.strip()})
+
+
 def parse_world_sizes(text: str, least: int) -> list[int]:
     """'8,16, 32' -> [8, 16, 32]: comma-separated world sizes, each at least `least`."""
     try:
