@@ -30,9 +30,8 @@ class TorchStore:
 
     def __init__(self, store: dist.Store):
         self._store = store
-        host = store_host(store)
-        self.local_address = address_toward(host)
-        self.store_address = _resolve(host)
+        self.store_address = _resolve(store_host(store))
+        self.local_address = address_toward(self.store_address)
 
     def set(self, key: str, value: str, deadline: float) -> None:
         self._store.set(_PREFIX + key, value)
