@@ -108,10 +108,13 @@ class NetTransport(LinkTransport):
 
     # ---- receiving ----
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
-        msg = self._mailbox.pop(src, tag)
-        if msg is None and self._spin_s > 0 and src in self._inboxes:
-            msg = self._read_while_waiting(src, tag, min(deadline, time.monotonic() + self._spin_s))
-        return msg if msg is not None else self._mailbox.take(src, tag, deadline, strict)
+        if self._spin_s > 0 and src in self._inboxes:
+            msg = self._mailbox.pop(src, tag)
+            if msg is None:
+                msg = self._read_while_waiting(src, tag, min(deadline, time.monotonic() + self._spin_s))
+            if msg is not None:
+                return msg
+        return self._mailbox.take(src, tag, deadline, strict)
 
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
         return self._mailbox.take_any(set(srcs), tag, deadline)
