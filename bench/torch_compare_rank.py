@@ -140,7 +140,9 @@ def floor_group(call: Callable[[], object]) -> dist.ProcessGroup:
     if "floor" not in dist.Backend.backend_list:
         dist.Backend.register_backend(
             "floor", lambda store, rank, size, timeout: FloorGroup(rank, size, call), devices=["cpu"])
-    return dist.new_group(backend="floor")
+    group = dist.new_group(backend="floor")
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    return group
 
 
 def adapter_overhead(policy: Policy) -> dict[str, Any]:
