@@ -52,6 +52,7 @@ from .algorithms.two_level import (
     two_level_barrier,
     two_level_broadcast,
     two_level_exchange_shapes,
+    two_level_leaders_broadcast,
     two_level_one_shot_all_reduce,
 )
 from .algorithms.two_level_reduce import stage_for_reduce_scatter, two_level_reduce, two_level_reduce_scatter
@@ -190,6 +191,8 @@ def broadcast(w: Where, root: int, flat: np.ndarray, code: int, result: object) 
     algorithm = select(Collective.BROADCAST, flat.nbytes, w.setting)
     if algorithm is Algorithm.TWO_LEVEL:
         cast = lambda c: two_level_broadcast(c, w.hosts, root, flat)
+    elif algorithm is Algorithm.TWO_LEVEL_LEADERS:
+        cast = lambda c: two_level_leaders_broadcast(c, w.hosts, root, flat)
     elif algorithm is Algorithm.BOARD:
         cast = lambda c: board_broadcast(c, root, flat)
     else:

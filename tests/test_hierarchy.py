@@ -150,7 +150,11 @@ def _disagree(pg, calls):
     (lambda pg: pg.broadcast(0, np.ones(1 << 18, np.float32)), lambda pg: pg.all_gather(np.ones(1 << 16, np.float32))),
     (lambda pg: pg.barrier(), lambda pg: pg.broadcast(3, np.ones(4, np.float64))),
     (lambda pg: pg.all_reduce(np.ones(4096, np.float32)), lambda pg: pg.all_reduce(np.ones(4096, np.float64))),
-], ids=["small-vs-large", "broadcast-vs-all_gather", "barrier-vs-broadcast", "f32-vs-f64"])
+    (lambda pg: pg.broadcast(0, np.ones(4, np.float32)), lambda pg: pg.broadcast(3, np.ones(4, np.float32))),
+    (lambda pg: pg.broadcast(1, np.ones(4, np.float32)), lambda pg: pg.broadcast(1, np.ones(1 << 20, np.float32))),
+    (lambda pg: pg.all_gather(np.ones(4, np.float32)), lambda pg: pg.all_gather(np.ones(1 << 18, np.float32))),
+], ids=["small-vs-large", "broadcast-vs-all_gather", "barrier-vs-broadcast", "f32-vs-f64", "broadcast-roots",
+        "broadcast-small-vs-large", "all_gather-small-vs-large"])
 def test_hosts_that_disagree_all_raise_mismatch(calls, monkeypatch):
     """Two hosts calling different things: every rank raises CollectiveMismatch, nobody hangs."""
     results = _run_with_timeout("halves", 4, _disagree, calls, monkeypatch)
@@ -441,3 +445,100 @@ def test_large_all_reduce_among_many_hosts_halves_then_doubles(n, monkeypatch):
         assert out["sum"] == [n * (n + 1) / 2]
         assert out["odd"] == [n * (n - 1) / 2, n + n * (n - 1) / 2, n * (S // 8 - 4) + n * (n - 1) / 2]
         assert out["avg"] == [n + 1.0]
+
+
+# ---- many hosts: a small broadcast doubles among the leaders ----
+
+def _small_broadcasts(pg, root):
+    """A broadcast of 12 bytes from root, then one of 3 float64s from the last rank; the bytes sent
+    to each rank during the first."""
+    x = np.full(3, float(pg.rank), dtype=np.float32)
+    traffic = _traffic_of(pg, lambda _: pg.broadcast(root, x))
+    y = np.arange(3, dtype=np.float64) * (pg.rank + 1)
+    pg.broadcast(pg.world_size - 1, y)
+    return {"tcp": traffic["tcp"], "x": x.tolist(), "y": y.tolist()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n, root, sends", [
+    (8, 3, [(3, 2), (2, 0), (3, 1), (0, 4), (1, 5), (2, 6), (3, 7)]),
+    (5, 2, [(2, 3), (2, 0), (3, 1), (0, 4)]),
+    (5, 4, [(4, 0), (0, 1), (0, 2), (1, 3)]),
+])
+def test_small_broadcast_among_many_hosts_doubles(n, root, sends, monkeypatch):
+    """One rank per host: in step k the half of each 2^(k+1) block that holds the data sends it to
+    the other half, so every host receives it once, after log2 hosts steps (a chain would take
+    hosts - 1). A fifth host joins through the first: it hands its data over when it is the root,
+    else gets the data at the end."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    results = run_ranks(n, _small_broadcasts, root)
+    for rank, out in enumerate(results):
+        want = [0] * n
+        for src, dst in sends:
+            if src == rank:
+                want[dst] = 12
+        assert out["tcp"] == want, (rank, out["tcp"])
+        assert out["x"] == [float(root)] * 3
+        assert out["y"] == [0.0, float(n), 2.0 * n]
+
+
+# ---- a small all-gather: through the leaders, Bruck among them ----
+
+def _small_all_gathers(pg):
+    """An all-gather of 3 float32s per rank (and the bytes sent to each rank meanwhile), then an
+    all_gather_v of rank % 3 rows, some empty."""
+    x = np.full(3, float(pg.rank), dtype=np.float32)
+    got = {}
+    traffic = _traffic_of(pg, lambda _: got.update(out=pg.all_gather(x)))
+    v, lengths = pg.all_gather_v(np.full((pg.rank % 3, 2), pg.rank, dtype=np.int64))
+    return {"tcp": traffic["tcp"], "shm": traffic["shm"], "out": got["out"].tolist(), "v": v.tolist(),
+            "lengths": list(lengths)}
+
+
+def _check_gathered(results, n):
+    for out in results:
+        assert out["out"] == [float(r) for r in range(n) for _ in range(3)]
+        assert out["lengths"] == [r % 3 for r in range(n)]
+        assert out["v"] == [[r, r] for r in range(n) for _ in range(r % 3)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [5, 8])
+def test_small_all_gather_among_many_hosts_takes_log_steps(n, monkeypatch):
+    """One rank per host: in step k each rank sends the min(2^k, n - 2^k) blocks it holds from its
+    own on to the rank 2^k below it. At 5 hosts: 1 block to p - 1, 2 to p - 2, 1 to p - 4; at 8: 1,
+    2 and 4 blocks. n - 1 blocks in all, as a ring, in ceil(log2 n) steps instead of n - 1."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    results = run_ranks(n, _small_all_gathers)
+    _check_gathered(results, n)
+    for rank, out in enumerate(results):
+        want = [0] * n
+        distance = 1
+        while distance < n:
+            want[(rank - distance) % n] += 12 * min(distance, n - distance)
+            distance <<= 1
+        assert out["tcp"] == want, (rank, out["tcp"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4)])
+def test_small_all_gather_goes_through_the_leaders(layout, n, monkeypatch):
+    """Each rank hands its 12 bytes to its leader and gets the whole array (12 n) back; only the
+    leaders talk across hosts, each sending its host's blocks once (12 bytes per rank on its host)."""
+    hosts = _hosts(layout, n)
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _small_all_gathers)
+    _check_gathered(results, n)
+    leaders = {h: min(r for r in range(n) if hosts[r] == h) for h in hosts}
+    for rank, out in enumerate(results):
+        leader = leaders[hosts[rank]]
+        on_host = [r for r in range(n) if hosts[r] == hosts[rank]]
+        want_shm = [12 * n if rank == leader and r in on_host and r != leader else 0 for r in range(n)]
+        if rank != leader:
+            want_shm[leader] = 12
+        want_tcp = [12 * len(on_host) if rank == leader and r in leaders.values() and r != leader else 0
+                    for r in range(n)]
+        assert (out["shm"], out["tcp"]) == (want_shm, want_tcp), (rank, out)

@@ -12,13 +12,13 @@ below is unit-tested alone.
 | all_reduce | BOARD, else ONE_SHOT up to one_shot_bytes | SINGLE_COPY | TWO_LEVEL_ONE_SHOT, else TWO_LEVEL |
 | reduce_scatter | as all_reduce (the one-step result, each rank keeps its part) | SINGLE_COPY | TWO_LEVEL |
 | reduce | as all_reduce | RING | TWO_LEVEL |
-| all_gather | BOARD | SINGLE_COPY | TWO_LEVEL |
-| broadcast | BOARD | SINGLE_COPY | TWO_LEVEL |
+| all_gather | BOARD | SINGLE_COPY | TWO_LEVEL (through the leaders up to SMALL_GATHER_ACROSS_BYTES in all) |
+| broadcast | BOARD | SINGLE_COPY | TWO_LEVEL_LEADERS up to SMALL_BROADCAST_ACROSS_BYTES, else TWO_LEVEL |
 | barrier | BOARD | DISSEMINATION | TWO_LEVEL |
 | gather | BOARD | DIRECT | TWO_LEVEL_DIRECT |
 | scatter | DIRECT | DIRECT | TWO_LEVEL_DIRECT |
 | all_to_all | BOARD | PAIRWISE | PAIRWISE |
-| all_gather_v | BOARD_OR_RING (decided on the board) | BOARD_OR_RING | TWO_LEVEL |
+| all_gather_v | BOARD_OR_RING (decided on the board) | BOARD_OR_RING | TWO_LEVEL (as all_gather) |
 | federated_average | DEADLINE | DEADLINE | DEADLINE |
 
 "One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). A large
@@ -31,7 +31,10 @@ runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD consecutive r
 hosts (at 32 ranks: 20 steps, not 62). Inside TWO_LEVEL all-reduce, each slice crosses hosts in
 one step (by recursive doubling among more than ONE_SHOT_MAX_HOSTS hosts), or around a ring (by
 halving and doubling from HALVING_FROM_HOSTS hosts) (`across_hosts`); TWO_LEVEL_ONE_SHOT's leaders
-choose as a small slice does (`small_across_hosts`).
+choose as a small slice does (`small_across_hosts`). TWO_LEVEL_LEADERS hands a small call's data to
+each host's leader and back, the leaders taking ceil(log2 hosts) steps among them (a doubling
+broadcast, a Bruck all-gather); TWO_LEVEL all-gather takes that form once its total is known
+(`gather_across_hosts`).
 A group with no board (TCP only, or a sub-group) takes the large column's algorithm, SINGLE_COPY's
 fallback where it says so, except all_reduce's ONE_SHOT. all_gather_v's pieces differ in size, so
 no rank can choose by size alone: on a board every rank publishes a head saying whether its piece
@@ -59,6 +62,13 @@ ONE_SHOT_MAX_HOSTS = 4
 #: Hosts from which a large slice crosses by HALVING_DOUBLING rather than around a ring: the same
 #: bytes, in 2 log2(hosts) steps instead of 2 (hosts - 1).
 HALVING_FROM_HOSTS = 4
+#: Largest root array a broadcast across hosts sends by TWO_LEVEL_LEADERS (the leaders double:
+#: ceil(log2 hosts) steps, the whole array in each) rather than down TWO_LEVEL's pipelined chain
+#: (one step per rank, in chunks of call.DEFAULT_CHUNK_BYTES, so no faster for an array of one chunk).
+SMALL_BROADCAST_ACROSS_BYTES = 1 << 20
+#: Largest gathered array (every rank's block together) an all-gather across hosts collects by
+#: TWO_LEVEL_LEADERS (Bruck among the leaders, ceil(log2 hosts) steps) rather than around rings.
+SMALL_GATHER_ACROSS_BYTES = 1 << 20
 
 
 class Algorithm(enum.Enum):
@@ -77,6 +87,7 @@ class Algorithm(enum.Enum):
     PAIRWISE = "pairwise"  # direct.py: all_to_all's exchange, every rank with every rank
     DEADLINE = "deadline"  # federated.py: rank 0 averages what arrives before the deadline
     TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level.py: one-shot in each host, among leaders, fan out
+    TWO_LEVEL_LEADERS = "two-level via leaders"  # two_level.py: to the leader, log2 steps among leaders, back
     TWO_LEVEL = "two-level"  # two_level*.py: inside each host, across hosts, inside again
     NEIGHBOURHOODS = "neighbourhoods"  # two_level.py's all-reduce, over runs of ranks of one host
     TWO_LEVEL_DIRECT = "two-level direct"  # DIRECT with the hierarchy's barrier as its agreement step
@@ -115,6 +126,12 @@ def across_hosts(slice_bytes: int, one_shot_bytes: int, hosts: int) -> Algorithm
     if slice_bytes <= one_shot_bytes:
         return small_across_hosts(hosts)
     return Algorithm.HALVING_DOUBLING if hosts >= HALVING_FROM_HOSTS else Algorithm.RING
+
+
+def gather_across_hosts(total_bytes: int) -> Algorithm:
+    """TWO_LEVEL all-gather(_v)'s form, once every rank knows every block's size (so all choose
+    alike): through the leaders for a small gathered array, else around the host and leader rings."""
+    return Algorithm.TWO_LEVEL_LEADERS if total_bytes <= SMALL_GATHER_ACROSS_BYTES else Algorithm.TWO_LEVEL
 
 
 def small_across_hosts(hosts: int) -> Algorithm:
@@ -166,6 +183,12 @@ def _single_copy_or_else(coll: Collective) -> Callable[[int, Setting], Algorithm
     return choose
 
 
+def _broadcast(nbytes: int, where: Setting) -> Algorithm:
+    if where.hosts > 1 and nbytes <= SMALL_BROADCAST_ACROSS_BYTES:
+        return Algorithm.TWO_LEVEL_LEADERS
+    return _single_copy_or_else(Collective.BROADCAST)(nbytes, where)
+
+
 def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:
     if where.hosts > 1:
         return Algorithm.TWO_LEVEL
@@ -179,7 +202,7 @@ _CHOOSERS = {
     Collective.REDUCE_SCATTER: _single_copy_or_else(Collective.REDUCE_SCATTER),
     Collective.REDUCE: _flat(Algorithm.RING, small=None),
     Collective.ALL_GATHER: _single_copy_or_else(Collective.ALL_GATHER),
-    Collective.BROADCAST: _single_copy_or_else(Collective.BROADCAST),
+    Collective.BROADCAST: _broadcast,
     Collective.BARRIER: _flat(Algorithm.DISSEMINATION),
     Collective.GATHER: _flat(Algorithm.DIRECT, across=Algorithm.TWO_LEVEL_DIRECT),
     Collective.SCATTER: _flat(Algorithm.DIRECT, small=None, across=Algorithm.TWO_LEVEL_DIRECT),

@@ -9,8 +9,9 @@ every rank runs the phases in the same order, so a phase never takes a later pha
 Uneven hosts: K = the smallest host's rank count. A large all-reduce is cut into K slices; local
 rank j < K of every host owns slice j and all-reduces it across hosts with its peers of the same
 local rank (K rings busy at once); a larger host's extra ranks only take part inside their host.
-All-gather and barrier go through one leader per host (its lowest rank); broadcast is one chain
-that visits the hosts one after another. Reduce-scatter and reduce are in two_level_reduce.py.
+All-gather and barrier go through one leader per host (its lowest rank); a large broadcast is one
+chain that visits the hosts one after another, a small one goes from leader to leader by doubling.
+Reduce-scatter and reduce are in two_level_reduce.py.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from ..transport.topology import Topology
 from ..types import ReduceKind
 from .barrier import dissemination_barrier
 from .broadcast import chain_broadcast
+from .bruck import bruck_all_gather
 from .call import Call, segment_bounds
-from .direct import INT64_CODE, SIGNAL_CODE, shape_header, shapes_to_lengths
+from .direct import INT64_CODE, SIGNAL_CODE, recv_stream, send_stream, shape_header, shapes_to_lengths
 from .doubling import recursive_doubling_all_reduce
+from .doubling_broadcast import doubling_broadcast, give, take
 from .halving import halving_doubling_all_reduce
 from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
-from .select import Algorithm, across_hosts, small_across_hosts
+from .select import Algorithm, across_hosts, gather_across_hosts, small_across_hosts
 
 
 def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int) -> None:
@@ -78,7 +81,8 @@ def two_level_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.nda
 
 def two_level_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray, sizes: list[int]) -> None:
     """Gather in the host, exchange whole hosts' blocks among leaders, leaders hand the rest out.
-    Rank r contributes sizes[r] elements (any, even zero); out holds them in rank order.
+    Rank r contributes sizes[r] elements (any, even zero); out holds them in rank order. A small
+    total goes through the leaders alone (_all_gather_through_leaders), a large one around rings.
 
     The blocks are staged in host order, so each host's blocks are contiguous; when ranks are
     already numbered host by host (the launcher's placement) the staging area is `out` itself.
@@ -88,17 +92,39 @@ def two_level_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.n
     staged = out if order == sorted(order) else np.empty_like(out)
     staged[at[c.rank]:at[c.rank] + sizes[c.rank]] = local
     host = topo.local_ranks(c.rank)
-    ring_all_gather_owned(c, staged, host, [(at[r], at[r] + sizes[r]) for r in host])
-    span = {h[0]: (at[h[0]], at[h[-1]] + sizes[h[-1]]) for h in topo.hosts}
-    if c.rank == host[0]:
-        ring_all_gather_owned(c, staged, topo.leaders(), [span[r] for r in topo.leaders()])
-    lo, hi = span[host[0]]
-    for a, b in ((0, lo), (hi, len(staged))):
-        chain_broadcast(c, host[0], staged[a:b], order=host)
+    spans = [(at[h[0]], at[h[-1]] + sizes[h[-1]]) for h in topo.hosts]
+    if gather_across_hosts(staged.nbytes) is Algorithm.TWO_LEVEL_LEADERS:
+        _all_gather_through_leaders(c, topo, staged, [(at[r], at[r] + sizes[r]) for r in host], spans)
+    else:
+        ring_all_gather_owned(c, staged, host, [(at[r], at[r] + sizes[r]) for r in host])
+        if c.rank == host[0]:
+            ring_all_gather_owned(c, staged, topo.leaders(), spans)
+        lo, hi = spans[topo.host_of[c.rank]]
+        for a, b in ((0, lo), (hi, len(staged))):
+            chain_broadcast(c, host[0], staged[a:b], order=host)
     if staged is not out:
         starts = np.cumsum([0, *sizes]).tolist()
         for r in order:
             out[starts[r]:starts[r] + sizes[r]] = staged[at[r]:at[r] + sizes[r]]
+
+
+def _all_gather_through_leaders(c: Call, topo: Topology, staged: np.ndarray, blocks: list[tuple[int, int]],
+                                spans: list[tuple[int, int]]) -> None:
+    """Each rank hands its block (blocks: its host's, in host order) to its leader, the leaders
+    gather every host's span by Bruck (bruck.py: ceil(log2 hosts) steps), and each leader hands the
+    whole array to its host. Each phase starts only once the one before came in, so a rank that
+    returns has heard from every rank making the same call."""
+    host = topo.local_ranks(c.rank)
+    leader = host[0]
+    if c.rank != leader:
+        send_stream(c, leader, staged[slice(*blocks[host.index(c.rank)])])
+        recv_stream(c, leader, staged)
+        return
+    for peer, block in zip(host[1:], blocks[1:]):
+        recv_stream(c, peer, staged[slice(*block)])
+    bruck_all_gather(c, staged, spans, topo.leaders())
+    for peer in host[1:]:
+        send_stream(c, peer, staged)
 
 
 def two_level_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
@@ -109,6 +135,25 @@ def two_level_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) ->
     order = [root, *(r for r in home if r != root)]
     order += [r for h in topo.hosts if h is not home for r in h]
     chain_broadcast(c, root, data, order=order)
+
+
+def two_level_leaders_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
+    """A small array in 2 + ceil(log2 hosts) steps, against the chain's one per rank: the root's
+    host leader takes it from the root, the leaders pass it on by doubling (doubling_broadcast.py),
+    each leader hands it to its host. Every other rank sends its leader an empty frame first, and
+    each phase starts only once the one before came in, so a rank that returns has heard, through
+    the leaders, from every rank making the same call: disagreement fails everywhere."""
+    host = topo.local_ranks(c.rank)
+    leader = host[0]
+    if c.rank != leader:
+        give(c, leader, data, c.rank == root)
+        take(c, leader, data, c.rank != root)
+        return
+    for peer in host[1:]:
+        take(c, peer, data, peer == root)
+    doubling_broadcast(c, data, topo.leaders(), topo.host_of[root])
+    for peer in host[1:]:
+        give(c, peer, data, peer != root)
 
 
 def two_level_barrier(c: Call, topo: Topology) -> None:
