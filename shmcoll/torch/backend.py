@@ -321,6 +321,15 @@ class ShmcollProcessGroup(dist.ProcessGroup):
     def setGroupDesc(self, desc: str) -> None:
         self._desc = desc
 
+    def _get_backend(self, device) -> ShmcollProcessGroup:
+        """The group's backend for a device: the group itself, for the CPU. torch asks a group for
+        its backend to read optional traits off it (from torch 2.14, batch_isend_irecv asks whether
+        it "supports_coalescing", which we do not, unguarded); a C++ group answers from its backends
+        and raises for an unknown device, as this does."""
+        if torch.device(device).type != "cpu":
+            raise RuntimeError(f"No backend type associated with device type {torch.device(device).type}")
+        return self
+
     def shutdown(self) -> None:
         """destroy_process_group(): stop the workers and release the shmcoll group; idempotent."""
         if self._closed.is_set():
