@@ -19,6 +19,7 @@ from .algorithms.barrier import dissemination_barrier
 from .algorithms.board import board_all_gather, board_all_reduce, board_all_to_all, board_barrier, board_broadcast
 from .algorithms.board_v import board_all_gather_v
 from .algorithms.broadcast import chain_broadcast
+from .algorithms.bruck import bruck_all_gather_blocks
 from .algorithms.call import Call
 from .algorithms.direct import (
     Agreement,
@@ -29,6 +30,7 @@ from .algorithms.direct import (
     reduce_to_root,
     scatter_from_root,
 )
+from .algorithms.doubling_broadcast import doubling_broadcast
 from .algorithms.federated import federated_average
 from .algorithms.ring import (
     one_shot_all_reduce,
@@ -195,6 +197,8 @@ def broadcast(w: Where, root: int, flat: np.ndarray, code: int, result: object) 
         cast = lambda c: two_level_leaders_broadcast(c, w.hosts, root, flat)
     elif algorithm is Algorithm.BOARD:
         cast = lambda c: board_broadcast(c, root, flat)
+    elif algorithm is Algorithm.DOUBLING:
+        cast = lambda c: doubling_broadcast(c, flat, range(c.size), root)
     else:
         cast = lambda c: chain_broadcast(c, root, flat)
         if algorithm is Algorithm.SINGLE_COPY:
@@ -210,6 +214,8 @@ def all_gather(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
         gather = lambda c: two_level_all_gather(c, w.hosts, flat_in, flat_out)
     elif algorithm is Algorithm.BOARD:
         gather = lambda c: board_all_gather(c, flat_in, flat_out)
+    elif algorithm is Algorithm.BRUCK:
+        gather = lambda c: bruck_all_gather_blocks(c, flat_in, flat_out)
     else:
         gather = lambda c: ring_all_gather(c, flat_in, flat_out)
         if algorithm is Algorithm.SINGLE_COPY:

@@ -48,7 +48,7 @@ def _all_reduce(pg):
 
 
 def _broadcast(pg):
-    x = np.full(S // 4, float(pg.rank), dtype=np.float32)
+    x = np.full(S // 2, float(pg.rank), dtype=np.float32)  # 2 S: the chain, not doubling
     pg.broadcast(1, x)
     assert np.all(x == 1.0)
 
@@ -96,8 +96,8 @@ def test_paths_follow_the_hosts(layout, n, monkeypatch):
     ("halves", 4, _all_reduce, 2 * S, 3 * S),
     ("interleaved", 4, _all_reduce, 2 * S, 6 * S),
     ("first-alone", 3, _all_reduce, 2 * S, None),  # flat: uneven thirds, checked only as larger
-    ("halves", 4, _broadcast, S, 2 * S),  # root 1: chain 1,0 | 2,3 versus 1 | 2,3 | 0
-    ("interleaved", 4, _broadcast, S, 3 * S),
+    ("halves", 4, _broadcast, 2 * S, 4 * S),  # root 1: chain 1,0 | 2,3 versus 1 | 2,3 | 0
+    ("interleaved", 4, _broadcast, 2 * S, 6 * S),
     ("halves", 4, _all_gather, 4 * S, 6 * S),  # leaders swap whole hosts (2S each); flat: 3S over 2 edges
     ("interleaved", 4, _all_gather, 4 * S, 12 * S),
 ])
@@ -460,17 +460,18 @@ def _small_broadcasts(pg, root):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", ["hier", "tcp"])
 @pytest.mark.parametrize("n, root, sends", [
     (8, 3, [(3, 2), (2, 0), (3, 1), (0, 4), (1, 5), (2, 6), (3, 7)]),
     (5, 2, [(2, 3), (2, 0), (3, 1), (0, 4)]),
     (5, 4, [(4, 0), (0, 1), (0, 2), (1, 3)]),
 ])
-def test_small_broadcast_among_many_hosts_doubles(n, root, sends, monkeypatch):
+def test_small_broadcast_among_many_hosts_doubles(n, root, sends, transport, monkeypatch):
     """One rank per host: in step k the half of each 2^(k+1) block that holds the data sends it to
     the other half, so every host receives it once, after log2 hosts steps (a chain would take
     hosts - 1). A fifth host joins through the first: it hands its data over when it is the root,
-    else gets the data at the end."""
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    else gets the data at the end. Flat TCP doubles among all ranks alike."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", transport)
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
     results = run_ranks(n, _small_broadcasts, root)
     for rank, out in enumerate(results):
@@ -504,12 +505,14 @@ def _check_gathered(results, n):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", ["hier", "tcp"])
 @pytest.mark.parametrize("n", [5, 8])
-def test_small_all_gather_among_many_hosts_takes_log_steps(n, monkeypatch):
+def test_small_all_gather_among_many_hosts_takes_log_steps(n, transport, monkeypatch):
     """One rank per host: in step k each rank sends the min(2^k, n - 2^k) blocks it holds from its
     own on to the rank 2^k below it. At 5 hosts: 1 block to p - 1, 2 to p - 2, 1 to p - 4; at 8: 1,
-    2 and 4 blocks. n - 1 blocks in all, as a ring, in ceil(log2 n) steps instead of n - 1."""
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    2 and 4 blocks. n - 1 blocks in all, as a ring, in ceil(log2 n) steps instead of n - 1. Flat
+    TCP runs Bruck among all ranks alike."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", transport)
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
     results = run_ranks(n, _small_all_gathers)
     _check_gathered(results, n)

@@ -12,7 +12,8 @@ from shmcoll.algorithms.select import (
     HALVING_FROM_HOSTS,
     NEIGHBOURHOOD,
     ONE_SHOT_MAX_HOSTS,
-    SMALL_BROADCAST_ACROSS_BYTES,
+    SMALL_BROADCAST_BYTES,
+    SMALL_GATHER_BYTES,
     SPLIT_HOST_AT,
     Algorithm,
     Setting,
@@ -34,6 +35,7 @@ ONE_SHOT = 16 * KIB  # the default one-step threshold (SHMCOLL_ONE_SHOT_BYTES)
 SHM = Setting(hosts=1, board_bytes=BOARD, one_shot_bytes=ONE_SHOT)  # one host, shared memory
 TCP = Setting(hosts=1, board_bytes=None, one_shot_bytes=ONE_SHOT)  # TCP only, or a sub-group
 HOSTS = Setting(hosts=2, board_bytes=None, one_shot_bytes=ONE_SHOT)  # the hierarchy over two hosts
+TCP4 = dataclasses.replace(TCP, size=4)
 
 A = Algorithm
 C = Collective
@@ -52,12 +54,14 @@ CASES = [
     (C.REDUCE, ONE_SHOT + 1, HOSTS, A.TWO_LEVEL),
     # movement: the board when the call fits it, else direct reads or the flat algorithm; two levels
     # across hosts
-    (C.ALL_GATHER, BOARD, SHM, A.BOARD), (C.ALL_GATHER, BOARD + 1, SHM, A.SINGLE_COPY), (C.ALL_GATHER, 8, TCP, A.RING),
+    (C.ALL_GATHER, BOARD, SHM, A.BOARD), (C.ALL_GATHER, BOARD + 1, SHM, A.SINGLE_COPY), (C.ALL_GATHER, 8, TCP, A.BRUCK),
+    (C.ALL_GATHER, SMALL_GATHER_BYTES // 4, TCP4, A.BRUCK), (C.ALL_GATHER, SMALL_GATHER_BYTES // 4 + 1, TCP4, A.RING),
     (C.ALL_GATHER, 8, HOSTS, A.TWO_LEVEL),
-    (C.BROADCAST, 8, SHM, A.BOARD), (C.BROADCAST, BOARD + 1, SHM, A.SINGLE_COPY), (C.BROADCAST, 8, TCP, A.CHAIN),
+    (C.BROADCAST, 8, SHM, A.BOARD), (C.BROADCAST, BOARD + 1, SHM, A.SINGLE_COPY), (C.BROADCAST, 8, TCP, A.DOUBLING),
     (C.BROADCAST, 8, HOSTS, A.TWO_LEVEL_LEADERS),
-    (C.BROADCAST, SMALL_BROADCAST_ACROSS_BYTES, HOSTS, A.TWO_LEVEL_LEADERS),
-    (C.BROADCAST, SMALL_BROADCAST_ACROSS_BYTES + 1, HOSTS, A.TWO_LEVEL),
+    (C.BROADCAST, SMALL_BROADCAST_BYTES, HOSTS, A.TWO_LEVEL_LEADERS),
+    (C.BROADCAST, SMALL_BROADCAST_BYTES + 1, HOSTS, A.TWO_LEVEL),
+    (C.BROADCAST, SMALL_BROADCAST_BYTES + 1, TCP, A.CHAIN),
     (C.BARRIER, 0, SHM, A.BOARD), (C.BARRIER, 0, TCP, A.DISSEMINATION), (C.BARRIER, 0, HOSTS, A.TWO_LEVEL),
     (C.GATHER, 8, SHM, A.BOARD), (C.GATHER, BOARD + 1, SHM, A.DIRECT), (C.GATHER, 8, TCP, A.DIRECT),
     (C.GATHER, 8, HOSTS, A.TWO_LEVEL_DIRECT),
@@ -71,7 +75,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("coll,nbytes,where,expected", CASES,
-                         ids=[f"{c.label}-{n}-{'shm' if w is SHM else 'tcp' if w is TCP else 'hosts'}"
+                         ids=[f"{c.label}-{n}-{'shm' if w is SHM else 'tcp' if w in (TCP, TCP4) else 'hosts'}"
                               for c, n, w, _ in CASES])
 def test_the_table(coll, nbytes, where, expected):
     assert select(coll, nbytes, where) is expected
@@ -152,7 +156,8 @@ def test_a_large_all_reduce_of_many_ranks_without_single_copy_runs_over_neighbou
 def test_large_calls_that_may_not_read_peers_take_their_usual_algorithm(coll, usual):
     assert without_single_copy(coll, SHM) is usual
     assert select(coll, BOARD + 1, dataclasses.replace(SHM, single_copy=False)) is usual
-    assert select(coll, BOARD + 1, TCP) is usual  # no board: nowhere to say where the array is
+    large = max(BOARD, SMALL_BROADCAST_BYTES, SMALL_GATHER_BYTES) + 1
+    assert select(coll, large, TCP) is usual  # no board: nowhere to say where the array is
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 15, 16, 17, 23, 32, 63, 64, 100])

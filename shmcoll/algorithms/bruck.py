@@ -20,6 +20,13 @@ from .call import Call
 from .direct import recv_stream, send_stream
 
 
+def bruck_all_gather_blocks(c: Call, local: np.ndarray, out: np.ndarray) -> None:
+    """out receives every rank's equal-sized block (local on this rank) in rank order."""
+    block = len(local)
+    out[c.rank * block:(c.rank + 1) * block] = local
+    bruck_all_gather(c, out, [(r * block, (r + 1) * block) for r in range(c.size)], range(c.size))
+
+
 def bruck_all_gather(c: Call, buf: np.ndarray, spans: Sequence[tuple[int, int]], members: Sequence[int]) -> None:
     """buf[spans[i][0]:spans[i][1]] is members[i]'s block, spans in order and back to back; this
     rank's own is in place, the others arrive."""

@@ -12,8 +12,8 @@ below is unit-tested alone.
 | all_reduce | BOARD, else ONE_SHOT up to one_shot_bytes | SINGLE_COPY | TWO_LEVEL_ONE_SHOT, else TWO_LEVEL |
 | reduce_scatter | as all_reduce (the one-step result, each rank keeps its part) | SINGLE_COPY | TWO_LEVEL |
 | reduce | as all_reduce | RING | TWO_LEVEL |
-| all_gather | BOARD | SINGLE_COPY | TWO_LEVEL (through the leaders up to SMALL_GATHER_ACROSS_BYTES in all) |
-| broadcast | BOARD | SINGLE_COPY | TWO_LEVEL_LEADERS up to SMALL_BROADCAST_ACROSS_BYTES, else TWO_LEVEL |
+| all_gather | BOARD | SINGLE_COPY | TWO_LEVEL (through the leaders up to SMALL_GATHER_BYTES in all) |
+| broadcast | BOARD | SINGLE_COPY | TWO_LEVEL_LEADERS up to SMALL_BROADCAST_BYTES, else TWO_LEVEL |
 | barrier | BOARD | DISSEMINATION | TWO_LEVEL |
 | gather | BOARD | DIRECT | TWO_LEVEL_DIRECT |
 | scatter | DIRECT | DIRECT | TWO_LEVEL_DIRECT |
@@ -36,9 +36,10 @@ each host's leader and back, the leaders taking ceil(log2 hosts) steps among the
 broadcast, a Bruck all-gather); TWO_LEVEL all-gather takes that form once its total is known
 (`gather_across_hosts`).
 A group with no board (TCP only, or a sub-group) takes the large column's algorithm, SINGLE_COPY's
-fallback where it says so, except all_reduce's ONE_SHOT. all_gather_v's pieces differ in size, so
-no rank can choose by size alone: on a board every rank publishes a head saying whether its piece
-fits, and all decide alike from the heads.
+fallback where it says so, except all_reduce's ONE_SHOT, and for small calls DOUBLING (broadcast)
+and BRUCK (all_gather), which take ceil(log2 n) steps where the chain and the ring take n - 1.
+all_gather_v's pieces differ in size, so no rank can choose by size alone: on a board every rank
+publishes a head saying whether its piece fits, and all decide alike from the heads.
 """
 
 from __future__ import annotations
@@ -62,13 +63,15 @@ ONE_SHOT_MAX_HOSTS = 4
 #: Hosts from which a large slice crosses by HALVING_DOUBLING rather than around a ring: the same
 #: bytes, in 2 log2(hosts) steps instead of 2 (hosts - 1).
 HALVING_FROM_HOSTS = 4
-#: Largest root array a broadcast across hosts sends by TWO_LEVEL_LEADERS (the leaders double:
-#: ceil(log2 hosts) steps, the whole array in each) rather than down TWO_LEVEL's pipelined chain
-#: (one step per rank, in chunks of call.DEFAULT_CHUNK_BYTES, so no faster for an array of one chunk).
-SMALL_BROADCAST_ACROSS_BYTES = 1 << 20
-#: Largest gathered array (every rank's block together) an all-gather across hosts collects by
-#: TWO_LEVEL_LEADERS (Bruck among the leaders, ceil(log2 hosts) steps) rather than around rings.
-SMALL_GATHER_ACROSS_BYTES = 1 << 20
+#: Largest root array a broadcast without a board sends by doubling (DOUBLING, or among the hosts'
+#: leaders TWO_LEVEL_LEADERS: ceil(log2 n) steps, the whole array in each) rather than down a
+#: pipelined chain (one step per rank, in chunks of call.DEFAULT_CHUNK_BYTES, so no faster for an
+#: array of one chunk).
+SMALL_BROADCAST_BYTES = 1 << 20
+#: Largest gathered array (every rank's block together) an all-gather without a board collects by
+#: Bruck (BRUCK, or among the hosts' leaders TWO_LEVEL_LEADERS: ceil(log2 n) steps) rather than
+#: around rings.
+SMALL_GATHER_BYTES = 1 << 20
 
 
 class Algorithm(enum.Enum):
@@ -78,6 +81,8 @@ class Algorithm(enum.Enum):
     BOARD_OR_RING = "board or ring"  # board_v.py: one board step if every piece fits its entry, else RING
     ONE_SHOT = "one-shot"  # ring.py: every rank sends its whole input to every other, all fold alike
     RING = "ring"  # ring.py: reduce-scatter and all-gather around a ring, bandwidth-optimal
+    DOUBLING = "doubling"  # doubling_broadcast.py: a small broadcast in log2 n exchange steps
+    BRUCK = "bruck"  # bruck.py: a small all-gather in log2 n steps
     RECURSIVE_DOUBLING = "recursive doubling"  # doubling.py: log2 n exchanges of the whole array
     HALVING_DOUBLING = "halving-doubling"  # halving.py: a ring's bytes in 2 log2 n steps (Rabenseifner)
     SINGLE_COPY = "single copy"  # single_copy.py: each rank reads what it needs straight from its peers' arrays
@@ -131,7 +136,7 @@ def across_hosts(slice_bytes: int, one_shot_bytes: int, hosts: int) -> Algorithm
 def gather_across_hosts(total_bytes: int) -> Algorithm:
     """TWO_LEVEL all-gather(_v)'s form, once every rank knows every block's size (so all choose
     alike): through the leaders for a small gathered array, else around the host and leader rings."""
-    return Algorithm.TWO_LEVEL_LEADERS if total_bytes <= SMALL_GATHER_ACROSS_BYTES else Algorithm.TWO_LEVEL
+    return Algorithm.TWO_LEVEL_LEADERS if total_bytes <= SMALL_GATHER_BYTES else Algorithm.TWO_LEVEL
 
 
 def small_across_hosts(hosts: int) -> Algorithm:
@@ -184,9 +189,18 @@ def _single_copy_or_else(coll: Collective) -> Callable[[int, Setting], Algorithm
 
 
 def _broadcast(nbytes: int, where: Setting) -> Algorithm:
-    if where.hosts > 1 and nbytes <= SMALL_BROADCAST_ACROSS_BYTES:
-        return Algorithm.TWO_LEVEL_LEADERS
+    if nbytes <= SMALL_BROADCAST_BYTES:
+        if where.hosts > 1:
+            return Algorithm.TWO_LEVEL_LEADERS
+        if where.board_bytes is None:
+            return Algorithm.DOUBLING
     return _single_copy_or_else(Collective.BROADCAST)(nbytes, where)
+
+
+def _all_gather(nbytes: int, where: Setting) -> Algorithm:
+    if where.hosts == 1 and where.board_bytes is None and nbytes * where.size <= SMALL_GATHER_BYTES:
+        return Algorithm.BRUCK
+    return _single_copy_or_else(Collective.ALL_GATHER)(nbytes, where)
 
 
 def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:
@@ -201,7 +215,7 @@ _CHOOSERS = {
     Collective.ALL_REDUCE: _single_copy_or_else(Collective.ALL_REDUCE),
     Collective.REDUCE_SCATTER: _single_copy_or_else(Collective.REDUCE_SCATTER),
     Collective.REDUCE: _flat(Algorithm.RING, small=None),
-    Collective.ALL_GATHER: _single_copy_or_else(Collective.ALL_GATHER),
+    Collective.ALL_GATHER: _all_gather,
     Collective.BROADCAST: _broadcast,
     Collective.BARRIER: _flat(Algorithm.DISSEMINATION),
     Collective.GATHER: _flat(Algorithm.DIRECT, across=Algorithm.TWO_LEVEL_DIRECT),
