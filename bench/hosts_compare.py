@@ -186,15 +186,17 @@ def unavailable(column: str, mpirun: str) -> str | None:
     return missing_reason(GLOO) if column == GLOO else None
 
 
-def job_command(column: str, layout: Layout, hosts: Hosts, out: Path, tmp: Path, args: argparse.Namespace) -> list[str]:
-    """The launcher line of one column's job on the first layout.hosts hosts."""
+def job_command(column: str, layout: Layout, hosts: Hosts, out: Path, tmp: Path, args: argparse.Namespace,
+                algorithm: str | None = None) -> list[str]:
+    """The launcher line of one column's job on the first layout.hosts hosts; `algorithm` (shmcoll
+    only) forces how its all-reduces cross hosts (hosts_rank.py --algorithm, for bench/cost_model.py)."""
     names = [hosts.name(i) for i in range(layout.hosts)]
     library = column if column in (OPENMPI, GLOO) else "shmcoll"
     rank = [str(RANK), library, str(out),
             ",".join(map(str, args.sizes)), "--iters", str(args.iters), "--warmup", str(args.warmup),
             "--max-time", f"{args.max_time:g}", "--timeout", f"{args.timeout:g}"]
     if column in (HIER, TCP):
-        rank += ["--transport", column]
+        rank += ["--transport", column] + (["--algorithm", algorithm] if algorithm else [])
     if column == OPENMPI:
         subnet = f"{hosts.subnet}.0/24"
         return [shutil.which(args.mpirun) or args.mpirun, "--allow-run-as-root", "-np", str(layout.world),
@@ -209,18 +211,19 @@ def job_command(column: str, layout: Layout, hosts: Hosts, out: Path, tmp: Path,
             "--timeout", f"{args.timeout:g}", *exports, *rank]
 
 
-def run_job(col: Column, layout: Layout, hosts: Hosts, tmp: Path, args: argparse.Namespace) -> None:
+def run_job(col: Column, layout: Layout, hosts: Hosts, tmp: Path, args: argparse.Namespace,
+            algorithm: str | None = None) -> None:
     """One round of one column: its rows merged into col, or col marked failed with the reason."""
     out = tmp / f"{layout.name}-{col.name}.json"
     out.unlink(missing_ok=True)
-    cmd = job_command(col.name, layout, hosts, out, tmp, args)
+    cmd = job_command(col.name, layout, hosts, out, tmp, args, algorithm)
     col.commands.append(shlex.join(cmd))
     env = child_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     t0 = time.monotonic()
     rc, _, err = run_command(cmd, args.timeout + GRACE_S, env)
     reap(hosts)
-    print(f"# {layout.name} {COLUMNS[col.name]}: exit {rc} after {time.monotonic() - t0:.1f} s", file=sys.stderr,
-          flush=True)
+    what = COLUMNS[col.name] + (f" ({algorithm})" if algorithm else "")
+    print(f"# {layout.name} {what}: exit {rc} after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     if rc == 0 and out.exists():
         doc = json.loads(out.read_text())
         col.library, col.transport = doc["library"], doc["transport"]

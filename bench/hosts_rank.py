@@ -1,6 +1,7 @@
 """One process of bench/hosts_compare.py, started inside a network-namespace "host".
 
     hosts_rank.py shmcoll|openmpi|gloo OUT SIZES [--transport T] [--iters K] [--warmup K] [--max-time S]
+                  [--algorithm one-shot|recursive-doubling|ring|halving-doubling]   (shmcoll only)
     hosts_rank.py recv PORT                  one end of "the link": receive one stream, print its rate
     hosts_rank.py send HOST PORT SECONDS     the other end: send to HOST:PORT for SECONDS
 
@@ -9,6 +10,8 @@ the loop shmcoll-bench and its OpenMPI and gloo peers use (warm-up, an iteration
 agrees on, a barrier, the timed loop; the slowest rank's mean per call), so the columns differ only
 in the library. Rank 0 writes {"library", "transport", "rows"} to OUT. shmcoll joins with
 shmcoll.init() and gloo with shmcoll-run's variables (peers.py's adapter), OpenMPI through mpirun's.
+`--algorithm A` makes every all-reduce cross hosts by A, at every size (bench/cost_model.py
+measures each algorithm this way; see `force_algorithm`).
 Large sizes get fewer warm-up calls (64 MiB's worth, at least 2): across hosts a 64 MiB call of gloo
 takes a good part of a second, and 20 of them would be most of the run.
 """
@@ -18,20 +21,68 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
+from shmcoll.algorithms import select
 from shmcoll.bench.adapters import GLOO, OPENMPI, SHMCOLL, open_group
 from shmcoll.bench.collectives import COLLECTIVES
 from shmcoll.bench.measure import Spec, measure
 from shmcoll.bench.results import write_json
+from shmcoll.config import ONE_SHOT_BYTES_VAR
 
 WARMUP_BYTES = 64 << 20  # warm-up calls per size: at most this many bytes' worth (at least 2 calls)
 CHUNK = 1 << 20          # one send or receive of the link
 CONNECT_S = 20.0         # the link's ends wait this long for each other
+NEVER = 1 << 30          # more hosts, or bytes, than any job here has (and SHMCOLL_ONE_SHOT_BYTES's maximum)
+
+
+@dataclasses.dataclass(frozen=True)
+class Forcing:
+    """select.py's knobs set so that one algorithm crosses hosts at every size. select reads its two
+    host-count constants as module globals at each call, and one_shot_bytes from the environment at
+    init (every rank sets the same, as the selection requires). A small-enough array (one_shot_bytes
+    NEVER) runs TWO_LEVEL_ONE_SHOT, whose leaders cross by ONE_SHOT or RECURSIVE_DOUBLING; a large
+    one (one_shot_bytes 0) runs TWO_LEVEL, whose columns cross by RING or HALVING_DOUBLING. With one
+    rank per host both are the crossing alone."""
+
+    one_shot_max_hosts: int
+    halving_from_hosts: int
+    one_shot_bytes: int
+
+
+FORCINGS = {
+    "one-shot": Forcing(one_shot_max_hosts=NEVER, halving_from_hosts=NEVER, one_shot_bytes=NEVER),
+    "recursive-doubling": Forcing(one_shot_max_hosts=1, halving_from_hosts=NEVER, one_shot_bytes=NEVER),
+    "ring": Forcing(one_shot_max_hosts=NEVER, halving_from_hosts=NEVER, one_shot_bytes=0),
+    "halving-doubling": Forcing(one_shot_max_hosts=NEVER, halving_from_hosts=2, one_shot_bytes=0),
+}
+
+
+def force_algorithm(name: str) -> None:
+    """Before shmcoll.init(): every all-reduce of this process crosses hosts by FORCINGS[name]."""
+    f = FORCINGS[name]
+    select.ONE_SHOT_MAX_HOSTS, select.HALVING_FROM_HOSTS = f.one_shot_max_hosts, f.halving_from_hosts
+    os.environ[ONE_SHOT_BYTES_VAR] = str(f.one_shot_bytes)
+
+
+@contextmanager
+def forced(name: str) -> Iterator[Forcing]:
+    """FORCINGS[name]'s host-count constants in select.py for a while, in this process (to ask
+    select what a forced job runs); one_shot_bytes is the caller's to pass in a Setting."""
+    saved = select.ONE_SHOT_MAX_HOSTS, select.HALVING_FROM_HOSTS
+    f = FORCINGS[name]
+    select.ONE_SHOT_MAX_HOSTS, select.HALVING_FROM_HOSTS = f.one_shot_max_hosts, f.halving_from_hosts
+    try:
+        yield f
+    finally:
+        select.ONE_SHOT_MAX_HOSTS, select.HALVING_FROM_HOSTS = saved
 
 
 def time_sizes(group, args: argparse.Namespace, library: str) -> list[dict]:
@@ -50,12 +101,15 @@ def run_rank(args: argparse.Namespace) -> int:
     if args.library == SHMCOLL:
         import shmcoll
 
+        if args.algorithm:
+            force_algorithm(args.algorithm)
         with shmcoll.init(transport=args.transport) as pg:
             t = pg.transport
             where = t.name if t.topology is None else f"{t.name} ({t.topology.describe()})"
             rows = time_sizes(pg, args, SHMCOLL)
             if pg.rank == 0:
-                write_json(args.out, {"library": f"shmcoll {shmcoll.__version__}", "transport": where, "rows": rows})
+                write_json(args.out, {"library": f"shmcoll {shmcoll.__version__}", "transport": where,
+                                      "algorithm": args.algorithm, "rows": rows})
         return 0
     group = open_group(args.library, args.timeout)
     try:
@@ -116,6 +170,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         r.add_argument("--warmup", type=int, default=20)
         r.add_argument("--max-time", dest="max_time", type=float, default=0.5)
         r.add_argument("--timeout", type=float, default=300.0, help="gloo's collective timeout (seconds)")
+        r.add_argument("--algorithm", choices=sorted(FORCINGS), default=None,
+                       help="shmcoll only: cross hosts by this algorithm at every size (default: as select picks)")
     r = sub.add_parser("recv")
     r.add_argument("port", type=int)
     s = sub.add_parser("send")

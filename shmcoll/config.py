@@ -58,7 +58,8 @@ class Tuning:
     """The performance knobs, each one named environment variable (see README, "Environment")."""
 
     chunk_bytes: int = 1 << 20  # SHMCOLL_CHUNK_BYTES: frame size when large arrays stream through a ring
-    one_shot_bytes: int = 16 << 10  # SHMCOLL_ONE_SHOT_BYTES: all-reduce at or below this is one-shot
+    #: SHMCOLL_ONE_SHOT_BYTES: an all-reduce at or below this goes in one step (one_shot_bytes_for)
+    one_shot_bytes: int | None = None
     debug: bool = False  # SHMCOLL_DEBUG: log each collective's start and end to stderr
     shm_slot_bytes: int = 256 << 10  # SHMCOLL_SHM_SLOT_BYTES: payload bytes of one shared-memory slot
     shm_slots: int = 8  # SHMCOLL_SHM_SLOTS: slots in each channel block (shm_layout.py)
@@ -155,6 +156,24 @@ def spin_seconds(tuning: Tuning, local_ranks: int) -> float:
     return (SPIN_US_OWN_CORE if local_ranks <= _cores() else SPIN_US_SHARED_CORES) * 1e-6
 
 
+#: The one-step all-reduce's largest size in a group on one host (over TCP or shared-memory rings:
+#: a board takes small calls first) ...
+ONE_SHOT_BYTES_ONE_HOST = 16 << 10
+#: ... and across hosts, where each step is a network latency: one step among the host leaders (and
+#: a column slice up to this size in one step across) beat the ring and halving-doubling at 64 KiB
+#: on every layout measured, 1.5-2x, and tied at 1 MiB; the fitted model puts the crossing at
+#: 181 KiB with 2 ranks per host, higher with one (bench/cost_model.py, bench/README.md).
+ONE_SHOT_BYTES_ACROSS_HOSTS = 128 << 10
+
+
+def one_shot_bytes_for(tuning: Tuning, hosts: int) -> int:
+    """The one-step all-reduce's largest size: SHMCOLL_ONE_SHOT_BYTES if set, else by whether the
+    group spans hosts (alike on every rank of the group, as the selection needs)."""
+    if tuning.one_shot_bytes is not None:
+        return tuning.one_shot_bytes
+    return ONE_SHOT_BYTES_ACROSS_HOSTS if hosts > 1 else ONE_SHOT_BYTES_ONE_HOST
+
+
 #: How long a wait for a TCP peer's frame reads the socket itself before it sleeps (transport/tcp.py),
 #: where each rank has a core of its own; where ranks outnumber cores it sleeps at once, since a
 #: spinning reader there only takes the core from the rank it waits for.
@@ -178,7 +197,8 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
     env = os.environ if environ is None else environ
     return Tuning(
         chunk_bytes=_resolve_int_setting(env, CHUNK_BYTES_VAR, Tuning.chunk_bytes, 64),
-        one_shot_bytes=_resolve_int_setting(env, ONE_SHOT_BYTES_VAR, Tuning.one_shot_bytes, 0),
+        one_shot_bytes=(_resolve_int_setting(env, ONE_SHOT_BYTES_VAR, 0, 0)
+                        if lookup(env, (ONE_SHOT_BYTES_VAR,)) else None),
         debug=_resolve_flag(env, DEBUG_VAR, False),
         shm_slot_bytes=_resolve_int_setting(env, SHM_SLOT_BYTES_VAR, Tuning.shm_slot_bytes, 64) // 64 * 64,
         shm_slots=_resolve_int_setting(env, SHM_SLOTS_VAR, Tuning.shm_slots, 2),

@@ -58,7 +58,7 @@ from .algorithms.two_level import (
     two_level_one_shot_all_reduce,
 )
 from .algorithms.two_level_reduce import stage_for_reduce_scatter, two_level_reduce, two_level_reduce_scatter
-from .config import Tuning
+from .config import Tuning, one_shot_bytes_for
 from .runner import Plan
 from .transport.base import Transport
 from .transport.frame import ROOTS_DTYPE
@@ -85,9 +85,10 @@ class Where:
     @classmethod
     def of(cls, t: Transport, tuning: Tuning) -> Where:
         topo = t.topology if t.topology is not None and t.topology.n_hosts > 1 else None
-        setting = Setting(hosts=topo.n_hosts if topo is not None else 1,
-                          board_bytes=t.board.capacity if t.board is not None else None,
-                          one_shot_bytes=tuning.one_shot_bytes, size=t.world_size, single_copy=tuning.single_copy)
+        hosts = topo.n_hosts if topo is not None else 1
+        setting = Setting(hosts=hosts, board_bytes=t.board.capacity if t.board is not None else None,
+                          one_shot_bytes=one_shot_bytes_for(tuning, hosts), size=t.world_size,
+                          single_copy=tuning.single_copy)
         return cls(t.rank, t.world_size, topo, setting)
 
     @functools.cached_property

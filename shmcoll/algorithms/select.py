@@ -58,8 +58,10 @@ SPLIT_HOST_AT = 16
 #: Ranks per neighbourhood, about (Topology.neighbourhoods).
 NEIGHBOURHOOD = 8
 #: Hosts among which a small all-reduce across hosts still finishes in one step, each host's rank
-#: sending its array to every other; among more, RECURSIVE_DOUBLING sends log2 as many.
-ONE_SHOT_MAX_HOSTS = 4
+#: sending its array to every other; among more, RECURSIVE_DOUBLING sends log2 as many. At 4 hosts
+#: its 2 messages per rank already beat one step's 3 (571 against 641 us at 8 B, 565 against 870 at
+#: 64 KiB, bench/cost_model.py): each message costs its own system calls and Python on both ends.
+ONE_SHOT_MAX_HOSTS = 3
 #: Hosts from which a large slice crosses by HALVING_DOUBLING rather than around a ring: the same
 #: bytes, in 2 log2(hosts) steps instead of 2 (hosts - 1).
 HALVING_FROM_HOSTS = 4
@@ -104,7 +106,7 @@ class Setting:
 
     hosts: int = 1  # hosts the group spans (a group over TCP alone counts as one: it has no shared memory)
     board_bytes: int | None = None  # payload bytes of one board entry; None without a board
-    one_shot_bytes: int = 16 << 10  # config.Tuning.one_shot_bytes
+    one_shot_bytes: int = 16 << 10  # config.one_shot_bytes_for (SHMCOLL_ONE_SHOT_BYTES)
     size: int = 1  # ranks in the group
     single_copy: bool = True  # config.Tuning.single_copy
 

@@ -1,0 +1,222 @@
+"""The alpha-beta-gamma cost of shmcoll's all-reduce across hosts, counted as the code runs it, and its fit.
+
+bench/cost_model.py measures each across-host algorithm (forced with hosts_rank.py --algorithm),
+fits one machine's parameters here, and predicts to hosts it cannot measure. No I/O here: the
+counts, the routing and the fit are unit-tested alone (tests/test_cost_model.py).
+
+A call's time is one rank's critical path, a sum of terms with one parameter each:
+
+  call     once per call (Python, the plan, the call's own bookkeeping)
+  alpha    per message a rank sends across hosts, one after another: on these hosts a message costs
+           a syscall and a Python frame on both ends, paid per message rather than per step, so
+           ONE_SHOT's H-1 sends count H-1 times (among 1,024 hosts no one-shot costs one latency)
+  beta     per byte a rank sends across hosts (it receives as many, at the same time)
+  gamma    per byte a rank folds into its result
+  alpha_local, beta_local  the same as alpha and beta through a host's shared memory (K > 1 only)
+
+Counts follow ring.py, doubling.py, halving.py and two_level.py: frames of at most chunk_bytes in a
+ring step or a halving swap (ring's and halving's pieces), whole arrays in recursive doubling and
+one-shot, and two extra messages of the whole array (one folded) for the positions past the
+largest power of two (doubling.on_power_of_two). Ranks that outnumber the cores share them: every
+phase's terms are multiplied by max(1, ranks busy in the phase / cores) ("oversubscription"): in
+TWO_LEVEL_ONE_SHOT only one rank per host crosses, the others sleep meanwhile. So the fitted
+parameters are those of a rank with a core of its own, which is what a real host gives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, fields
+
+import numpy as np
+from hosts_rank import FORCINGS, forced
+
+from shmcoll.algorithms.call import chunk_count
+from shmcoll.algorithms.select import Algorithm, Setting, across_hosts, select, small_across_hosts
+from shmcoll.config import ONE_SHOT_BYTES_ACROSS_HOSTS, Tuning
+from shmcoll.types import Collective
+
+ITEMSIZE = 4  # float32, as hosts_rank.py times
+CHUNK_BYTES = Tuning.chunk_bytes
+#: The across-host algorithms by their --algorithm names (hosts_rank.FORCINGS).
+ALGORITHMS = {"one-shot": Algorithm.ONE_SHOT, "recursive-doubling": Algorithm.RECURSIVE_DOUBLING,
+              "ring": Algorithm.RING, "halving-doubling": Algorithm.HALVING_DOUBLING}
+NAMES = {a: name for name, a in ALGORITHMS.items()}
+assert set(ALGORITHMS) == set(FORCINGS)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What one rank does on a call's critical path: the multipliers of Machine's parameters, in
+    TERMS order (see the module docstring for each)."""
+
+    calls: float = 0.0
+    messages: float = 0.0
+    wire: float = 0.0
+    reduced: float = 0.0
+    local_messages: float = 0.0
+    local_bytes: float = 0.0
+
+    def __add__(self, other: Steps) -> Steps:
+        return Steps(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def times(self, factor: float) -> Steps:
+        return Steps(*(a * factor for a in astuple(self)))
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Fitted seconds per term (seconds per byte for beta, gamma and beta_local)."""
+
+    call: float = 0.0
+    alpha: float = 0.0
+    beta: float = 0.0
+    gamma: float = 0.0
+    alpha_local: float = 0.0
+    beta_local: float = 0.0
+
+    def seconds(self, steps: Steps) -> float:
+        return float(np.dot(astuple(self), astuple(steps)))
+
+
+TERMS = tuple(f.name for f in fields(Machine))
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement: `algorithm` forced across `hosts` hosts of `per_host` ranks, `size` bytes."""
+
+    algorithm: str
+    hosts: int
+    per_host: int
+    size: int
+    seconds: float
+
+
+# ---- counting ----
+
+def _core(hosts: int) -> tuple[int, bool]:
+    """log2 of the largest power of two <= hosts, and whether some positions fold into it."""
+    core = 1 << (hosts.bit_length() - 1)
+    return core.bit_length() - 1, hosts > core
+
+
+def _across(messages: float, wire: float, reduced: float) -> Steps:
+    return Steps(messages=messages, wire=wire, reduced=reduced)
+
+
+def crossing(algorithm: Algorithm, hosts: int, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> Steps:
+    """One column's all-reduce of nbytes among `hosts` ranks, one per host."""
+    elems = nbytes // ITEMSIZE
+    if hosts < 2:
+        return Steps()
+    if algorithm is Algorithm.ONE_SHOT:
+        return _across(hosts - 1, (hosts - 1) * nbytes, (hosts - 1) * nbytes)
+    rounds, fold = _core(hosts)
+    folding = _across(2 * fold, 2 * fold * nbytes, fold * nbytes)
+    if algorithm is Algorithm.RECURSIVE_DOUBLING:
+        return _across(rounds, rounds * nbytes, rounds * nbytes) + folding
+    if algorithm is Algorithm.RING:
+        seg = -(-elems // hosts)
+        pieces = chunk_count(seg, ITEMSIZE, chunk_bytes)
+        return _across(2 * (hosts - 1) * pieces, 2 * (hosts - 1) * seg * ITEMSIZE, (hosts - 1) * seg * ITEMSIZE)
+    if algorithm is Algorithm.HALVING_DOUBLING:
+        halves = [-(-elems // (1 << k)) for k in range(1, rounds + 1)]
+        pieces = sum(chunk_count(h, ITEMSIZE, chunk_bytes) for h in halves)
+        moved = sum(halves) * ITEMSIZE
+        return _across(2 * pieces, 2 * moved, moved) + folding
+    raise ValueError(f"not an across-host algorithm: {algorithm}")
+
+
+def all_reduce_steps(phases: Algorithm, across: Algorithm, hosts: int, per_host: int, nbytes: int,
+                     cores: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> Steps:
+    """two_level.py's all-reduce: TWO_LEVEL_ONE_SHOT (one-shot in the host, the leaders cross with
+    the whole array, the leader hands it to its K-1 ranks) or TWO_LEVEL (ring reduce-scatter in the
+    host, K columns cross with a slice each at once, ring all-gather in the host). Each phase is
+    scaled by share(ranks busy in it, cores): only the leaders cross in TWO_LEVEL_ONE_SHOT."""
+    k, ranks = per_host - 1, hosts * per_host
+    everyone = share(ranks, cores)
+    if phases is Algorithm.TWO_LEVEL_ONE_SHOT:
+        inside = Steps(calls=1, reduced=k * nbytes, local_messages=k, local_bytes=k * nbytes)
+        fan_out = Steps(local_messages=k, local_bytes=k * nbytes)
+        leaders = crossing(across, hosts, nbytes, chunk_bytes).times(share(hosts, cores))
+        return (inside + fan_out).times(everyone) + leaders
+    if phases is not Algorithm.TWO_LEVEL:
+        raise ValueError(f"not a two-level all-reduce: {phases}")
+    slice_elems = -(-(nbytes // ITEMSIZE) // per_host)
+    pieces = chunk_count(slice_elems, ITEMSIZE, chunk_bytes)
+    ring = Steps(local_messages=k * pieces, local_bytes=k * slice_elems * ITEMSIZE)
+    scatter = ring + Steps(calls=1, reduced=k * slice_elems * ITEMSIZE)
+    return (scatter + crossing(across, hosts, slice_elems * ITEMSIZE, chunk_bytes) + ring).times(everyone)
+
+
+# ---- which algorithm runs ----
+
+def route(hosts: int, per_host: int, nbytes: int,
+          one_shot_bytes: int = ONE_SHOT_BYTES_ACROSS_HOSTS) -> tuple[Algorithm, Algorithm]:
+    """(phases, across): what select.py picks for a float32 all-reduce of nbytes over hosts x per_host
+    ranks, asked of select itself, with its constants as they are now."""
+    phases = select(Collective.ALL_REDUCE, nbytes, Setting(hosts=hosts, one_shot_bytes=one_shot_bytes,
+                                                           size=hosts * per_host))
+    if phases is Algorithm.TWO_LEVEL_ONE_SHOT:
+        return phases, small_across_hosts(hosts)
+    slice_bytes = -(-(nbytes // ITEMSIZE) // per_host) * ITEMSIZE
+    return phases, across_hosts(slice_bytes, one_shot_bytes, hosts)
+
+
+def forced_route(name: str, hosts: int, per_host: int, nbytes: int) -> tuple[Algorithm, Algorithm]:
+    """route() as a job forced by hosts_rank.py --algorithm `name` runs it."""
+    with forced(name) as forcing:
+        return route(hosts, per_host, nbytes, forcing.one_shot_bytes)
+
+
+def steps_of(point: Point, cores: int | None = None) -> Steps:
+    """The point's steps as its forced job runs them, on `cores` cores (None: a core per rank)."""
+    return all_reduce_steps(*forced_route(point.algorithm, point.hosts, point.per_host, point.size),
+                            point.hosts, point.per_host, point.size, cores)
+
+
+def share(ranks: int, cores: int | None) -> float:
+    """How many busy ranks each core carries (1 when each has its own, or cores is None: not modelled)."""
+    return 1.0 if cores is None else max(1.0, ranks / cores)
+
+
+# ---- fitting ----
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin |a x - b| over x >= 0, exactly: the least-squares solution on each subset of columns,
+    the best one that is non-negative (a handful of columns: 2^6 small solves)."""
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    best, best_res = np.zeros(a.shape[1]), float(np.dot(b, b))
+    for n in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), n):
+            x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.all(x >= 0):
+                res = float(np.sum((a[:, cols] @ x - b) ** 2))
+                if res < best_res - 1e-15:
+                    best, best_res = np.zeros(a.shape[1]), res
+                    best[list(cols)] = x
+    return best / scale
+
+
+def fit(points: Sequence[Point], cores: int | None) -> Machine:
+    """The non-negative parameters that minimise the squared relative error over `points`."""
+    rows = np.array([[t / p.seconds for t in astuple(steps_of(p, cores))] for p in points])
+    return Machine(*nnls(rows, np.ones(len(points))).tolist())
+
+
+def predict(m: Machine, point: Point, cores: int | None) -> float:
+    return m.seconds(steps_of(point, cores))
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def log2_hosts(top: int) -> list[int]:
+    """2, 4, ..., top."""
+    return [1 << k for k in range(1, int(math.log2(top)) + 1)]
