@@ -25,13 +25,11 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
-from types import FrameType
 
 from cost_terms import (
     ALGORITHMS,
@@ -47,7 +45,7 @@ from cost_terms import (
     route,
     steps_of,
 )
-from hosts_compare import HIER, Column, layouts_arg, namespaces, run_job, sizes_arg
+from hosts_compare import HIER, Column, layouts_arg, namespaces, run_job, sizes_arg, unwind_on_sigterm
 
 from shmcoll.algorithms import select
 from shmcoll.bench.plot import human
@@ -303,14 +301,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signum)  # SIGTERM: unwind, so the namespaces are taken down
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.command == "measure":
-        signal.signal(signal.SIGTERM, _interrupt)
+        unwind_on_sigterm()
         return measure(args)
     return report(args)
 

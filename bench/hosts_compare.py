@@ -375,15 +375,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def unwind_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does: the stack unwinds and the namespaces go down."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signum)  # SIGTERM: unwind, so the namespaces are taken down
+    raise KeyboardInterrupt(signum)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     command = shlex.join(sys.orig_argv)
     print(f"# $ {command}", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)
+    unwind_on_sigterm()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hosts-compare-") as tmp, \
             namespaces(max(lay.hosts for lay in args.layouts)) as hosts:
