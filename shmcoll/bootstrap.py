@@ -33,6 +33,7 @@ from .errors import (
 from .group import ProcessGroup
 from .net.mesh import connect_mesh, open_listener
 from .net.sockets import Deadline
+from .rendezvous.host_id import kernel_id
 from .rendezvous.store import ABORT_KEY, RendezvousStore, StoreAbort, StoreClient, StoreServer
 from .transport import frame
 from .transport.base import Transport
@@ -153,15 +154,16 @@ def _connect_store(cfg: Config, deadline: float) -> StoreClient:
 def _build_transport(cfg: Config, client: RendezvousStore, deadline: float) -> Transport:
     choice = cfg.transport
     try:
-        published = _gather(cfg, client, "host", json.dumps([cfg.host_id, os.getpid(), release()]), deadline)
+        mine = [cfg.host_id, os.getpid(), release(), kernel_id()]
+        published = _gather(cfg, client, "host", json.dumps(mine), deadline)
         _check_same_release(published)
         hosts, pids = _hosts_and_pids(published)
+        sharing = _sharing_cores(cfg, published, hosts)
         if _use_shm(choice, hosts):
-            return _shm_transport(cfg, client, hosts, pids, deadline)
+            return _shm_transport(cfg, client, hosts, pids, deadline, sharing)
         if choice in ("auto", "hier"):
-            return _hier_transport(cfg, client, hosts, pids, deadline)
-        here = sum(1 for h in hosts.values() if h == cfg.host_id)
-        return _tcp_transport(cfg, client, deadline, spans_hosts=len(set(hosts.values())) > 1, local_ranks=here)
+            return _hier_transport(cfg, client, hosts, pids, deadline, sharing)
+        return _tcp_transport(cfg, client, deadline, spans_hosts=len(set(hosts.values())) > 1, sharing=sharing)
     except Deadline as exc:
         raise CollectiveTimeout(f"rendezvous at {_where(cfg)} did not finish within {cfg.timeout:g} s") from exc
     except StoreAbort as exc:
@@ -208,9 +210,18 @@ def _check_same_release(published: dict[int, str]) -> None:
 
 
 def _hosts_and_pids(published: dict[int, str]) -> tuple[dict[int, str], dict[int, int]]:
-    """Each rank's host id and process id, as published: [host id, pid, release]."""
+    """Each rank's host id and process id, as published: [host id, pid, release, kernel id]."""
     pairs = {r: json.loads(v) for r, v in published.items()}
     return {r: str(p[0]) for r, p in pairs.items()}, {r: int(p[1]) for r, p in pairs.items()}
+
+
+def _sharing_cores(cfg: Config, published: dict[int, str], hosts: dict[int, str]) -> int:
+    """How many ranks of the job run on this rank's machine (its kernel), which the spin policy
+    weighs against the cores (config.spin_seconds): the ranks of its host, and more where several
+    "hosts" share one kernel (network namespaces, containers), or none says which kernel it is on."""
+    here = sum(1 for h in hosts.values() if h == cfg.host_id)
+    kernel = json.loads(published[cfg.rank])[3]
+    return max(here, sum(1 for v in published.values() if json.loads(v)[3] == kernel)) if kernel else here
 
 
 def _use_shm(choice: str, hosts: dict[int, str]) -> bool:
@@ -222,26 +233,26 @@ def _use_shm(choice: str, hosts: dict[int, str]) -> bool:
 
 
 def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str], pids: dict[int, int],
-                    deadline: float) -> HierarchicalTransport:
+                    deadline: float, sharing: int) -> HierarchicalTransport:
     """Shared memory among this host's ranks, TCP to the others, one mailbox between them."""
     topology = Topology.from_host_ids(hosts)
     mailbox = Mailbox(cfg.rank, cfg.world_size)
-    shm = _shm_transport(cfg, client, hosts, pids, deadline, mailbox)
+    shm = _shm_transport(cfg, client, hosts, pids, deadline, sharing, mailbox)
     try:
         remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
-        net = _tcp_transport(cfg, client, deadline, spans_hosts=True, local_ranks=len(topology.local_ranks(cfg.rank)),
-                             peers=remote, mailbox=mailbox, local=shm)
+        net = _tcp_transport(cfg, client, deadline, spans_hosts=True, sharing=sharing, peers=remote,
+                             mailbox=mailbox, local=shm)
     except BaseException:
         shm.close()
         raise
     return HierarchicalTransport(shm, net, topology, mailbox)
 
 
-def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool, local_ranks: int,
+def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool, sharing: int,
                    peers: set[int] | None = None, mailbox: Mailbox | None = None,
                    local: ShmTransport | None = None) -> NetTransport:
     """TCP to `peers` (default every other rank); under a hierarchy, `local` is this host's
-    shared-memory transport and the mailbox the one both share.
+    shared-memory transport and the mailbox the one both share. sharing: _sharing_cores.
 
     Each rank listens where it reached the store from and publishes that address. A rank that
     reached it over loopback runs on rank 0's host; in a job across hosts (where the rendezvous
@@ -260,7 +271,7 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spa
     socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers,
                          check=lambda: _raise_if_aborted(client, deadline))
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local,
-                        spin_s=tcp_spin_seconds(cfg.tuning, local_ranks))
+                        spin_s=tcp_spin_seconds(cfg.tuning, sharing))
 
 
 def _reachable(published: list, client: RendezvousStore) -> tuple[str, int]:
@@ -278,7 +289,7 @@ def _raise_if_aborted(client: RendezvousStore, deadline: float) -> None:
 
 
 def _shm_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str], pids: dict[int, int],
-                   deadline: float, mailbox: Mailbox | None = None) -> ShmTransport:
+                   deadline: float, sharing: int, mailbox: Mailbox | None = None) -> ShmTransport:
     """The leader (lowest rank of the host) creates the segment; the host's ranks attach; the leader
     unlinks the names as soon as they all did (at once when it is alone), so nothing outlives the
     job even after kill -9. If start-up fails meanwhile, every local rank unlinks them: the leader
@@ -292,7 +303,7 @@ def _shm_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str], 
         if len(local) == 1:
             segment.unlink()  # nobody else will attach
         transport = ShmTransport(segment, {r: i for i, r in enumerate(local)}, cfg.rank, cfg.world_size,
-                                 timeout=cfg.timeout, spin_s=spin_seconds(cfg.tuning, len(local)), mailbox=mailbox)
+                                 timeout=cfg.timeout, spin_s=spin_seconds(cfg.tuning, sharing), mailbox=mailbox)
         _gather(cfg, client, f"shm-attached/{cfg.host_id}", "1", deadline, local)
     except BaseException:
         unlink_names(name_prefix(cfg.job_id, pids[local[0]]))

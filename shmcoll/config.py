@@ -148,12 +148,13 @@ SPIN_US_OWN_CORE = 2000
 SPIN_US_SHARED_CORES = 200
 
 
-def spin_seconds(tuning: Tuning, local_ranks: int) -> float:
+def spin_seconds(tuning: Tuning, sharing: int) -> float:
     """How long this rank's shared-memory waits spin: SHMCOLL_SPIN_US if set, else by whether the
-    host's ranks outnumber the cores this process may run on."""
+    job's ranks on this machine (`sharing`: its host's, or more where several hosts share one
+    kernel) outnumber the cores this process may run on."""
     if tuning.spin_us is not None:
         return tuning.spin_us * 1e-6
-    return (SPIN_US_OWN_CORE if local_ranks <= _cores() else SPIN_US_SHARED_CORES) * 1e-6
+    return (SPIN_US_OWN_CORE if sharing <= _cores() else SPIN_US_SHARED_CORES) * 1e-6
 
 
 #: The one-step all-reduce's largest size in a group on one host (over TCP or shared-memory rings:
@@ -180,12 +181,12 @@ def one_shot_bytes_for(tuning: Tuning, hosts: int) -> int:
 TCP_SPIN_US_OWN_CORE = 200
 
 
-def tcp_spin_seconds(tuning: Tuning, local_ranks: int) -> float:
+def tcp_spin_seconds(tuning: Tuning, sharing: int) -> float:
     """How long this rank's TCP waits poll their socket first: SHMCOLL_SPIN_US if set, else by
-    whether the host's ranks outnumber the cores this process may run on."""
+    whether the job's ranks on this machine (as spin_seconds) outnumber its cores."""
     if tuning.spin_us is not None:
         return tuning.spin_us * 1e-6
-    return TCP_SPIN_US_OWN_CORE * 1e-6 if local_ranks <= _cores() else 0.0
+    return TCP_SPIN_US_OWN_CORE * 1e-6 if sharing <= _cores() else 0.0
 
 
 def _cores() -> int:

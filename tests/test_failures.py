@@ -660,7 +660,7 @@ def _dies_building_transport(rank, n, port, victim, stamps, segments_ready):
             if kind != "host":
                 if cfg.transport != "tcp":
                     bound = time.monotonic() + SETUP_TIMEOUT / 2
-                    hosts, _ = client.wait([f"host/{r}" for r in range(n)], bound)  # [host id, pid, release] each
+                    hosts, _ = client.wait([f"host/{r}" for r in range(n)], bound)  # [host id, pid, ...] each
                     host_ids = {json.loads(v)[0] for v in hosts.values()}
                     _, missing = client.wait([f"shm/{h}" for h in host_ids], bound)
                     segments_ready.value = not missing and len(hosts) == n

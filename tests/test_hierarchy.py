@@ -545,3 +545,26 @@ def test_small_all_gather_goes_through_the_leaders(layout, n, monkeypatch):
         want_tcp = [12 * len(on_host) if rank == leader and r in leaders.values() and r != leader else 0
                     for r in range(n)]
         assert (out["shm"], out["tcp"]) == (want_shm, want_tcp), (rank, out)
+
+
+# ---- hosts that share one machine share its cores ----
+
+def _spins(pg):
+    """How long this rank's TCP and shared-memory waits spin before they sleep (seconds)."""
+    return {"tcp": pg.transport.net._spin_s, "shm": pg.transport.shm.board.spin_ns * 1e-9}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cores, tcp_s, shm_s", [(2, 0.0, 200e-6), (3, 200e-6, 2000e-6)])
+def test_hosts_on_one_kernel_weigh_all_their_ranks_against_its_cores(cores, tcp_s, shm_s, monkeypatch):
+    """Three simulated hosts of one rank each run on one kernel (as network namespaces do): each rank
+    weighs the job's 3 ranks there against the cores (patched here), not its host's 1, so on 2 cores
+    nobody polls its socket and shared-memory waits spin briefly."""
+    import shmcoll.config
+
+    monkeypatch.delenv("SHMCOLL_SPIN_US", raising=False)
+    monkeypatch.setattr(shmcoll.config, "_cores", lambda: cores)
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    for out in run_ranks(3, _spins):
+        assert out == {"tcp": pytest.approx(tcp_s), "shm": pytest.approx(shm_s, abs=1e-8)}  # whole ns

@@ -14,6 +14,13 @@ def default_host_id() -> str:
     return f"{host}:{boot}" if boot else host
 
 
+def kernel_id() -> str:
+    """Which running kernel this process is on: its boot id, or "" where /proc does not say. Ranks
+    with the same one share a machine's cores, whatever their host ids (network namespaces or
+    containers on one machine, each with a host id of its own)."""
+    return _read_boot_id() or ""
+
+
 def _read_boot_id() -> str | None:
     """The kernel's per-boot UUID, or None where /proc is unavailable (macOS, restricted sandboxes)."""
     try:
