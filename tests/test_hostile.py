@@ -935,3 +935,32 @@ def test_a_frame_nobody_waits_for_arrives_after_the_callers_quiet_time(monkeypat
     finally:
         transport.close()
         b.close()
+
+
+def test_whole_frame_waiting_finds_small_frames_in_one_peek_and_large_ones_by_the_bytes_waiting():
+    """_Inbox.whole_frame_waiting: a header only for a frame whose every byte is in the socket, be it
+    empty, small enough for one peek (PEEK_BYTES), or larger; None for part of one."""
+    from shmcoll.transport.tcp import PEEK_BYTES, _Inbox
+
+    a, b = _tcp_pair()
+    inbox = _Inbox(a)
+    try:
+        def sent_in_part(data: bytes, part: int):
+            b.sendall(data[:part])
+            wait_until(lambda: inbox._bytes_waiting() == part, FAULT_NOTICE_S, "the bytes to arrive")
+            assert inbox.whole_frame_waiting(1, frame.MAX_PAYLOAD) is None
+            b.sendall(data[part:])
+            wait_until(lambda: inbox._bytes_waiting() == len(data), FAULT_NOTICE_S, "the bytes to arrive")
+            header = inbox.whole_frame_waiting(1, frame.MAX_PAYLOAD)
+            assert header is not None and header.nbytes == len(data) - frame.HEADER_SIZE
+            a.recv(len(data), socket.MSG_WAITALL)  # taken: the next case starts from an empty socket
+
+        assert not inbox.readable()
+        sent_in_part(_data_frame(5, b""), frame.HEADER_SIZE - 1)
+        sent_in_part(_data_frame(5, bytes(100)), frame.HEADER_SIZE + 50)
+        sent_in_part(_data_frame(5, bytes(PEEK_BYTES - frame.HEADER_SIZE)), PEEK_BYTES - 1)
+        sent_in_part(_data_frame(5, bytes(4 * PEEK_BYTES)), 3 * PEEK_BYTES)
+    finally:
+        inbox.close()
+        a.close()
+        b.close()

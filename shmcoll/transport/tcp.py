@@ -38,6 +38,8 @@ _POLL = 0.25  # socket timeout: how often blocked readers and writers look at th
 #: comes within that, and a caller will be there to read it. A frame nobody asks for waits this long.
 QUIET_SECONDS = 2e-3
 _GOODBYE_SECONDS = 2.0
+#: Bytes a caller peeks at to find a whole frame: a small frame's header and payload in one look.
+PEEK_BYTES = 4096
 #: Seconds between heartbeats to each peer. A rank silent for several of them is reported as such
 #: by a timeout (a SIGSTOPped or hung process), unlike a live rank that is itself waiting.
 HEARTBEAT_SECONDS = 0.5
@@ -134,9 +136,10 @@ class NetTransport(LinkTransport):
         try:
             while msg is None and not inbox.finished:
                 if inbox.readable():
-                    if not inbox.whole_frame_waiting(src, self._max_payload):
+                    header = inbox.whole_frame_waiting(src, self._max_payload)
+                    if header is None:
                         break
-                    self._take_frame(src, inbox)
+                    self._take_whole_frame(src, inbox, header)
                     msg = self._mailbox.pop(src, tag)
                 elif time.monotonic() >= until:
                     break
@@ -157,8 +160,8 @@ class NetTransport(LinkTransport):
                     self._take_frame(peer, inbox)
 
     def _take_frame(self, peer: int, inbox: _Inbox) -> None:
-        """Read one whole frame and deliver it; the connection's end (a goodbye, a protocol error,
-        EOF) is reported to the mailbox once and ends the reading."""
+        """Read one frame, however long it takes to come, and deliver it; the connection's end (a
+        goodbye, a protocol error, EOF) is reported to the mailbox once and ends the reading."""
         try:
             header = frame.unpack(self._read(inbox.sock, HEADER_SIZE), peer, self._max_payload)
             payload = _allocate(header.nbytes)
@@ -171,6 +174,20 @@ class NetTransport(LinkTransport):
             reason = "its connection closed" if isinstance(exc, EOFError) else f"connection error: {exc}"
             self._connection_ended(peer, inbox, reason + " (process died?)", graceful=False)
             return
+        self._deliver(peer, inbox, header, payload)
+
+    def _take_whole_frame(self, peer: int, inbox: _Inbox, header: frame.Header) -> None:
+        """Deliver the frame whole_frame_waiting found (header already validated): its bytes wait
+        in the socket, so one read takes them, header and payload together."""
+        raw = bytearray(HEADER_SIZE + header.nbytes)
+        try:
+            self._read_into(inbox.sock, memoryview(raw))
+        except (EOFError, OSError) as exc:  # cannot happen to bytes already there, but a socket may be shut under us
+            self._connection_ended(peer, inbox, f"connection error: {exc} (process died?)", graceful=False)
+            return
+        self._deliver(peer, inbox, header, np.frombuffer(raw, np.uint8, offset=HEADER_SIZE))
+
+    def _deliver(self, peer: int, inbox: _Inbox, header: frame.Header, payload: np.ndarray) -> None:
         if header.kind == DATA:
             self._mailbox.put(Message(header, payload))
         elif header.kind == HEARTBEAT:
@@ -358,16 +375,25 @@ class _Inbox:
         except (OSError, ValueError):
             pass  # closed: the reader thread ends on its own
 
-    def whole_frame_waiting(self, peer: int, max_payload: int) -> bool:
-        """A whole, valid frame waits in the socket's buffer (header peeked, not taken)."""
+    def whole_frame_waiting(self, peer: int, max_payload: int) -> frame.Header | None:
+        """The header of a whole, valid frame that waits in the socket's buffer (peeked, not
+        taken), or None. One peek of up to PEEK_BYTES shows a small frame whole; a larger one is
+        whole when the buffer holds as many bytes as it announces (FIONREAD). Only once readable():
+        the peek would wait out the socket's timeout for a first byte."""
         try:
-            waiting = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
-            if waiting < HEADER_SIZE:
-                return False
-            header = frame.unpack(self.sock.recv(HEADER_SIZE, socket.MSG_PEEK), peer, max_payload)
+            seen = self.sock.recv(PEEK_BYTES, socket.MSG_PEEK)
+            if len(seen) < HEADER_SIZE:
+                return None
+            header = frame.unpack(seen[:HEADER_SIZE], peer, max_payload)
+            whole = HEADER_SIZE + header.nbytes
+            if len(seen) < whole and (whole <= PEEK_BYTES or self._bytes_waiting() < whole):
+                return None
         except (OSError, ValueError, frame.FrameError):
-            return False
-        return waiting >= HEADER_SIZE + header.nbytes
+            return None
+        return header
+
+    def _bytes_waiting(self) -> int:
+        return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
 
 
 def _allocate(nbytes: int) -> np.ndarray:
