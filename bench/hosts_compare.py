@@ -7,8 +7,8 @@ Run as root on one machine (iproute2; OpenMPI with mpi4py, and torch, are option
 
 tools/netns.sh makes the hosts (PREFIX1..PREFIXn, a fresh prefix per run; taken down at the end, also
 after a failure or Ctrl-C). A layout HxK is H hosts with K ranks each. Every column of its table is
-one job per round, each rank bench/hosts_rank.py timing a float32 SUM all_reduce in place with the
-loop shmcoll-bench uses (so the columns differ only in the library):
+one job per round, each rank bench/hosts_rank.py timing a float32 SUM all_reduce (or --collective C)
+with the loop shmcoll-bench uses (so the columns differ only in the library):
 
   shmcoll two-level  shmcoll-run --hostfile F --rsh "ip netns exec" hosts_rank.py shmcoll --transport hier
   shmcoll flat TCP   the same with --transport tcp (a ring over TCP between every pair of ranks)
@@ -48,6 +48,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hosts_rank import TIMED
+
 from shmcoll.bench.adapters import GLOO, OPENMPI
 from shmcoll.bench.inputs import UsageError, parse_float32_sizes
 from shmcoll.bench.peer_jobs import EXIT_TIMEOUT, GRACE_S, child_env, missing_reason, run_command, tail
@@ -56,6 +58,7 @@ from shmcoll.bench.plot import human
 REPO = Path(__file__).resolve().parents[1]
 NETNS = REPO / "tools" / "netns.sh"
 RANK = REPO / "bench" / "hosts_rank.py"
+REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 DEFAULT_SIZES = "8,1K,64K,1M,16M,64M"
 HIER, TCP = "hier", "tcp"
 COLUMNS = {HIER: "shmcoll two-level", TCP: "shmcoll flat TCP", OPENMPI: "OpenMPI", GLOO: "gloo"}
@@ -194,7 +197,7 @@ def job_command(column: str, layout: Layout, hosts: Hosts, out: Path, tmp: Path,
     library = column if column in (OPENMPI, GLOO) else "shmcoll"
     rank = [str(RANK), library, str(out),
             ",".join(map(str, args.sizes)), "--iters", str(args.iters), "--warmup", str(args.warmup),
-            "--max-time", f"{args.max_time:g}", "--timeout", f"{args.timeout:g}"]
+            "--max-time", f"{args.max_time:g}", "--timeout", f"{args.timeout:g}", "--collective", args.collective]
     if column in (HIER, TCP):
         rank += ["--transport", column] + (["--algorithm", algorithm] if algorithm else [])
     if column == OPENMPI:
@@ -299,9 +302,11 @@ def table_rows(cols: dict[str, Column], sizes: list[int]) -> list[dict[str, Any]
     return rows
 
 
-def table(layout: Layout, cols: dict[str, Column], rows: list[dict[str, Any]], rounds: int) -> list[str]:
+def table(layout: Layout, cols: dict[str, Column], rows: list[dict[str, Any]], rounds: int,
+          collective: str = "all_reduce") -> list[str]:
     lines = [f"## {layout.hosts} hosts x {layout.per_host} rank{'s' * (layout.per_host > 1)} ({layout.name}): "
-             f"float32 SUM all_reduce, time per call in us, best of {rounds} round{'s' * (rounds > 1)}", "",
+             f"float32 {'SUM ' * (collective in REDUCTIONS)}{collective}, time per call in us, best of {rounds} "
+             f"round{'s' * (rounds > 1)}", "",
              "| size | " + " | ".join(f"{t} (us)" for t in COLUMNS.values())
              + " | two-level / OpenMPI | two-level / gloo |",
              "|---" * (len(COLUMNS) + 3) + "|"]
@@ -355,6 +360,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                         "on 8 CPUs or more, where 8 ranks do not just queue for the cores)")
     p.add_argument("--sizes", type=sizes_arg, default=sizes_arg(DEFAULT_SIZES), metavar="LIST",
                    help=f"bytes, K/M/G suffixes allowed (default {DEFAULT_SIZES})")
+    p.add_argument("--collective", choices=TIMED, default="all_reduce",
+                   help="what to time (default all_reduce; sizes as shmcoll-bench's: an all_gather's is every "
+                        "rank's output)")
     p.add_argument("--rounds", type=int, default=1, help="run every column R times, alternating; best time (default 1)")
     p.add_argument("--iters", type=int, default=1000, help="timed calls per size at most (default 1000)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls per size first, fewer from 4 MiB (default 20)")
@@ -401,7 +409,7 @@ def main(argv: list[str]) -> int:
     doc["config"]["layouts"] = [lay.name for lay in args.layouts]
     for lay in args.layouts:
         rows = table_rows(cols[lay.name], args.sizes)
-        print("\n" + "\n".join(table(lay, cols[lay.name], rows, args.rounds)), flush=True)
+        print("\n" + "\n".join(table(lay, cols[lay.name], rows, args.rounds, args.collective)), flush=True)
         doc["layouts"][lay.name] = {"hosts": lay.hosts, "ranks_per_host": lay.per_host, "rows": rows,
                                     "columns": {c.name: c.describe() for c in cols[lay.name].values()}}
     print("\n".join(link_lines(link, hosts)), flush=True)

@@ -1,11 +1,11 @@
 """One process of bench/hosts_compare.py, started inside a network-namespace "host".
 
-    hosts_rank.py shmcoll|openmpi|gloo OUT SIZES [--transport T] [--iters K] [--warmup K] [--max-time S]
-                  [--algorithm one-shot|recursive-doubling|ring|halving-doubling]   (shmcoll only)
+    hosts_rank.py shmcoll|openmpi|gloo OUT SIZES [--collective C] [--transport T] [--iters K] [--warmup K]
+                  [--max-time S] [--algorithm one-shot|recursive-doubling|ring|halving-doubling]   (shmcoll only)
     hosts_rank.py recv PORT                  one end of "the link": receive one stream, print its rate
     hosts_rank.py send HOST PORT SECONDS     the other end: send to HOST:PORT for SECONDS
 
-A rank times a float32 SUM all_reduce, in place, at each size with shmcoll.bench.measure.measure,
+A rank times a float32 SUM all_reduce (or --collective C), at each size with shmcoll.bench.measure.measure,
 the loop shmcoll-bench and its OpenMPI and gloo peers use (warm-up, an iteration count every rank
 agrees on, a barrier, the timed loop; the slowest rank's mean per call), so the columns differ only
 in the library. Rank 0 writes {"library", "transport", "rows"} to OUT. shmcoll joins with
@@ -40,6 +40,8 @@ from shmcoll.config import ONE_SHOT_BYTES_VAR
 WARMUP_BYTES = 64 << 20  # warm-up calls per size: at most this many bytes' worth (at least 2 calls)
 CHUNK = 1 << 20          # one send or receive of the link
 CONNECT_S = 20.0         # the link's ends wait this long for each other
+#: The collectives a rank can time: those of an array, sized as shmcoll-bench sizes them.
+TIMED = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "reduce", "all_to_all", "gather", "scatter")
 NEVER = 1 << 30          # more hosts, or bytes, than any job here has (and SHMCOLL_ONE_SHOT_BYTES's maximum)
 
 
@@ -87,7 +89,7 @@ def forced(name: str) -> Iterator[Forcing]:
 
 def time_sizes(group, args: argparse.Namespace, library: str) -> list[dict]:
     """measure.measure at every size: the rows of shmcoll-bench's JSON form."""
-    spec = Spec(COLLECTIVES["all_reduce"], "f32", "sum", args.iters, args.warmup, False, args.max_time)
+    spec = Spec(COLLECTIVES[args.collective], "f32", "sum", args.iters, args.warmup, False, args.max_time)
     rows = []
     for size in args.sizes:
         warmup = max(2, min(args.warmup, WARMUP_BYTES // size))
@@ -170,6 +172,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         r.add_argument("--warmup", type=int, default=20)
         r.add_argument("--max-time", dest="max_time", type=float, default=0.5)
         r.add_argument("--timeout", type=float, default=300.0, help="gloo's collective timeout (seconds)")
+        r.add_argument("--collective", choices=TIMED, default="all_reduce")
         r.add_argument("--algorithm", choices=sorted(FORCINGS), default=None,
                        help="shmcoll only: cross hosts by this algorithm at every size (default: as select picks)")
     r = sub.add_parser("recv")

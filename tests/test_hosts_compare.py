@@ -39,6 +39,10 @@ GBPS = r"(\d+\.\d\d) GB/s"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    return _run(tmp_path_factory, ARGS)
+
+
+def _run(tmp_path_factory, args: list[str]):
     """The script's stdout and its JSON document; SIGTERM past the bound, so it still takes its hosts down."""
     reason = netns_unavailable()
     if reason is not None:
@@ -46,7 +50,7 @@ def run(tmp_path_factory):
             pytest.fail(f"SHMCOLL_REQUIRE_NETNS=1 but {reason}")
         pytest.skip(reason)
     path = tmp_path_factory.mktemp("hosts") / "out.json"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *ARGS, "--json", str(path)], cwd=REPO, text=True,
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args, "--json", str(path)], cwd=REPO, text=True,
                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=RUN_HANG_S)
@@ -95,3 +99,14 @@ def test_the_link_is_measured_and_the_hosts_are_gone(run):
     assert [both.group(1), both.group(2)] == [f"{x['gbps']:.2f}" for x in link["both"]]
     prefix = one.group(1)[:-1]
     assert one.group(2) == prefix + "2" and leftovers(prefix) == []
+
+
+def test_another_collective_is_timed_under_its_own_name(tmp_path_factory):
+    """--collective broadcast: the ranks time broadcasts (the table and the JSON say so), each
+    shmcoll column with a time."""
+    args = [*ARGS[:2], "--sizes", "64K", *ARGS[4:], "--collective", "broadcast"]
+    out, doc = _run(tmp_path_factory, args)
+    assert "## 2 hosts x 1 rank (2x1): float32 broadcast, time per call in us" in out, out
+    assert doc["config"]["collective"] == "broadcast"
+    row = doc["layouts"]["2x1"]["rows"][0]
+    assert row["size"] == 65536 and row["hier"] > 0 and row["tcp"] > 0, row
