@@ -268,6 +268,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("measure", help="time every algorithm over namespace hosts (root)")
+    m.set_defaults(collective="all_reduce")  # what hosts_compare.job_command has every rank time
     m.add_argument("--out", required=True, help="the JSON of points to write")
     m.add_argument("--layout", dest="layouts", type=layouts_arg, default=layouts_arg(DEFAULT_LAYOUTS), metavar="LIST")
     m.add_argument("--sizes", type=sizes_arg, default=sizes_arg(DEFAULT_SIZES), metavar="LIST")

@@ -22,7 +22,7 @@ from bounds import WAIT_HANG_S
 from harness import load_bench_script, run_ranks
 
 hosts_rank = load_bench_script("hosts_rank")
-load_bench_script("hosts_compare")
+hosts_compare = load_bench_script("hosts_compare")
 cost_terms = load_bench_script("cost_terms")
 cost_model = load_bench_script("cost_model")
 Steps, Machine, Point = cost_terms.Steps, cost_terms.Machine, cost_terms.Point
@@ -221,6 +221,18 @@ def test_unforced_jobs_run_what_select_picks(monkeypatch):
     for rank, out in enumerate(results):
         assert out[16] == expected_sent("recursive-doubling", rank, 4, 16)
         assert out[1 << 20] == expected_sent("halving-doubling", rank, 4, 1 << 20)
+
+
+def test_measure_jobs_time_all_reduce_by_the_forced_algorithm(tmp_path, monkeypatch):
+    """`measure`'s options build hosts_compare's job line: every rank times all_reduce, forced."""
+    monkeypatch.setattr(cost_model.os, "geteuid", lambda: 0)  # measure's own check: root and `ip`
+    monkeypatch.setattr(cost_model.shutil, "which", lambda name: f"/sbin/{name}")
+    args = cost_model.parse_args(["measure", "--out", str(tmp_path / "points.json")])
+    hosts = hosts_compare.Hosts(prefix="h", subnet="10.9.9", count=2)
+    cmd = hosts_compare.job_command(hosts_compare.HIER, hosts_compare.Layout(2, 1), hosts, tmp_path / "out.json",
+                                    tmp_path, args, "ring")
+    flags = dict(zip(cmd, cmd[1:]))
+    assert (flags["--collective"], flags["--algorithm"], flags["--transport"]) == ("all_reduce", "ring", "hier")
 
 
 def test_fit_reads_measure_json_and_writes_the_parameters(tmp_path, capsys):
