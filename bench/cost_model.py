@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -127,14 +127,9 @@ def error_table(m: Machine, points: list[Point], cores: int | None) -> tuple[lis
         over += bool(flag)
         lines.append(f"| {p.hosts}x{p.per_host} | {p.algorithm} | {human(p.size)} | {p.seconds * 1e6:.1f} "
                      f"| {pred * 1e6:.1f} | {err:+.0%}{flag} |")
-    typical = median([abs(relative_error(predict(m, p, cores), p.seconds)) for p in points])
+    typical = statistics.median([abs(relative_error(predict(m, p, cores), p.seconds)) for p in points])
     lines += ["", f"{over} of {len(points)} points over {TOLERANCE:.0%}; median |error| {typical:.0%}", ""]
     return lines, over
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return (s[len(s) // 2] + s[(len(s) - 1) // 2]) / 2 if s else math.nan
 
 
 def predicted(m: Machine, hosts: int, per_host: int, size: int) -> dict[str, float]:
