@@ -157,8 +157,8 @@ def _build_transport(cfg: Config, client: RendezvousStore, deadline: float) -> T
         mine = [cfg.host_id, os.getpid(), release(), kernel_id()]
         published = _gather(cfg, client, "host", json.dumps(mine), deadline)
         _check_same_release(published)
-        hosts, pids = _hosts_and_pids(published)
-        sharing = _sharing_cores(cfg, published, hosts)
+        hosts, pids, kernels = _hosts_pids_kernels(published)
+        sharing = _sharing_cores(cfg, hosts, kernels)
         if _use_shm(choice, hosts):
             return _shm_transport(cfg, client, hosts, pids, deadline, sharing)
         if choice in ("auto", "hier"):
@@ -209,19 +209,20 @@ def _check_same_release(published: dict[int, str]) -> None:
                                  f"same version on every host")
 
 
-def _hosts_and_pids(published: dict[int, str]) -> tuple[dict[int, str], dict[int, int]]:
-    """Each rank's host id and process id, as published: [host id, pid, release, kernel id]."""
-    pairs = {r: json.loads(v) for r, v in published.items()}
-    return {r: str(p[0]) for r, p in pairs.items()}, {r: int(p[1]) for r, p in pairs.items()}
+def _hosts_pids_kernels(published: dict[int, str]) -> tuple[dict[int, str], dict[int, int], dict[int, str]]:
+    """Each rank's host id, process id and kernel id, as published: [host id, pid, release, kernel id]."""
+    fields = {r: json.loads(v) for r, v in published.items()}
+    return ({r: str(f[0]) for r, f in fields.items()}, {r: int(f[1]) for r, f in fields.items()},
+            {r: str(f[3]) for r, f in fields.items()})
 
 
-def _sharing_cores(cfg: Config, published: dict[int, str], hosts: dict[int, str]) -> int:
+def _sharing_cores(cfg: Config, hosts: dict[int, str], kernels: dict[int, str]) -> int:
     """How many ranks of the job run on this rank's machine (its kernel), which the spin policy
     weighs against the cores (config.spin_seconds): the ranks of its host, and more where several
     "hosts" share one kernel (network namespaces, containers), or none says which kernel it is on."""
     here = sum(1 for h in hosts.values() if h == cfg.host_id)
-    kernel = json.loads(published[cfg.rank])[3]
-    return max(here, sum(1 for v in published.values() if json.loads(v)[3] == kernel)) if kernel else here
+    kernel = kernels[cfg.rank]
+    return max(here, sum(1 for k in kernels.values() if k == kernel)) if kernel else here
 
 
 def _use_shm(choice: str, hosts: dict[int, str]) -> bool:
