@@ -326,8 +326,9 @@ class ShmcollProcessGroup(dist.ProcessGroup):
         its backend to read optional traits off it (from torch 2.14, batch_isend_irecv asks whether
         it "supports_coalescing", which we do not, unguarded); a C++ group answers from its backends
         and raises for an unknown device, as this does."""
-        if torch.device(device).type != "cpu":
-            raise RuntimeError(f"No backend type associated with device type {torch.device(device).type}")
+        kind = torch.device(device).type
+        if kind != "cpu":
+            raise RuntimeError(f"No backend type associated with device type {kind}")
         return self
 
     def shutdown(self) -> None:
