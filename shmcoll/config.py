@@ -175,9 +175,9 @@ def one_shot_bytes_for(tuning: Tuning, hosts: int) -> int:
     return ONE_SHOT_BYTES_ACROSS_HOSTS if hosts > 1 else ONE_SHOT_BYTES_ONE_HOST
 
 
-#: How long a wait for a TCP peer's frame reads the socket itself before it sleeps (transport/tcp.py),
-#: where each rank has a core of its own; where ranks outnumber cores it sleeps at once, since a
-#: spinning reader there only takes the core from the rank it waits for.
+#: How long a wait for a TCP peer's frame polls the socket before it sleeps in poll on it
+#: (transport/tcp.py), where each rank has a core of its own; where ranks outnumber cores it sleeps
+#: at once, since a spinning reader there only takes the core from the rank it waits for.
 TCP_SPIN_US_OWN_CORE = 200
 
 

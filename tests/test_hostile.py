@@ -894,6 +894,57 @@ def test_a_waiting_caller_reads_whole_frames_and_leaves_partial_ones_to_the_read
         b.close()
 
 
+def test_a_caller_past_its_spin_sleeps_on_the_socket_and_reads_the_frame_itself(monkeypatch):
+    """With no spin at all (ranks outnumber cores), a waiting caller still reads its peer's socket
+    itself: asleep in poll on it, the reader thread kept out, so a frame that comes meanwhile
+    reaches the caller with one wake-up and no hand-off between threads."""
+    monkeypatch.setattr(tcp, "CALLER_SLEEP_SECONDS", WAIT_HANG_S)
+    a, b = _tcp_pair()
+    transport = NetTransport(rank=0, world_size=2, socks={1: a}, timeout=WAIT_HANG_S, spin_s=0.0)
+    inbox = transport._inboxes[1]
+    read_by_reader_thread: list[int] = []
+    take_frame = transport._take_frame
+    monkeypatch.setattr(transport, "_take_frame",
+                        lambda peer, box: (read_by_reader_thread.append(peer), take_frame(peer, box)))
+    try:
+        def send_once_the_caller_waits():
+            wait_until(inbox.lock.locked, FAULT_NOTICE_S, "the caller to hold the socket", interval=0.001)
+            b.sendall(_data_frame(5, b"late"))
+        sender = threading.Thread(target=send_once_the_caller_waits)
+        sender.start()
+        t0 = time.monotonic()
+        got = transport.recv(1, 5, time.monotonic() + WAIT_HANG_S).payload.tobytes()
+        sender.join(WAIT_HANG_S)
+        assert got == b"late" and read_by_reader_thread == []
+        assert time.monotonic() - t0 < FAULT_NOTICE_S
+    finally:
+        transport.close()
+        b.close()
+
+
+def test_a_sleeping_caller_hands_the_wait_over_after_its_time(monkeypatch):
+    """Past CALLER_SLEEP_SECONDS (none here) the caller leaves the socket to the reader thread and
+    waits on the mailbox: the frame still arrives, through the reader thread."""
+    monkeypatch.setattr(tcp, "CALLER_SLEEP_SECONDS", 0.0)
+    a, b = _tcp_pair()
+    transport = NetTransport(rank=0, world_size=2, socks={1: a}, timeout=WAIT_HANG_S, spin_s=0.0)
+    read_by_reader_thread: list[int] = []
+    take_frame = transport._take_frame
+    monkeypatch.setattr(transport, "_take_frame",
+                        lambda peer, box: (read_by_reader_thread.append(peer), take_frame(peer, box)))
+    try:
+        received: list[bytes] = []
+        waiter = threading.Thread(target=lambda: received.append(
+            transport.recv(1, 5, time.monotonic() + WAIT_HANG_S).payload.tobytes()))
+        waiter.start()
+        b.sendall(_data_frame(5, b"later"))
+        waiter.join(WAIT_HANG_S)
+        assert received == [b"later"] and read_by_reader_thread == [1]
+    finally:
+        transport.close()
+        b.close()
+
+
 def test_a_waiting_caller_sees_its_peer_leave():
     """The caller reads the goodbye (or the reader thread does): the wait ends as PeerLost, at once."""
     a, b = _tcp_pair()

@@ -5,13 +5,15 @@ deadlock on a peer that is itself sending. Headers are validated (frame.unpack) 
 buffer is allocated; a malformed frame closes that connection and the peer counts as lost.
 Payloads go out with sendmsg straight from the caller's array (no copy) and come in with recv_into.
 
-A caller waiting for a peer's message first reads that peer's socket itself for up to `spin_s`
-(config.tcp_spin_seconds), while its `_Inbox` lock keeps the reader thread out and asleep: a thread
-that sleeps in the kernel and is woken for every frame costs tens of microseconds a wake-up, on
-both sides of every exchange, which is most of a small message's round trip. Python threads cannot
-spin for one another (they would pass the GIL back and forth), so the waiting thread spins alone,
-and only then sleeps. Only frames already whole in the socket are read this way; the rest (large
-ones, a peer stopped mid-send, the connection's end) are the reader thread's, as before.
+A caller waiting for a peer's message reads that peer's socket itself, while its `_Inbox` lock
+keeps the reader thread out and asleep: it polls the socket for up to `spin_s`
+(config.tcp_spin_seconds), then sleeps in poll on it for up to CALLER_SLEEP_SECONDS, and only
+then leaves the wait to the reader thread. A reader thread woken for every frame adds a second
+wake-up and a hand-off of the GIL to each message (tens of microseconds each, hundreds where
+ranks outnumber cores), on both sides of every exchange: most of a small message's round trip.
+Python threads cannot spin for one another (they would pass the GIL back and forth), so the
+waiting thread reads alone. Only frames already whole in the socket are read this way; the rest
+(large ones, a peer stopped mid-send, the connection's end) are the reader thread's.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ _POLL = 0.25  # socket timeout: how often blocked readers and writers look at th
 #: socket to callers (asleep, not woken by what arrives): in a run of collectives the next frame
 #: comes within that, and a caller will be there to read it. A frame nobody asks for waits this long.
 QUIET_SECONDS = 2e-3
+#: Seconds a waiting caller sleeps in poll on its peer's socket, after spinning, before the reader
+#: thread takes over: a round of small collectives answers well within it, and a longer wait only
+#: notices a fault elsewhere (another peer lost, an abort from this host) this much later.
+CALLER_SLEEP_SECONDS = 20e-3
 _GOODBYE_SECONDS = 2.0
 #: Bytes a caller peeks at to find a whole frame: a small frame's header and payload in one look.
 PEEK_BYTES = 4096
@@ -110,10 +116,12 @@ class NetTransport(LinkTransport):
 
     # ---- receiving ----
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
-        if self._spin_s > 0 and src in self._inboxes:
+        if src in self._inboxes:
             msg = self._mailbox.pop(src, tag)
             if msg is None:
-                msg = self._read_while_waiting(src, tag, min(deadline, time.monotonic() + self._spin_s))
+                now = time.monotonic()
+                msg = self._read_while_waiting(src, tag, min(deadline, now + self._spin_s),
+                                               min(deadline, now + CALLER_SLEEP_SECONDS))
             if msg is not None:
                 return msg
         return self._mailbox.take(src, tag, deadline, strict)
@@ -121,28 +129,30 @@ class NetTransport(LinkTransport):
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:
         return self._mailbox.take_any(set(srcs), tag, deadline)
 
-    def _read_while_waiting(self, src: int, tag: int, until: float) -> Message | None:
-        """Read src's frames on this thread until its message with tag came or `until` passed.
-        Only frames that are whole in the socket already: one still arriving (a large one, or a
-        peer stopped mid-send), a malformed one and the connection's end are left to the reader
-        thread, which blocks on them, while this caller waits on the mailbox with its deadline.
-        None when the message did not come here (it comes through the mailbox, or the mailbox
-        says why it cannot)."""
+    def _read_while_waiting(self, src: int, tag: int, spin_until: float, sleep_until: float) -> Message | None:
+        """Read src's frames on this thread until its message with tag came: polling the socket
+        until `spin_until`, then asleep in poll until `sleep_until`. Only frames that are whole in
+        the socket already: one still arriving (a large one, or a peer stopped mid-send), a
+        malformed one and the connection's end are left to the reader thread, which blocks on
+        them, while this caller waits on the mailbox with its deadline. None when the message did
+        not come here (it comes through the mailbox, or the mailbox says why it cannot)."""
         inbox = self._inboxes[src]
         if not inbox.lock.acquire(blocking=False):
             return None  # the reader thread is reading that socket
         inbox.mute_reader(True)
         msg = None
         try:
-            while msg is None and not inbox.finished:
-                if inbox.readable():
-                    header = inbox.whole_frame_waiting(src, self._max_payload)
-                    if header is None:
-                        break
-                    self._take_whole_frame(src, inbox, header)
-                    msg = self._mailbox.pop(src, tag)
-                elif time.monotonic() >= until:
+            while msg is None and not inbox.finished and self._mailbox.aborted is None:
+                now = time.monotonic()
+                if now >= sleep_until:
                     break
+                if not inbox.readable(0.0 if now < spin_until else sleep_until - now):
+                    continue
+                header = inbox.whole_frame_waiting(src, self._max_payload)
+                if header is None:
+                    break
+                self._take_whole_frame(src, inbox, header)
+                msg = self._mailbox.pop(src, tag)
             return msg
         finally:
             inbox.lock.release()
@@ -356,10 +366,11 @@ class _Inbox:
             self._quiet_until = 0.0
         self.mute_reader(False)
 
-    def readable(self) -> bool:
-        """Data (or the connection's end) waits on the socket now (whoever holds the lock)."""
+    def readable(self, wait_s: float = 0.0) -> bool:
+        """Data (or the connection's end) waits on the socket, now or within wait_s seconds
+        (whoever holds the lock: asleep in the kernel meanwhile, the GIL released)."""
         try:
-            return bool(self._holder_looks.poll(0))
+            return bool(self._holder_looks.poll(wait_s * 1e3))
         except (OSError, ValueError):
             return True
 
