@@ -58,7 +58,7 @@ class LeanPath:
         board = transport.board
         self._alone = board is None  # a group of one: nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
-            self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.where, board.spin_ns
+            self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
         self._barrier = self._prepare_call(Collective.BARRIER, U8.code, _NOTHING, ReduceKind.SUM, 0)
 
     @classmethod

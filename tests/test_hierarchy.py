@@ -112,7 +112,9 @@ def test_two_level_crosses_hosts_less_than_flat(layout, n, action, hier_bytes, f
 
 @pytest.mark.multiprocess
 def test_small_all_reduce_goes_through_the_leaders(monkeypatch):
-    """8 bytes over 2+2: only the two leaders talk across hosts, one message each way."""
+    """8 bytes over 2+2: only the two leaders talk across hosts, one message each way. Inside a
+    host the ranks reduce on the board (nothing over the rings) and the leader's one ring message
+    hands the result on."""
     def small(pg):
         x = np.full(2, pg.rank + 1.0, dtype=np.float32)
         pg.all_reduce(x)
@@ -120,6 +122,26 @@ def test_small_all_reduce_goes_through_the_leaders(monkeypatch):
 
     results = _run("halves", 4, "hier", small, monkeypatch)
     assert [sum(out["tcp"]) for out in results] == [8, 0, 8, 0]
+    assert [out["shm"] for out in results] == [[0, 8, 0, 0], [0] * 4, [0, 0, 0, 8], [0] * 4]
+
+
+@pytest.mark.multiprocess
+def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_shot(monkeypatch):
+    """Above a board entry (SHMCOLL_SHM_BOARD_BYTES) but within the one-step size, the ranks of a host
+    swap their arrays over the rings instead: each sends its whole array to its local peer once,
+    and the leader its result once more."""
+    monkeypatch.setenv("SHMCOLL_SHM_BOARD_BYTES", "4096")
+    count = 4096  # 16 KiB of float32
+
+    def small(pg):
+        x = np.full(count, pg.rank + 1.0, dtype=np.float32)
+        pg.all_reduce(x)
+        assert np.all(x == 10.0)
+
+    results = _run("halves", 4, "hier", small, monkeypatch)
+    b = 4 * count
+    assert [sum(out["tcp"]) for out in results] == [b, 0, b, 0]
+    assert [out["shm"] for out in results] == [[0, 2 * b, 0, 0], [b, 0, 0, 0], [0, 0, 0, 2 * b], [0, 0, b, 0]]
 
 
 @pytest.mark.parametrize("ids, hosts, columns", [
@@ -158,6 +180,26 @@ def _disagree(pg, calls):
 def test_hosts_that_disagree_all_raise_mismatch(calls, monkeypatch):
     """Two hosts calling different things: every rank raises CollectiveMismatch, nobody hangs."""
     results = _run_with_timeout("halves", 4, _disagree, calls, monkeypatch)
+    for rank, out in enumerate(results):
+        assert out["kind"] == "CollectiveMismatch", (rank, out["msg"])
+        assert out["call_s"] < MISMATCH_NOTICE_S, (rank, out)
+
+
+def _disagree_inside_hosts(pg, calls):
+    """Even ranks make one call, odd ranks another: over 2+2 hosts each host holds one of each."""
+    return attempt(lambda: calls[pg.rank % 2](pg))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("calls", [
+    (lambda pg: pg.all_reduce(np.ones(4, np.float32)), lambda pg: pg.all_reduce(np.ones(4, np.float64))),
+    (lambda pg: pg.all_reduce(np.ones(2, np.float32)), lambda pg: pg.all_reduce(np.ones(3, np.float32))),
+    (lambda pg: pg.all_reduce(np.ones(2, np.float32)), lambda pg: pg.all_reduce(np.ones(2, np.float32), op="max")),
+], ids=["f32-vs-f64", "2-vs-3-elements", "sum-vs-max"])
+def test_ranks_of_one_host_that_disagree_all_raise_mismatch(calls, monkeypatch):
+    """Small all-reduces that differ inside each host meet on the host's board: every rank raises
+    CollectiveMismatch, nobody hangs."""
+    results = _run_with_timeout("halves", 4, _disagree_inside_hosts, calls, monkeypatch)
     for rank, out in enumerate(results):
         assert out["kind"] == "CollectiveMismatch", (rank, out["msg"])
         assert out["call_s"] < MISMATCH_NOTICE_S, (rank, out)
@@ -346,10 +388,11 @@ def _small_reduce_scatter(pg):
 def test_small_reductions_go_through_the_leaders(action, monkeypatch):
     """8 bytes per rank over 2+2 (<= SHMCOLL_ONE_SHOT_BYTES): reduce and reduce_scatter reuse
     all_reduce's one-step path, so only the leaders 0 and 2 talk across hosts, the whole 8 bytes
-    once each way; the rest stays in shared memory."""
+    once each way; inside each host the ranks meet on the board, and the leader hands the result
+    to its peer over the rings."""
     results = _run("halves", 4, "hier", action, monkeypatch)
     assert [out["tcp"] for out in results] == [[0, 0, 8, 0], [0] * 4, [8, 0, 0, 0], [0] * 4]
-    assert all(sum(out["shm"]) > 0 for out in results)
+    assert [out["shm"] for out in results] == [[0, 8, 0, 0], [0] * 4, [0, 0, 0, 8], [0] * 4]
 
 
 def _subgroup_all_reduce(pg):

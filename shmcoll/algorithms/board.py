@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..transport.shm_board import entry_header
+from ..transport.base import BoardGuard
+from ..transport.shm_board import Board, entry_header
 from ..types import ReduceKind
 from .call import Call
 from .ring import scale_if_avg
@@ -28,13 +29,25 @@ def board_barrier(c: Call) -> None:
     _compiled_step(c, _EMPTY, ReduceKind.SUM)
 
 
-def _compiled_step(c: Call, data: np.ndarray, op: ReduceKind) -> None:
-    """The board's compiled all-reduce (kernels.board_all_reduce) over data, a 1-D storage array;
-    lean.py runs the same step with the same header (entry_header), so ranks may take either path."""
+def host_board_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
+    """data reduced among this host's ranks of a group across hosts, in one step on the host's
+    board (the in-host step of two_level.py's small all-reduce), not divided for AVG."""
+    board = c.t.host_board
+    assert board is not None
+    _compiled_step(c, data, op, board, c.t.host_board_guard(c.tag, c.meta))
+
+
+def _compiled_step(c: Call, data: np.ndarray, op: ReduceKind, board: Board | None = None,
+                   guard: BoardGuard | None = None) -> None:
+    """The board's compiled all-reduce (kernels.board_all_reduce) over data, a 1-D storage array,
+    among the board's ranks (the group's board, unless given another); lean.py runs the same step
+    with the same header (entry_header), so ranks may take either path."""
+    board = c.board if board is None else board
     header = entry_header(c.rank, c.meta, c.code, data)
-    status = c.board.all_reduce_step(c.meta.seq, data, header, c.code, int(op))
+    status = board.all_reduce_step(c.meta.seq, data, header, c.code, int(op))
     if status != kernels.BOARD_DONE:
-        c.board.all_reduce_rest(status, c.meta.seq, data, header, c.code, int(op), c.deadline, c.board_guard(), c.meta)
+        board.all_reduce_rest(status, c.meta.seq, data, header, c.code, int(op), c.deadline,
+                              c.board_guard() if guard is None else guard, c.meta)
 
 
 def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:

@@ -30,7 +30,8 @@ and with many ranks on few cores each step waits for processes to be scheduled; 
 runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD consecutive ranks instead of
 hosts (at 32 ranks: 20 steps, not 62). Inside TWO_LEVEL all-reduce, each slice crosses hosts in
 one step (by recursive doubling among more than ONE_SHOT_MAX_HOSTS hosts), or around a ring (by
-halving and doubling from HALVING_FROM_HOSTS hosts) (`across_hosts`); TWO_LEVEL_ONE_SHOT's leaders
+halving and doubling from HALVING_FROM_HOSTS hosts) (`across_hosts`); TWO_LEVEL_ONE_SHOT reduces
+in each host on the host's board (one-shot where the array outgrows an entry), and its leaders
 choose as a small slice does (`small_across_hosts`). TWO_LEVEL_LEADERS hands a small call's data to
 each host's leader and back, the leaders taking ceil(log2 hosts) steps among them (a doubling
 broadcast, a Bruck all-gather); TWO_LEVEL all-gather takes that form once its total is known
@@ -93,7 +94,7 @@ class Algorithm(enum.Enum):
     DIRECT = "direct"  # direct.py: an agreement step, then each block straight to its destination
     PAIRWISE = "pairwise"  # direct.py: all_to_all's exchange, every rank with every rank
     DEADLINE = "deadline"  # federated.py: rank 0 averages what arrives before the deadline
-    TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level.py: one-shot in each host, among leaders, fan out
+    TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level.py: one step in each host, among leaders, fan out
     TWO_LEVEL_LEADERS = "two-level via leaders"  # two_level.py: to the leader, log2 steps among leaders, back
     TWO_LEVEL = "two-level"  # two_level*.py: inside each host, across hosts, inside again
     NEIGHBOURHOODS = "neighbourhoods"  # two_level.py's all-reduce, over runs of ranks of one host

@@ -20,9 +20,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..transport.shm_board import Board
 from ..transport.topology import Topology
 from ..types import ReduceKind
 from .barrier import dissemination_barrier
+from .board import host_board_all_reduce
 from .broadcast import chain_broadcast
 from .bruck import bruck_all_gather
 from .call import Call, segment_bounds
@@ -59,19 +61,32 @@ _ALL_REDUCE_ACROSS = {Algorithm.ONE_SHOT: one_shot_all_reduce, Algorithm.RING: r
 
 
 def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
-    """Latency first: one-shot in the host, one-shot (or recursive doubling) among host leaders,
-    leader fans out."""
+    """Latency first: one step in the host (on its board, where the array fits, else one-shot),
+    one-shot (or recursive doubling) among host leaders, leader fans out."""
     host = topo.local_ranks(c.rank)
-    one_shot_all_reduce(c, data, summed(op), host)
+    board = _in_host_step(c, host, data, summed(op))
     leader = host[0]
     if c.rank == leader:
         leaders = topo.leaders()
         _ALL_REDUCE_ACROSS[small_across_hosts(len(leaders))](c, data, summed(op), leaders)
+        if board is not None:  # a peer still between board waits would take the frames below for a mismatch
+            board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
         for peer in host[1:]:
             c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
     else:
         c.t.recv_into(leader, c.tag, data, c.code, c.deadline, c.meta)
     scale_if_avg(c, data, op, c.size)
+
+
+def _in_host_step(c: Call, host: tuple[int, ...], data: np.ndarray, op: ReduceKind) -> Board | None:
+    """data reduced among the host's ranks in one step: on the host's board (one compiled step),
+    which it returns, or, for an array larger than a board entry, by one-shot over the rings."""
+    board = c.t.host_board
+    if len(host) > 1 and board is not None and data.nbytes <= board.capacity:
+        host_board_all_reduce(c, data, op)
+        return board
+    one_shot_all_reduce(c, data, op, host)
+    return None
 
 
 def two_level_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:

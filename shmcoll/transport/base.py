@@ -48,6 +48,7 @@ class Transport(ABC):
     world_size: int
     timeout: float  # seconds a group built on this transport gives each call
     board: Board | None = None  # the shared-memory board, where every rank of the group shares one host
+    host_board: Board | None = None  # this host's board, where the group spans hosts (the in-host step)
     topology: Topology | None = None  # which ranks share a host, where the group spans hosts
 
     def tag_of(self, seq: int) -> int:
@@ -81,6 +82,10 @@ class Transport(ABC):
     def board_guard(self, tag: int, want: Meta) -> BoardGuard:
         """The guard a board wait of the call `want` (on `tag`) runs; only transports with a board."""
         raise NotImplementedError(f"the {self.name} transport has no shared-memory board")
+
+    def host_board_guard(self, tag: int, want: Meta) -> BoardGuard:
+        """As board_guard, for waits on host_board; only transports with one."""
+        raise NotImplementedError(f"the {self.name} transport has no board for its host")
 
     @abstractmethod
     def abort(self, reason: AbortReason) -> None:

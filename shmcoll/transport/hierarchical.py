@@ -15,7 +15,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..errors import CollectiveTimeout, PeerLost
-from .base import Transport
+from .base import BoardGuard, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
@@ -36,9 +36,15 @@ class HierarchicalTransport(Transport):
         self.rank, self.world_size, self.timeout = shm.rank, shm.world_size, shm.timeout
         self.shm, self.net, self.topology, self._mailbox = shm, net, topology, mailbox
         self._local = frozenset(topology.local_ranks(self.rank))
+        self.host_board = shm.board
 
     def _route(self, peer: int) -> Transport:
         return self.shm if peer in self._local else self.net
+
+    def host_board_guard(self, tag: int, want: Meta) -> BoardGuard:
+        """This host's board guard: aborts (the shared mailbox has remote ones too), lost peers on
+        either side, and local peers that made another call."""
+        return self.shm.board_guard(tag, want)
 
     def traffic(self) -> dict[str, list[int]]:
         """Payload bytes this rank sent so far to each rank, per path."""

@@ -70,6 +70,11 @@ class Board:
         self.where = np.zeros((max(local_of) + 1, 3), dtype=np.int64)
         for r, local in local_of.items():
             self.where[r] = layout.board_offset(local, 0), layout.board_offset(local, 1), W_DONE + local
+        #: the ranks on this board, in local order, and their rows of `where`: the map of a compiled
+        #: all-reduce among this host's ranks only (the in-host step of a group across hosts; the
+        #: same map as `where` when every rank is local)
+        self.host_ranks = tuple(sorted(local_of, key=local_of.__getitem__))
+        self.host_where = np.ascontiguousarray(self.where[list(self.host_ranks)])
 
     @property
     def capacity(self) -> int:
@@ -77,10 +82,11 @@ class Board:
 
     # ---- the compiled all-reduce ----
     def all_reduce_step(self, seq: int, data: np.ndarray, header: np.ndarray, code: int, op: int) -> int:
-        """The whole all-reduce in one compiled call when no wait outlasts a slice (the usual case):
-        kernels.BOARD_DONE, else the status all_reduce_rest goes on from. data: 1-D storage array,
-        reduced in place; header: our frame header as uint8 (the step fills in the sequence number)."""
-        return kernels.board_all_reduce(self.mem, data, header, self.where, self._rank, seq, code, op, 0,
+        """The whole all-reduce among this board's ranks (host_ranks) in one compiled call when no
+        wait outlasts a slice (the usual case): kernels.BOARD_DONE, else the status all_reduce_rest
+        goes on from. data: 1-D storage array, reduced in place; header: our frame header as uint8
+        (the step fills in the sequence number)."""
+        return kernels.board_all_reduce(self.mem, data, header, self.host_where, self._me, seq, code, op, 0,
                                         self.spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
 
     def all_reduce_rest(self, status: int, seq: int, data: np.ndarray, header: np.ndarray, code: int, op: int,
@@ -90,11 +96,11 @@ class Board:
         position, failure = 0, None
         while status != kernels.BOARD_DONE:
             if status < 0:
-                self._all_reduce_mismatch(-2 - status, seq, data, want)
+                self._all_reduce_mismatch(self.host_ranks[-2 - status], seq, data, want)
             if failure is not None and status == position:
                 raise failure  # a failure seen after the awaited entry came (a peer that published, then left) is none
             position, failure = status, None
-            src = self._rank if position == 0 else position - 1
+            src = self._rank if position == 0 else self.host_ranks[position - 1]
             try:
                 check(src)
             except CollectiveError as exc:
@@ -102,7 +108,7 @@ class Board:
             if failure is None and time.monotonic() > deadline:
                 raise CollectiveTimeout(f"waited for rank {src}'s board entry until the deadline")
             spin, wait = (0, 0) if failure is not None else (0, WAIT_SLICE_NS)
-            status = kernels.board_all_reduce(self.mem, data, header, self.where, self._rank, seq, code, op,
+            status = kernels.board_all_reduce(self.mem, data, header, self.host_where, self._me, seq, code, op,
                                               position, spin, wait, DONE_SLEEPERS)
 
     def _all_reduce_mismatch(self, src: int, seq: int, data: np.ndarray, want: Meta) -> None:
