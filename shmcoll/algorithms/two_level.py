@@ -35,6 +35,8 @@ from .halving import halving_doubling_all_reduce
 from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
 from .select import Algorithm, across_hosts, gather_across_hosts, small_across_hosts
 
+_NOTHING = np.empty(0, dtype=np.uint8)  # what a barrier's steps carry: only the call's description
+
 
 def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int) -> None:
     """Reduce-scatter in the host, all-reduce of each slice across hosts, all-gather in the host.
@@ -172,12 +174,25 @@ def two_level_leaders_broadcast(c: Call, topo: Topology, root: int, data: np.nda
 
 
 def two_level_barrier(c: Call, topo: Topology) -> None:
-    """Host barrier, leaders' barrier, host barrier: nobody leaves before the leaders all met."""
+    """Host barrier, leaders' barrier, host barrier: nobody leaves before the leaders all met. On
+    the host's board the first is one compiled step and the last the leader's word to each of its
+    ranks; without one (TCP only) both are dissemination barriers."""
     host = topo.local_ranks(c.rank)
-    dissemination_barrier(c, host)
+    board = c.t.host_board if len(host) > 1 else None
+    if board is None:
+        dissemination_barrier(c, host)
+        if c.rank == host[0]:
+            dissemination_barrier(c, topo.leaders())
+        dissemination_barrier(c, host)
+        return
+    host_board_all_reduce(c, _NOTHING, ReduceKind.SUM)
     if c.rank == host[0]:
         dissemination_barrier(c, topo.leaders())
-    dissemination_barrier(c, host)
+        board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
+        for peer in host[1:]:
+            c.t.send(peer, c.tag, _NOTHING, c.code, c.meta, c.deadline)
+    else:
+        c.t.recv_into(host[0], c.tag, _NOTHING, c.code, c.deadline, c.meta)
 
 
 def two_level_agree(c: Call, topo: Topology) -> None:
