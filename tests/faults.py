@@ -78,20 +78,22 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
 
     transport = pg.transport
     transport.send = armed(transport.send)
-    if transport.board is not None:  # the board's calls: published in Python, or in one compiled step
-        transport.board.publish = armed(transport.board.publish)
+    board = transport.board or transport.host_board  # across hosts, the in-host steps of small calls
+    if board is not None:  # the board's calls: published in Python, or in one compiled step
+        board.publish = armed(board.publish)
         kernels.board_all_reduce = armed(kernels.board_all_reduce)
 
 
 def peers_inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0) -> bool:
     """Wait (bounded) until each of `peers` is inside collective number `seq` (of `nbytes` of data):
-    over shared memory a small call shows as the peer's board entry; otherwise take the first frame
-    each peer sends in it. Only a rank about to fail or leave may do the latter, since it consumes
-    the frames its own call would have needed."""
+    over shared memory a small call shows as the peer's board entry (across hosts, that of a
+    barrier or small all-reduce, among peers of this host); otherwise take the first frame each
+    peer sends in it. Only a rank about to fail or leave may do the latter, since it consumes the
+    frames its own call would have needed."""
     deadline = time.monotonic() + bound
     tag = shmcoll.TAG_RESERVED_BASE + seq
-    board = pg.transport.board
-    if board is not None and nbytes <= board.capacity:
+    board = pg.transport.board or pg.transport.host_board
+    if board is not None and nbytes <= board.capacity and all(p in board.host_ranks for p in peers):
         try:
             return wait_until(lambda: all(board.published(p, seq) for p in peers), bound,
                               f"ranks {peers} inside collective {seq}", interval=0)  # a poll of shared memory
