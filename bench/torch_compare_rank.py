@@ -259,6 +259,7 @@ def run(spec: dict[str, Any]) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(EXIT_FAILED)  # at once: the other ranks see a lost peer, not a shutdown that waits for them
+    dist.barrier()  # leave together: a gloo rank whose peer tore down its connections first was seen to abort
     dist.destroy_process_group()
     return 0
 
