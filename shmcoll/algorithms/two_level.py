@@ -67,28 +67,41 @@ def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op:
     one-shot (or recursive doubling) among host leaders, leader fans out."""
     host = topo.local_ranks(c.rank)
     board = _in_host_step(c, host, data, summed(op))
-    leader = host[0]
-    if c.rank == leader:
+    if c.rank == host[0]:
         leaders = topo.leaders()
         _ALL_REDUCE_ACROSS[small_across_hosts(len(leaders))](c, data, summed(op), leaders)
-        if board is not None:  # a peer still between board waits would take the frames below for a mismatch
-            board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
-        for peer in host[1:]:
-            c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
-    else:
-        c.t.recv_into(leader, c.tag, data, c.code, c.deadline, c.meta)
+    _from_leader(c, host, board, data)
     scale_if_avg(c, data, op, c.size)
 
 
 def _in_host_step(c: Call, host: tuple[int, ...], data: np.ndarray, op: ReduceKind) -> Board | None:
     """data reduced among the host's ranks in one step: on the host's board (one compiled step),
     which it returns, or, for an array larger than a board entry, by one-shot over the rings."""
-    board = c.t.host_board
-    if len(host) > 1 and board is not None and data.nbytes <= board.capacity:
+    board = _host_board(c, host)
+    if board is not None and data.nbytes <= board.capacity:
         host_board_all_reduce(c, data, op)
         return board
     one_shot_all_reduce(c, data, op, host)
     return None
+
+
+def _host_board(c: Call, host: tuple[int, ...]) -> Board | None:
+    """The board this host's ranks can meet on in one step: none for a rank alone on its host, or
+    without shared memory (TCP only)."""
+    return c.t.host_board if len(host) > 1 else None
+
+
+def _from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray) -> None:
+    """The host's leader hands data to the host's other ranks, which receive it. Where the host
+    step ran on `board`, the leader first waits for them to leave it: a rank still between board
+    waits would take these frames for another call's."""
+    if c.rank != host[0]:
+        c.t.recv_into(host[0], c.tag, data, c.code, c.deadline, c.meta)
+        return
+    if board is not None:
+        board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
+    for peer in host[1:]:
+        c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
 
 
 def two_level_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:
@@ -178,7 +191,7 @@ def two_level_barrier(c: Call, topo: Topology) -> None:
     the host's board the first is one compiled step and the last the leader's word to each of its
     ranks; without one (TCP only) both are dissemination barriers."""
     host = topo.local_ranks(c.rank)
-    board = c.t.host_board if len(host) > 1 else None
+    board = _host_board(c, host)
     if board is None:
         dissemination_barrier(c, host)
         if c.rank == host[0]:
@@ -188,11 +201,7 @@ def two_level_barrier(c: Call, topo: Topology) -> None:
     host_board_all_reduce(c, _NOTHING, ReduceKind.SUM)
     if c.rank == host[0]:
         dissemination_barrier(c, topo.leaders())
-        board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
-        for peer in host[1:]:
-            c.t.send(peer, c.tag, _NOTHING, c.code, c.meta, c.deadline)
-    else:
-        c.t.recv_into(host[0], c.tag, _NOTHING, c.code, c.deadline, c.meta)
+    _from_leader(c, host, board, _NOTHING)
 
 
 def two_level_agree(c: Call, topo: Topology) -> None:
