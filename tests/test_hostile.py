@@ -894,6 +894,17 @@ def test_a_waiting_caller_reads_whole_frames_and_leaves_partial_ones_to_the_read
         b.close()
 
 
+def _send_once_the_caller_reads(inbox, sock: socket.socket, data: bytes) -> threading.Thread:
+    """Send `data` from a thread once a caller holds `inbox` (polling it, the reader thread kept
+    out), so that the caller, not the reader thread, is the one that reads it."""
+    def send():
+        wait_until(inbox.lock.locked, FAULT_NOTICE_S, "the caller to hold the socket", interval=0.001)
+        sock.sendall(data)
+    sender = threading.Thread(target=send)
+    sender.start()
+    return sender
+
+
 def test_a_caller_past_its_spin_sleeps_on_the_socket_and_reads_the_frame_itself(monkeypatch):
     """With no spin at all (ranks outnumber cores), a waiting caller still reads its peer's socket
     itself: asleep in poll on it, the reader thread kept out, so a frame that comes meanwhile
@@ -907,11 +918,7 @@ def test_a_caller_past_its_spin_sleeps_on_the_socket_and_reads_the_frame_itself(
     monkeypatch.setattr(transport, "_take_frame",
                         lambda peer, box: (read_by_reader_thread.append(peer), take_frame(peer, box)))
     try:
-        def send_once_the_caller_waits():
-            wait_until(inbox.lock.locked, FAULT_NOTICE_S, "the caller to hold the socket", interval=0.001)
-            b.sendall(_data_frame(5, b"late"))
-        sender = threading.Thread(target=send_once_the_caller_waits)
-        sender.start()
+        sender = _send_once_the_caller_reads(inbox, b, _data_frame(5, b"late"))
         t0 = time.monotonic()
         got = transport.recv(1, 5, time.monotonic() + WAIT_HANG_S).payload.tobytes()
         sender.join(WAIT_HANG_S)
@@ -972,8 +979,9 @@ def test_a_frame_nobody_waits_for_arrives_after_the_callers_quiet_time(monkeypat
                              mailbox=mailbox)
     inbox = transport._inboxes[1]
     try:
-        b.sendall(_data_frame(5, b"found"))
+        sender = _send_once_the_caller_reads(inbox, b, _data_frame(5, b"found"))
         assert transport.recv(1, 5, time.monotonic() + WAIT_HANG_S).payload.tobytes() == b"found"
+        sender.join(WAIT_HANG_S)
         b.sendall(frame.pack(frame.HEARTBEAT, 1, 0, frame.Meta(), 0, (), 0))  # read by the reader thread...
         wait_until(lambda: inbox._napping, FAULT_NOTICE_S, "the reader thread to nap", interval=0.001)  # ...asleep
         b.sendall(_data_frame(5, b"again"))
