@@ -16,6 +16,7 @@ Reduce-scatter and reduce are in two_level_reduce.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -57,9 +58,11 @@ def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], 
     _ALL_REDUCE_ACROSS[across_hosts(piece.nbytes, one_shot_bytes, len(ranks))](c, piece, op, ranks)
 
 
-_ALL_REDUCE_ACROSS = {Algorithm.ONE_SHOT: one_shot_all_reduce, Algorithm.RING: ring_all_reduce,
-                      Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce,
-                      Algorithm.HALVING_DOUBLING: halving_doubling_all_reduce}
+AcrossHosts = Callable[[Call, np.ndarray, ReduceKind, Sequence[int]], None]
+_ALL_REDUCE_ACROSS: dict[Algorithm, AcrossHosts] = {
+    Algorithm.ONE_SHOT: one_shot_all_reduce, Algorithm.RING: ring_all_reduce,
+    Algorithm.RECURSIVE_DOUBLING: recursive_doubling_all_reduce,
+    Algorithm.HALVING_DOUBLING: halving_doubling_all_reduce}
 
 
 def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
@@ -69,9 +72,14 @@ def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op:
     board = _in_host_step(c, host, data, summed(op))
     if c.rank == host[0]:
         leaders = topo.leaders()
-        _ALL_REDUCE_ACROSS[small_across_hosts(len(leaders))](c, data, summed(op), leaders)
-    _from_leader(c, host, board, data)
+        leaders_all_reduce(len(leaders))(c, data, summed(op), leaders)
+    from_leader(c, host, board, data)
     scale_if_avg(c, data, op, c.size)
+
+
+def leaders_all_reduce(hosts: int) -> AcrossHosts:
+    """The small all-reduce's step among the hosts' leaders (one per host): f(c, data, op, leaders)."""
+    return _ALL_REDUCE_ACROSS[small_across_hosts(hosts)]
 
 
 def _in_host_step(c: Call, host: tuple[int, ...], data: np.ndarray, op: ReduceKind) -> Board | None:
@@ -91,7 +99,7 @@ def _host_board(c: Call, host: tuple[int, ...]) -> Board | None:
     return c.t.host_board if len(host) > 1 else None
 
 
-def _from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray) -> None:
+def from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray) -> None:
     """The host's leader hands data to the host's other ranks, which receive it. Where the host
     step ran on `board`, the leader first waits for them to leave it: a rank still between board
     waits would take these frames for another call's."""
@@ -201,7 +209,7 @@ def two_level_barrier(c: Call, topo: Topology) -> None:
     host_board_all_reduce(c, _NOTHING, ReduceKind.SUM)
     if c.rank == host[0]:
         dissemination_barrier(c, topo.leaders())
-    _from_leader(c, host, board, _NOTHING)
+    from_leader(c, host, board, _NOTHING)
 
 
 def two_level_agree(c: Call, topo: Topology) -> None:
