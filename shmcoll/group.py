@@ -40,7 +40,7 @@ class ProcessGroup:
         tuning = tuning or Tuning()
         self._runner = Runner(transport, tuning, list(on_close or []))
         self._where = plans.Where.of(transport, tuning)
-        self._lean = LeanPath.for_group(self._runner, transport, self._where.setting)
+        self._lean = LeanPath.for_group(self._runner, transport, self._where)
 
     # ---- identity ----
     @property

@@ -9,6 +9,10 @@ element count, op) and kept. A call then takes a sequence number and runs the bo
 (kernels.board_all_reduce; a barrier is an all-reduce of nothing); only a wait that outlasts a
 slice comes back to Python for the failure checks.
 
+A group across hosts (LeanAcrossHosts) runs its small all-reduce and barrier the same way as far as
+the host's board goes: what is worked out once is the call's description, its board header and the
+leaders' algorithm; the steps across hosts and back are two_level.py's own.
+
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
 general path: validate.py, plans.py, runner.py. Errors are the same on both paths: the failure
@@ -23,12 +27,18 @@ from typing import NamedTuple
 import numpy as np
 
 from . import kernels
+from .algorithms import two_level
+from .algorithms.barrier import dissemination_barrier
+from .algorithms.call import Call
+from .algorithms.ring import summed
 from .algorithms.select import Algorithm, Setting, select
 from .errors import InvalidArgument
+from .plans import Where
 from .runner import Runner
 from .transport.base import Transport
 from .transport.frame import Meta
-from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS, entry_header
+from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS, Board, entry_header
+from .transport.topology import Topology
 from .types import U8, Collective, ReduceKind
 from .validate import reducible_wire
 
@@ -52,22 +62,26 @@ class _Prepared(NamedTuple):
 class LeanPath:
     """The common small calls of one group (ProcessGroup.all_reduce and barrier try it first)."""
 
-    def __init__(self, runner: Runner, transport: Transport, setting: Setting):
+    def __init__(self, runner: Runner, transport: Transport, setting: Setting, board: Board | None):
+        """board: the board the call's step runs on (None: a group of one, nothing to exchange)."""
         self._runner, self._t, self._setting = runner, transport, setting
         self._prepared: dict[tuple, _Prepared | None] = {}
-        board = transport.board
-        self._alone = board is None  # a group of one: nothing to exchange
+        self._alone = board is None
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
         self._barrier = self._prepare_call(Collective.BARRIER, U8.code, _NOTHING, ReduceKind.SUM, 0)
 
     @classmethod
-    def for_group(cls, runner: Runner, transport: Transport, setting: Setting) -> LeanPath | None:
-        """One for a group alone or whose every rank shares this host's board, else None."""
-        board = transport.board
+    def for_group(cls, runner: Runner, transport: Transport, where: Where) -> LeanPath | None:
+        """One for a group alone, whose every rank shares this host's board, or that spans hosts
+        where this rank is alone on its host or shares a board with the others there; else None."""
+        board, setting, topology = transport.board, where.setting, where.topology
         if transport.world_size == 1 or (board is not None and setting.hosts == 1
                                          and len(board.where) == transport.world_size):
-            return cls(runner, transport, setting)
+            return cls(runner, transport, setting, board)
+        if topology is not None and (transport.host_board is not None
+                                     or len(topology.local_ranks(transport.rank)) == 1):
+            return LeanAcrossHosts(runner, transport, setting, topology)
         return None
 
     def all_reduce(self, data, op) -> bool:
@@ -102,10 +116,14 @@ class LeanPath:
             wire, kind = reducible_wire(data, op, "data")
         except InvalidArgument:
             return None
-        if not self._alone and select(Collective.ALL_REDUCE, data.nbytes, self._setting) != Algorithm.BOARD:
+        if not self._runs(data):
             return None
         return self._prepare_call(Collective.ALL_REDUCE, wire.code, data.reshape(-1).view(wire.storage), kind,
                                   data.size)
+
+    def _runs(self, data: np.ndarray) -> bool:
+        """Whether calls like this one take this path's algorithm (in a group of one, anything goes)."""
+        return self._alone or select(Collective.ALL_REDUCE, data.nbytes, self._setting) == Algorithm.BOARD
 
     def _prepare_call(self, coll: Collective, code: int, flat: np.ndarray, kind: ReduceKind,
                       elements: int) -> _Prepared:
@@ -147,3 +165,48 @@ class LeanPath:
         meta = p.meta._replace(seq=seq)
         guard = self._t.board_guard(self._t.tag_of(seq), meta)
         self._board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, start + self._t.timeout, guard, meta)
+
+
+class LeanAcrossHosts(LeanPath):
+    """The same calls in a group that spans hosts (two_level.py's small all-reduce and barrier):
+    the step on this host's board runs from the prepared header as above, then the leaders'
+    exchange and the leader's hand-on are two_level.py's own, so ranks may take either path."""
+
+    def __init__(self, runner: Runner, transport: Transport, setting: Setting, topology: Topology):
+        self._host = topology.local_ranks(transport.rank)
+        self._leaders = topology.leaders()
+        self._is_leader = transport.rank == self._host[0]
+        self._reduce_across = two_level.leaders_all_reduce(len(self._leaders))
+        self._host_board = transport.host_board if len(self._host) > 1 else None  # two_level._host_board
+        super().__init__(runner, transport, setting, self._host_board)
+
+    def _runs(self, data: np.ndarray) -> bool:
+        """The small two-level all-reduce, its host's step on the board (two_level._in_host_step: where
+        the array fits) or none (this rank alone on its host)."""
+        board = self._host_board
+        return (select(Collective.ALL_REDUCE, data.nbytes, self._setting) == Algorithm.TWO_LEVEL_ONE_SHOT
+                and (board is None or data.nbytes <= board.capacity))
+
+    def _step(self, flat: np.ndarray, p: _Prepared, seq: int) -> None:
+        start = time.monotonic()
+        c = Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code, start + self._t.timeout)
+        try:
+            if self._host_board is not None:
+                status = self._host_board.all_reduce_step(seq, flat, p.header, p.code, p.op)
+                if status != kernels.BOARD_DONE:
+                    self._host_board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, c.deadline,
+                                                     self._t.host_board_guard(c.tag, c.meta), c.meta)
+            if self._is_leader:
+                if p.meta.coll == Collective.BARRIER:
+                    dissemination_barrier(c, self._leaders)
+                else:
+                    self._reduce_across(c, flat, summed(ReduceKind(p.op)), self._leaders)
+            two_level.from_leader(c, self._host, self._host_board, flat)
+            if p.average:
+                kernels.scale_into(flat, p.code, self._t.world_size)
+        except BaseException as exc:
+            self._runner.failed(exc, c.meta, start)
+        end = time.monotonic()
+        if end > c.deadline:
+            self._runner.late(c.meta, start)
+        self._runner.recorder.completed(p.meta, end - start, seq)

@@ -125,6 +125,48 @@ def test_small_all_reduce_goes_through_the_leaders(monkeypatch):
     assert [out["shm"] for out in results] == [[0, 8, 0, 0], [0] * 4, [0, 0, 0, 8], [0] * 4]
 
 
+SMALL_CALLS = [(np.float32, shmcoll.ReduceKind.SUM), (np.float16, shmcoll.ReduceKind.AVG),
+               (np.int64, shmcoll.ReduceKind.MAX), (np.float64, shmcoll.ReduceKind.PROD)]
+
+
+def _small_calls_by_either_path(pg, lean_parity: int):
+    """The small all-reduces and barriers of SMALL_CALLS, on the lean path (lean.py) on ranks of
+    one parity and on the general one (plans, runner) on the others: the general path's runs
+    are counted, so the lean ranks show they took none."""
+    if pg.rank % 2 != lean_parity:
+        pg._lean = None
+    general: list[str] = []
+    run = pg._runner.run
+    pg._runner.run = lambda plan: (general.append(plan.coll.label), run(plan))[1]
+    results = []
+    for dtype, op in SMALL_CALLS:
+        x = np.arange(1, 6, dtype=dtype) + pg.rank
+        pg.all_reduce(x, op)
+        pg.barrier()
+        results.append(x.tolist())
+    return {"path": type(pg._lean).__name__, "general": general, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("each", 4)])
+@pytest.mark.parametrize("lean_parity", [0, 1])
+def test_small_calls_across_hosts_agree_whichever_path_each_rank_takes(layout, n, lean_parity, monkeypatch):
+    """Ranks of a group across hosts take the lean path for a small all-reduce and a barrier
+    (LeanAcrossHosts) unless something sends them down the general one; the two send the same
+    frames, so ranks on either path, leaders or not, meet and get the same results."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _small_calls_by_either_path, lean_parity)
+    inputs = [[np.arange(1, 6, dtype=dtype) + r for r in range(n)] for dtype, _ in SMALL_CALLS]
+    expected = [np.sum(inputs[0], axis=0), np.mean(inputs[1], axis=0, dtype=np.float32).astype(np.float16),
+                np.max(inputs[2], axis=0), np.prod(inputs[3], axis=0)]
+    for rank, out in enumerate(results):
+        lean = rank % 2 == lean_parity
+        assert out["path"] == ("LeanAcrossHosts" if lean else "NoneType")
+        assert out["general"] == ([] if lean else ["all_reduce", "barrier"] * len(SMALL_CALLS))
+        assert out["results"] == [e.tolist() for e in expected], rank
+
+
 @pytest.mark.multiprocess
 def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_shot(monkeypatch):
     """Above a board entry (SHMCOLL_SHM_BOARD_BYTES) but within the one-step size, the ranks of a host
