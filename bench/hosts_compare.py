@@ -51,6 +51,8 @@ from typing import Any
 from hosts_rank import TIMED
 
 from shmcoll.bench.adapters import GLOO, OPENMPI
+from shmcoll.bench.collectives import COLLECTIVES
+from shmcoll.bench.descriptor import Sizing
 from shmcoll.bench.inputs import UsageError, parse_float32_sizes
 from shmcoll.bench.peer_jobs import EXIT_TIMEOUT, GRACE_S, child_env, missing_reason, run_command, tail
 from shmcoll.bench.plot import human
@@ -302,10 +304,17 @@ def table_rows(cols: dict[str, Column], sizes: list[int]) -> list[dict[str, Any]
     return rows
 
 
+def call_title(collective: str) -> str:
+    """The timed call as the table's title names it: float32 SUM all_reduce, float32 broadcast, barrier."""
+    if COLLECTIVES[collective].sizing is Sizing.NOTHING:
+        return collective
+    return f"float32 {'SUM ' * (collective in REDUCTIONS)}{collective}"
+
+
 def table(layout: Layout, cols: dict[str, Column], rows: list[dict[str, Any]], rounds: int,
           collective: str = "all_reduce") -> list[str]:
     lines = [f"## {layout.hosts} hosts x {layout.per_host} rank{'s' * (layout.per_host > 1)} ({layout.name}): "
-             f"float32 {'SUM ' * (collective in REDUCTIONS)}{collective}, time per call in us, best of {rounds} "
+             f"{call_title(collective)}, time per call in us, best of {rounds} "
              f"round{'s' * (rounds > 1)}", "",
              "| size | " + " | ".join(f"{t} (us)" for t in COLUMNS.values())
              + " | two-level / OpenMPI | two-level / gloo |",
@@ -362,7 +371,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"bytes, K/M/G suffixes allowed (default {DEFAULT_SIZES})")
     p.add_argument("--collective", choices=TIMED, default="all_reduce",
                    help="what to time (default all_reduce; sizes as shmcoll-bench's: an all_gather's is every "
-                        "rank's output)")
+                        "rank's output; a barrier has one row, of size 0)")
     p.add_argument("--rounds", type=int, default=1, help="run every column R times, alternating; best time (default 1)")
     p.add_argument("--iters", type=int, default=1000, help="timed calls per size at most (default 1000)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls per size first, fewer from 4 MiB (default 20)")
@@ -378,6 +387,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             or args.link_seconds <= 0 or args.timeout <= 0:
         p.error("need a layout, --rounds >= 1, --iters >= 1, --warmup >= 0, --max-time >= 0, "
                 "--link-seconds > 0 and --timeout > 0")
+    if COLLECTIVES[args.collective].sizing is Sizing.NOTHING:
+        args.sizes = [0]  # a barrier: one row, whatever --sizes says
     if os.geteuid() != 0 or shutil.which("ip") is None:
         p.error("needs root and iproute2 (the 'ip' command): the hosts are network namespaces")
     return args

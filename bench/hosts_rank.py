@@ -40,8 +40,10 @@ from shmcoll.config import ONE_SHOT_BYTES_VAR
 WARMUP_BYTES = 64 << 20  # warm-up calls per size: at most this many bytes' worth (at least 2 calls)
 CHUNK = 1 << 20          # one send or receive of the link
 CONNECT_S = 20.0         # the link's ends wait this long for each other
-#: The collectives a rank can time: those of an array, sized as shmcoll-bench sizes them.
-TIMED = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "reduce", "all_to_all", "gather", "scatter")
+#: The collectives a rank can time: those of an array, sized as shmcoll-bench sizes them, and the
+#: barrier (one row of size 0).
+TIMED = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "reduce", "all_to_all", "gather", "scatter",
+         "barrier")
 NEVER = 1 << 30          # more hosts, or bytes, than any job here has (and SHMCOLL_ONE_SHOT_BYTES's maximum)
 
 
@@ -92,7 +94,7 @@ def time_sizes(group, args: argparse.Namespace, library: str) -> list[dict]:
     spec = Spec(COLLECTIVES[args.collective], "f32", "sum", args.iters, args.warmup, False, args.max_time)
     rows = []
     for size in args.sizes:
-        warmup = max(2, min(args.warmup, WARMUP_BYTES // size))
+        warmup = max(2, min(args.warmup, WARMUP_BYTES // max(1, size)))
         row = measure(group, dataclasses.replace(spec, warmup=warmup), np.dtype(np.float32), size, library)
         rows.append(row.to_json(warmup=warmup))
     return rows

@@ -101,12 +101,14 @@ def test_the_link_is_measured_and_the_hosts_are_gone(run):
     assert one.group(2) == prefix + "2" and leftovers(prefix) == []
 
 
-def test_another_collective_is_timed_under_its_own_name(tmp_path_factory):
-    """--collective broadcast: the ranks time broadcasts (the table and the JSON say so), each
-    shmcoll column with a time."""
-    args = [*ARGS[:2], "--sizes", "64K", *ARGS[4:], "--collective", "broadcast"]
+@pytest.mark.parametrize("collective, sizes, timed", [("broadcast", "64K", 65536), ("barrier", "8,64K", 0)])
+def test_another_collective_is_timed_under_its_own_name(collective, sizes, timed, tmp_path_factory):
+    """--collective broadcast or barrier: the ranks time that call (the table and the JSON say so),
+    each shmcoll column with a time; a barrier in one row of size 0, whatever --sizes says."""
+    args = [*ARGS[:2], "--sizes", sizes, *ARGS[4:], "--collective", collective]
     out, doc = _run(tmp_path_factory, args)
-    assert "## 2 hosts x 1 rank (2x1): float32 broadcast, time per call in us" in out, out
-    assert doc["config"]["collective"] == "broadcast"
-    row = doc["layouts"]["2x1"]["rows"][0]
-    assert row["size"] == 65536 and row["hier"] > 0 and row["tcp"] > 0, row
+    title = "barrier" if collective == "barrier" else f"float32 {collective}"
+    assert f"## 2 hosts x 1 rank (2x1): {title}, time per call in us" in out, out
+    assert doc["config"]["collective"] == collective
+    rows = doc["layouts"]["2x1"]["rows"]
+    assert len(rows) == 1 and rows[0]["size"] == timed and rows[0]["hier"] > 0 and rows[0]["tcp"] > 0, rows
