@@ -36,6 +36,7 @@ from hosts_rank import FORCINGS, forced
 from shmcoll.algorithms.call import chunk_count
 from shmcoll.algorithms.select import Algorithm, Setting, across_hosts, select, small_across_hosts
 from shmcoll.config import ONE_SHOT_BYTES_ACROSS_HOSTS, Tuning
+from shmcoll.transport.shm_layout import board_bytes_for
 from shmcoll.types import Collective
 
 ITEMSIZE = 4  # float32, as hosts_rank.py times
@@ -132,14 +133,15 @@ def crossing(algorithm: Algorithm, hosts: int, nbytes: int, chunk_bytes: int = C
 
 def all_reduce_steps(phases: Algorithm, across: Algorithm, hosts: int, per_host: int, nbytes: int,
                      cores: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> Steps:
-    """two_level.py's all-reduce: TWO_LEVEL_ONE_SHOT (one-shot in the host, the leaders cross with
+    """two_level.py's all-reduce: TWO_LEVEL_ONE_SHOT (one step in the host, the leaders cross with
     the whole array, the leader hands it to its K-1 ranks) or TWO_LEVEL (ring reduce-scatter in the
     host, K columns cross with a slice each at once, ring all-gather in the host). Each phase is
     scaled by share(ranks busy in it, cores): only the leaders cross in TWO_LEVEL_ONE_SHOT."""
     k, ranks = per_host - 1, hosts * per_host
     everyone = share(ranks, cores)
     if phases is Algorithm.TWO_LEVEL_ONE_SHOT:
-        inside = Steps(calls=1, reduced=k * nbytes, local_messages=k, local_bytes=k * nbytes)
+        inside = Steps(calls=1, reduced=k * nbytes, local_messages=in_host_messages(per_host, nbytes),
+                       local_bytes=k * nbytes)
         fan_out = Steps(local_messages=k, local_bytes=k * nbytes)
         leaders = crossing(across, hosts, nbytes, chunk_bytes).times(share(hosts, cores))
         return (inside + fan_out).times(everyone) + leaders
@@ -150,6 +152,15 @@ def all_reduce_steps(phases: Algorithm, across: Algorithm, hosts: int, per_host:
     ring = Steps(local_messages=k * pieces, local_bytes=k * slice_elems * ITEMSIZE)
     scatter = ring + Steps(calls=1, reduced=k * slice_elems * ITEMSIZE)
     return (scatter + crossing(across, hosts, slice_elems * ITEMSIZE, chunk_bytes) + ring).times(everyone)
+
+
+def in_host_messages(per_host: int, nbytes: int) -> int:
+    """The messages of TWO_LEVEL_ONE_SHOT's step in a host (two_level._in_host_step): one board step
+    (one entry written, the others read) where the array fits a board entry, else a one-shot over
+    the rings (one message to each local peer); none for a rank alone on its host."""
+    if per_host == 1:
+        return 0
+    return 1 if nbytes <= board_bytes_for(per_host) else per_host - 1
 
 
 # ---- which algorithm runs ----

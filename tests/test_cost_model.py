@@ -69,15 +69,29 @@ def test_large_arrays_stream_in_frames_of_chunk_bytes():
 
 
 def test_two_level_adds_the_host_phases():
-    """Two ranks per host: TWO_LEVEL_ONE_SHOT one-shots the whole array in the host and the leader hands
-    it on (2 shared-memory messages of S, one fold); TWO_LEVEL rings half the array in and out of
-    the host and each column crosses with its half."""
+    """Two ranks per host: TWO_LEVEL_ONE_SHOT reduces the whole array in one board step in the host
+    and the leader hands it on (2 shared-memory messages of S, one fold); TWO_LEVEL rings half the
+    array in and out of the host and each column crosses with its half."""
     small = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL_ONE_SHOT, RD, 4, 2, S)
     assert small == cost_terms.crossing(RD, 4, S) + Steps(calls=1, reduced=S, local_messages=2, local_bytes=2 * S)
     large = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S)
     host = Steps(calls=1, reduced=S // 2, local_messages=2, local_bytes=S)
     assert large == cost_terms.crossing(RING, 4, S // 2) + host
     assert cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, HD, 8, 1, S) == cost_terms.crossing(HD, 8, S) + Steps(1)
+
+
+def test_the_host_step_is_one_board_step_where_the_array_fits_an_entry():
+    """4 ranks per host: one board step (one message) up to a board entry (board_bytes_for(4)),
+    above it a one-shot over the rings (3 messages), none for a rank alone on its host."""
+    from shmcoll.transport.shm_layout import board_bytes_for
+
+    entry = board_bytes_for(4)
+    assert cost_terms.in_host_messages(4, 8) == cost_terms.in_host_messages(4, entry) == 1
+    assert cost_terms.in_host_messages(4, entry + 64) == 3
+    assert cost_terms.in_host_messages(1, 8) == 0
+    small = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL_ONE_SHOT, OS, 2, 4, 1024)
+    assert small == cost_terms.crossing(OS, 2, 1024) + Steps(calls=1, reduced=3 * 1024, local_messages=1 + 3,
+                                                             local_bytes=2 * 3 * 1024)
 
 
 def test_ranks_that_share_cores_scale_the_phases_they_are_busy_in():
