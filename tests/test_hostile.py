@@ -929,6 +929,46 @@ def test_a_caller_past_its_spin_sleeps_on_the_socket_and_reads_the_frame_itself(
         b.close()
 
 
+def test_a_message_the_reader_thread_queued_comes_before_a_later_one_still_in_the_socket():
+    """A caller takes what the reader thread already queued for it before it reads its peer's
+    socket itself: messages of one (source, tag) arrive in the order they were sent."""
+    a, b = _tcp_pair()
+    transport = NetTransport(rank=0, world_size=2, socks={1: a}, timeout=WAIT_HANG_S, spin_s=WAIT_HANG_S)
+    inbox = transport._inboxes[1]
+    try:
+        b.sendall(_data_frame(5, b"first"))
+        wait_until(lambda: transport._mailbox.has(1, 5), FAULT_NOTICE_S, "the reader thread to queue it")
+        inbox.mute_reader(True)  # the next frame stays in the socket for the caller
+        b.sendall(_data_frame(5, b"second"))
+        wait_until(lambda: inbox._bytes_waiting() > 0, FAULT_NOTICE_S, "the second frame to arrive")
+        got = [transport.recv(1, 5, time.monotonic() + WAIT_HANG_S).payload.tobytes() for _ in range(2)]
+        assert got == [b"first", b"second"]
+    finally:
+        transport.close()
+        b.close()
+
+
+def test_a_caller_drops_a_retired_frame_it_reads_and_waits_on_for_its_message():
+    """A collective frame older than the mailbox's retired sequence number (a round already over)
+    is dropped by the caller that reads it, as the reader thread drops it; the caller's message is
+    the next one."""
+    a, b = _tcp_pair()
+    transport = NetTransport(rank=0, world_size=2, socks={1: a}, timeout=WAIT_HANG_S, spin_s=WAIT_HANG_S)
+    transport.retire_below(10)
+
+    def collective(seq: int, payload: bytes) -> bytes:
+        return frame.pack(frame.DATA, 1, 5, frame.Meta(seq=seq, coll=1), 8, (len(payload),), len(payload)) + payload
+    try:
+        sender = _send_once_the_caller_reads(transport._inboxes[1], b, collective(3, b"stale") + collective(12, b"now"))
+        msg = transport.recv(1, 5, time.monotonic() + WAIT_HANG_S)
+        sender.join(WAIT_HANG_S)
+        assert (msg.header.meta.seq, msg.payload.tobytes()) == (12, b"now")
+        assert not transport._mailbox.has(1, 5)
+    finally:
+        transport.close()
+        b.close()
+
+
 def test_a_sleeping_caller_hands_the_wait_over_after_its_time(monkeypatch):
     """Past CALLER_SLEEP_SECONDS (none here) the caller leaves the socket to the reader thread and
     waits on the mailbox: the frame still arrives, through the reader thread."""

@@ -63,11 +63,16 @@ class Mailbox:
     def put(self, msg: Message) -> None:
         h = msg.header
         with self._cond:
-            self.last_heard[h.src] = time.monotonic()
-            if h.meta.coll and h.meta.seq < self._retired_below:
+            if not self.accepts(h):
                 return  # e.g. a straggler's vector for a federated round that already ended
             self._queues[(h.src, queue_tag(h))].append(msg)
             self._cond.notify_all()
+
+    def accepts(self, header: Header) -> bool:
+        """A frame a caller read for itself instead of through put: its sender counts as heard from;
+        False when put would drop it (a collective frame retired before it came)."""
+        self.last_heard[header.src] = time.monotonic()
+        return not (header.meta.coll and header.meta.seq < self._retired_below)
 
     def post_to_self(self, header: bytes, buf: np.ndarray) -> None:
         """A send to our own rank: a copy of the array goes straight into the mailbox."""

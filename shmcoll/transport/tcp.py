@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from . import frame
 from .base import LinkTransport, Transport
-from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta
+from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
 _POLL = 0.25  # socket timeout: how often blocked readers and writers look at the deadline and state
@@ -117,11 +117,9 @@ class NetTransport(LinkTransport):
     # ---- receiving ----
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         if src in self._inboxes:
-            msg = self._mailbox.pop(src, tag)
-            if msg is None:
-                now = time.monotonic()
-                msg = self._read_while_waiting(src, tag, min(deadline, now + self._spin_s),
-                                               min(deadline, now + CALLER_SLEEP_SECONDS))
+            now = time.monotonic()
+            msg = self._read_while_waiting(src, tag, min(deadline, now + self._spin_s),
+                                           min(deadline, now + CALLER_SLEEP_SECONDS))
             if msg is not None:
                 return msg
         return self._mailbox.take(src, tag, deadline, strict)
@@ -139,8 +137,11 @@ class NetTransport(LinkTransport):
         inbox = self._inboxes[src]
         if not inbox.lock.acquire(blocking=False):
             return None  # the reader thread is reading that socket
+        msg = self._mailbox.pop(src, tag)  # the reader thread may have queued it before
+        if msg is not None:
+            inbox.lock.release()
+            return msg
         inbox.mute_reader(True)
-        msg = None
         try:
             while msg is None and not inbox.finished and self._mailbox.aborted is None:
                 now = time.monotonic()
@@ -151,8 +152,10 @@ class NetTransport(LinkTransport):
                 header = inbox.whole_frame_waiting(src, self._max_payload)
                 if header is None:
                     break
-                self._take_whole_frame(src, inbox, header)
-                msg = self._mailbox.pop(src, tag)
+                if header.kind == DATA and queue_tag(header) == tag:
+                    msg = self._take_awaited(src, inbox, header)
+                else:
+                    self._take_whole_frame(src, inbox, header)
             return msg
         finally:
             inbox.lock.release()
@@ -196,6 +199,20 @@ class NetTransport(LinkTransport):
             self._connection_ended(peer, inbox, f"connection error: {exc} (process died?)", graceful=False)
             return
         self._deliver(peer, inbox, header, np.frombuffer(raw, np.uint8, offset=HEADER_SIZE))
+
+    def _take_awaited(self, peer: int, inbox: _Inbox, header: frame.Header) -> Message | None:
+        """The frame whole_frame_waiting found, when it is the message its caller waits for: read and
+        handed straight back (nothing of this tag from peer is queued: only the caller, holding
+        the socket, reads it now). None when the mailbox drops it as stale, or the read fails."""
+        raw = bytearray(HEADER_SIZE + header.nbytes)
+        try:
+            self._read_into(inbox.sock, memoryview(raw))
+        except (EOFError, OSError) as exc:  # as in _take_whole_frame
+            self._connection_ended(peer, inbox, f"connection error: {exc} (process died?)", graceful=False)
+            return None
+        if not self._mailbox.accepts(header):
+            return None
+        return Message(header, np.frombuffer(raw, np.uint8, offset=HEADER_SIZE))
 
     def _deliver(self, peer: int, inbox: _Inbox, header: frame.Header, payload: np.ndarray) -> None:
         if header.kind == DATA:
