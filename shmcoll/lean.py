@@ -63,10 +63,11 @@ class LeanPath:
     """The common small calls of one group (ProcessGroup.all_reduce and barrier try it first)."""
 
     def __init__(self, runner: Runner, transport: Transport, setting: Setting, board: Board | None):
-        """board: the board the call's step runs on (None: a group of one, nothing to exchange)."""
+        """board: the board the call's step runs on (None: a group of one, or a rank alone on its
+        host across hosts)."""
         self._runner, self._t, self._setting = runner, transport, setting
         self._prepared: dict[tuple, _Prepared | None] = {}
-        self._alone = board is None
+        self._alone = transport.world_size == 1  # nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
         self._barrier = self._prepare_call(Collective.BARRIER, U8.code, _NOTHING, ReduceKind.SUM, 0)
@@ -147,10 +148,7 @@ class LeanPath:
         start = time.monotonic()
         try:
             if not self._alone:
-                status = kernels.board_all_reduce(self._mem, flat, p.header, self._where, self._t.rank, seq, p.code,
-                                                  p.op, 0, self._spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
-                if status != kernels.BOARD_DONE:
-                    self._rest(status, seq, flat, p, start)
+                self._reduce(flat, p, seq, start)
                 if p.average:
                     kernels.scale_into(flat, p.code, self._t.world_size)
         except BaseException as exc:
@@ -159,6 +157,13 @@ class LeanPath:
         if end > start + self._t.timeout:
             self._runner.late(p.meta._replace(seq=seq), start)
         self._runner.recorder.completed(p.meta, end - start, seq)
+
+    def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+        """The call's exchange (flat summed over the group, in place), failures raised."""
+        status = kernels.board_all_reduce(self._mem, flat, p.header, self._where, self._t.rank, seq, p.code, p.op, 0,
+                                          self._spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+        if status != kernels.BOARD_DONE:
+            self._rest(status, seq, flat, p, start)
 
     def _rest(self, status: int, seq: int, flat: np.ndarray, p: _Prepared, start: float) -> None:
         """A wait outlasted the first slice: go on with the failure checks between slices."""
@@ -187,26 +192,16 @@ class LeanAcrossHosts(LeanPath):
         return (select(Collective.ALL_REDUCE, data.nbytes, self._setting) == Algorithm.TWO_LEVEL_ONE_SHOT
                 and (board is None or data.nbytes <= board.capacity))
 
-    def _step(self, flat: np.ndarray, p: _Prepared, seq: int) -> None:
-        start = time.monotonic()
+    def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
         c = Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code, start + self._t.timeout)
-        try:
-            if self._host_board is not None:
-                status = self._host_board.all_reduce_step(seq, flat, p.header, p.code, p.op)
-                if status != kernels.BOARD_DONE:
-                    self._host_board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, c.deadline,
-                                                     self._t.host_board_guard(c.tag, c.meta), c.meta)
-            if self._is_leader:
-                if p.meta.coll == Collective.BARRIER:
-                    dissemination_barrier(c, self._leaders)
-                else:
-                    self._reduce_across(c, flat, summed(ReduceKind(p.op)), self._leaders)
-            two_level.from_leader(c, self._host, self._host_board, flat)
-            if p.average:
-                kernels.scale_into(flat, p.code, self._t.world_size)
-        except BaseException as exc:
-            self._runner.failed(exc, c.meta, start)
-        end = time.monotonic()
-        if end > c.deadline:
-            self._runner.late(c.meta, start)
-        self._runner.recorder.completed(p.meta, end - start, seq)
+        if self._host_board is not None:
+            status = self._host_board.all_reduce_step(seq, flat, p.header, p.code, p.op)
+            if status != kernels.BOARD_DONE:
+                self._host_board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, c.deadline,
+                                                 self._t.host_board_guard(c.tag, c.meta), c.meta)
+        if self._is_leader:
+            if p.meta.coll == Collective.BARRIER:
+                dissemination_barrier(c, self._leaders)
+            else:
+                self._reduce_across(c, flat, summed(ReduceKind(p.op)), self._leaders)
+        two_level.from_leader(c, self._host, self._host_board, flat)

@@ -190,29 +190,30 @@ class NetTransport(LinkTransport):
         self._deliver(peer, inbox, header, payload)
 
     def _take_whole_frame(self, peer: int, inbox: _Inbox, header: frame.Header) -> None:
-        """Deliver the frame whole_frame_waiting found (header already validated): its bytes wait
-        in the socket, so one read takes them, header and payload together."""
-        raw = bytearray(HEADER_SIZE + header.nbytes)
-        try:
-            self._read_into(inbox.sock, memoryview(raw))
-        except (EOFError, OSError) as exc:  # cannot happen to bytes already there, but a socket may be shut under us
-            self._connection_ended(peer, inbox, f"connection error: {exc} (process died?)", graceful=False)
-            return
-        self._deliver(peer, inbox, header, np.frombuffer(raw, np.uint8, offset=HEADER_SIZE))
+        """Deliver the frame whole_frame_waiting found (header already validated)."""
+        payload = self._read_whole(peer, inbox, header)
+        if payload is not None:
+            self._deliver(peer, inbox, header, payload)
 
     def _take_awaited(self, peer: int, inbox: _Inbox, header: frame.Header) -> Message | None:
         """The frame whole_frame_waiting found, when it is the message its caller waits for: read and
         handed straight back (nothing of this tag from peer is queued: only the caller, holding
         the socket, reads it now). None when the mailbox drops it as stale, or the read fails."""
+        payload = self._read_whole(peer, inbox, header)
+        if payload is None or not self._mailbox.accepts(header):
+            return None
+        return Message(header, payload)
+
+    def _read_whole(self, peer: int, inbox: _Inbox, header: frame.Header) -> np.ndarray | None:
+        """The payload of a frame whose bytes all wait in the socket: one read takes them, header
+        and payload together. None when the connection ended under us (reported)."""
         raw = bytearray(HEADER_SIZE + header.nbytes)
         try:
             self._read_into(inbox.sock, memoryview(raw))
-        except (EOFError, OSError) as exc:  # as in _take_whole_frame
+        except (EOFError, OSError) as exc:  # cannot happen to bytes already there, but a socket may be shut under us
             self._connection_ended(peer, inbox, f"connection error: {exc} (process died?)", graceful=False)
             return None
-        if not self._mailbox.accepts(header):
-            return None
-        return Message(header, np.frombuffer(raw, np.uint8, offset=HEADER_SIZE))
+        return np.frombuffer(raw, np.uint8, offset=HEADER_SIZE)
 
     def _deliver(self, peer: int, inbox: _Inbox, header: frame.Header, payload: np.ndarray) -> None:
         if header.kind == DATA:
