@@ -57,6 +57,7 @@ class _Prepared(NamedTuple):
     meta: Meta  # the call's description, sequence number 0
     header: np.ndarray  # its frame header, sequence number 0
     average: bool
+    fold: ReduceKind  # what partial results fold with across hosts (AVG summed, divided at the end)
 
 
 class LeanPath:
@@ -131,7 +132,7 @@ class LeanPath:
         """The description and header the general path (runner.py's Meta, board.py's step) gives this call."""
         meta = Meta(seq=0, coll=coll, dtype=code, elements=elements, op=int(kind), root=0)
         return _Prepared(flat.dtype, code, int(kind), meta, entry_header(self._t.rank, meta, code, flat),
-                         kind == ReduceKind.AVG)
+                         kind == ReduceKind.AVG, summed(kind))
 
     def _run(self, flat: np.ndarray, p: _Prepared) -> bool:
         """As Runner.run runs the general path's board call: sequence number, deadline, failures, record."""
@@ -182,7 +183,7 @@ class LeanAcrossHosts(LeanPath):
         self._leaders = topology.leaders()
         self._is_leader = transport.rank == self._host[0]
         self._reduce_across = two_level.leaders_all_reduce(len(self._leaders))
-        self._host_board = transport.host_board if len(self._host) > 1 else None  # two_level._host_board
+        self._host_board = two_level.host_board(transport, self._host)
         super().__init__(runner, transport, setting, self._host_board)
 
     def _runs(self, data: np.ndarray) -> bool:
@@ -195,13 +196,11 @@ class LeanAcrossHosts(LeanPath):
     def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
         c = Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code, start + self._t.timeout)
         if self._host_board is not None:
-            status = self._host_board.all_reduce_step(seq, flat, p.header, p.code, p.op)
-            if status != kernels.BOARD_DONE:
-                self._host_board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, c.deadline,
-                                                 self._t.host_board_guard(c.tag, c.meta), c.meta)
+            self._host_board.all_reduce(seq, flat, p.header, p.code, p.op, c.deadline,
+                                        lambda: self._t.host_board_guard(c.tag, c.meta), c.meta)
         if self._is_leader:
             if p.meta.coll == Collective.BARRIER:
                 dissemination_barrier(c, self._leaders)
             else:
-                self._reduce_across(c, flat, summed(ReduceKind(p.op)), self._leaders)
+                self._reduce_across(c, flat, p.fold, self._leaders)
         two_level.from_leader(c, self._host, self._host_board, flat)

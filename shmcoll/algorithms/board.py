@@ -7,9 +7,10 @@ ranks outnumber cores. Every rank folds the entries in rank order: results are b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from .. import kernels
 from ..transport.base import BoardGuard
 from ..transport.shm_board import Board, entry_header
 from ..types import ReduceKind
@@ -34,20 +35,17 @@ def host_board_all_reduce(c: Call, data: np.ndarray, op: ReduceKind) -> None:
     board (the in-host step of two_level.py's small all-reduce), not divided for AVG."""
     board = c.t.host_board
     assert board is not None
-    _compiled_step(c, data, op, board, c.t.host_board_guard(c.tag, c.meta))
+    _compiled_step(c, data, op, board, lambda: c.t.host_board_guard(c.tag, c.meta))
 
 
 def _compiled_step(c: Call, data: np.ndarray, op: ReduceKind, board: Board | None = None,
-                   guard: BoardGuard | None = None) -> None:
-    """The board's compiled all-reduce (kernels.board_all_reduce) over data, a 1-D storage array,
-    among the board's ranks (the group's board, unless given another); lean.py runs the same step
-    with the same header (entry_header), so ranks may take either path."""
+                   guard: Callable[[], BoardGuard] | None = None) -> None:
+    """The board's compiled all-reduce (Board.all_reduce) over data, a 1-D storage array, among the
+    board's ranks (the group's board and its guard, unless given others); lean.py runs the same
+    step with the same header (entry_header), so ranks may take either path."""
     board = c.board if board is None else board
     header = entry_header(c.rank, c.meta, c.code, data)
-    status = board.all_reduce_step(c.meta.seq, data, header, c.code, int(op))
-    if status != kernels.BOARD_DONE:
-        board.all_reduce_rest(status, c.meta.seq, data, header, c.code, int(op), c.deadline,
-                              c.board_guard() if guard is None else guard, c.meta)
+    board.all_reduce(c.meta.seq, data, header, c.code, int(op), c.deadline, guard or c.board_guard, c.meta)
 
 
 def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..transport.base import Transport
 from ..transport.shm_board import Board
 from ..transport.topology import Topology
 from ..types import ReduceKind
@@ -85,7 +86,7 @@ def leaders_all_reduce(hosts: int) -> AcrossHosts:
 def _in_host_step(c: Call, host: tuple[int, ...], data: np.ndarray, op: ReduceKind) -> Board | None:
     """data reduced among the host's ranks in one step: on the host's board (one compiled step),
     which it returns, or, for an array larger than a board entry, by one-shot over the rings."""
-    board = _host_board(c, host)
+    board = host_board(c.t, host)
     if board is not None and data.nbytes <= board.capacity:
         host_board_all_reduce(c, data, op)
         return board
@@ -93,10 +94,10 @@ def _in_host_step(c: Call, host: tuple[int, ...], data: np.ndarray, op: ReduceKi
     return None
 
 
-def _host_board(c: Call, host: tuple[int, ...]) -> Board | None:
+def host_board(t: Transport, host: tuple[int, ...]) -> Board | None:
     """The board this host's ranks can meet on in one step: none for a rank alone on its host, or
     without shared memory (TCP only)."""
-    return c.t.host_board if len(host) > 1 else None
+    return t.host_board if len(host) > 1 else None
 
 
 def from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray) -> None:
@@ -199,7 +200,7 @@ def two_level_barrier(c: Call, topo: Topology) -> None:
     the host's board the first is one compiled step and the last the leader's word to each of its
     ranks; without one (TCP only) both are dissemination barriers."""
     host = topo.local_ranks(c.rank)
-    board = _host_board(c, host)
+    board = host_board(c.t, host)
     if board is None:
         dissemination_barrier(c, host)
         if c.rank == host[0]:
