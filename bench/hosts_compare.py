@@ -304,9 +304,14 @@ def table_rows(cols: dict[str, Column], sizes: list[int]) -> list[dict[str, Any]
     return rows
 
 
+def without_data(collective: str) -> bool:
+    """A call that moves no array (the barrier): timed once, as size 0."""
+    return COLLECTIVES[collective].sizing is Sizing.NOTHING
+
+
 def call_title(collective: str) -> str:
     """The timed call as the table's title names it: float32 SUM all_reduce, float32 broadcast, barrier."""
-    if COLLECTIVES[collective].sizing is Sizing.NOTHING:
+    if without_data(collective):
         return collective
     return f"float32 {'SUM ' * (collective in REDUCTIONS)}{collective}"
 
@@ -387,7 +392,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             or args.link_seconds <= 0 or args.timeout <= 0:
         p.error("need a layout, --rounds >= 1, --iters >= 1, --warmup >= 0, --max-time >= 0, "
                 "--link-seconds > 0 and --timeout > 0")
-    if COLLECTIVES[args.collective].sizing is Sizing.NOTHING:
+    if without_data(args.collective):
         args.sizes = [0]  # a barrier: one row, whatever --sizes says
     if os.geteuid() != 0 or shutil.which("ip") is None:
         p.error("needs root and iproute2 (the 'ip' command): the hosts are network namespaces")
