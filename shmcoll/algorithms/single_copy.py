@@ -11,7 +11,9 @@ shared-memory transport does for large messages. Every call:
    - all_reduce: each rank owns an equal range; it folds that range of every rank's array in rank
      order (kernels.reduce_from_peers, through a scratch area that stays in cache) into its own
      array, divides it for AVG, says so on a step word of its entry, and once every owner has,
-     copies every other range out of its owner's array;
+     copies every other range out of its owner's array. Inside a group across hosts the same
+     runs among each host's ranks, with each owned range all-reduced across hosts before the
+     owner says so (two_level.py: the in-host phases of a large all-reduce);
    - reduce_scatter: the same fold of its own block, in the call's private copy of the input;
    - all_gather: every peer's block into its place; broadcast: the root's array;
 3. waits on the board's done words: nobody returns (and lets the caller change its array) while a
@@ -25,8 +27,8 @@ a ring.
 Whether ranks may read each other depends on the host (ptrace rules such as Yama's
 ptrace_scope, seccomp in containers, pid namespaces). So the first such call of a group asks:
 each rank reads a random token from every peer and votes on its step word; all ranks see all
-votes, so all agree. If any rank says no, that call and every later one runs the fallback the
-plan gives (select.without_single_copy) instead.
+votes, so all agree. If any rank says no, that call and every later one on that board runs the
+fallback the plan gives (select.without_single_copy, or two_level.py's rings) instead.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ import functools
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveError, PeerLost
+from ..transport.base import BoardGuard
+from ..transport.shm_board import Board
 from ..types import ReduceKind
 from .call import Call, segment_bounds
 from .ring import scale_if_avg
@@ -73,85 +78,122 @@ _new_token()
 os.register_at_fork(after_in_child=_new_token)
 
 
+@dataclass(frozen=True)
+class Readers:
+    """The ranks of one call that read each other's arrays and the board they meet on: every rank
+    of a group on one host (of_group), or one host's ranks of a group across hosts (of_host: the
+    in-host phases of two_level.py's large all-reduce). Peers are named by group rank, listed and
+    folded in `ranks` order."""
+
+    board: Board
+    ranks: tuple[int, ...]
+    guard: Callable[[], BoardGuard]
+
+    @classmethod
+    def of_group(cls, c: Call) -> Readers:
+        return cls(c.board, tuple(range(c.size)), c.board_guard)
+
+    @classmethod
+    def of_host(cls, c: Call, board: Board, host: tuple[int, ...]) -> Readers:
+        return cls(board, host, lambda: c.t.host_board_guard(c.tag, c.meta))
+
+
 def single_copy_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, fallback: Fallback) -> None:
     """data (1-D storage array, contiguous) reduced in place; by fallback(c) where ranks may not
     read each other."""
-    peers = _publish_and_agree(c, data, fallback)
+    among = Readers.of_group(c)
+    all_reduce_among(c, among, data, op, _byte_ranges(data, c.size), fallback)
+
+
+def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, ranges: list[tuple[int, int]],
+                     fallback: Fallback, finish_range: Callable[[int, int], None] | None = None) -> None:
+    """data reduced in place among `among`'s ranks: the rank at position p folds bytes ranges[p] of
+    every rank's array (divided by their number, for AVG), runs finish_range(lo, hi) on them where
+    given (two_level.py: the range's all-reduce across hosts), then all copy every range from its
+    owner. By fallback(c) where the ranks may not read each other."""
+    peers = _publish_and_agree(c, among, data, fallback)
     if peers is None:
         return
-    ranges = _byte_ranges(c, data)
-    _reduce_range(c, data, op, peers, ranges[c.rank])
-    _signal(c, REDUCED)
-    _wait_for_all(c, REDUCED, "reduce its range")
+    me = among.ranks.index(c.rank)
+    lo, hi = ranges[me]
+    _reduce_range(c, among, data, op, peers, (lo, hi))
+    if finish_range is not None:
+        finish_range(lo, hi)
+    _signal(c, among, REDUCED)
+    _wait_for_all(c, among, REDUCED, "reduce its range")
     out = data.view(np.uint8)
-    for src in _others(c):
-        lo, hi = ranges[src]
-        _read(c, out[lo:hi], peers, src, lo)
-    _finish(c)
+    for p in _others(among, me):
+        lo, hi = ranges[p]
+        _read(among, out[lo:hi], peers, p, lo)
+    _finish(c, among)
 
 
 def single_copy_reduce_scatter(c: Call, work: np.ndarray, out: np.ndarray, op: ReduceKind,
                                fallback: Fallback) -> None:
     """out = block c.rank of the reduction of every rank's `work` (a private 1-D copy of the
     input, n equal blocks, that peers read during the call)."""
-    peers = _publish_and_agree(c, work, fallback)
+    among = Readers.of_group(c)
+    peers = _publish_and_agree(c, among, work, fallback)
     if peers is None:
         return
-    lo, hi = _byte_ranges(c, work)[c.rank]
-    _reduce_range(c, work, op, peers, (lo, hi))
+    lo, hi = _byte_ranges(work, c.size)[c.rank]
+    _reduce_range(c, among, work, op, peers, (lo, hi))
     out[:] = work[lo // work.itemsize:hi // work.itemsize]
-    _finish(c)
+    _finish(c, among)
 
 
 def single_copy_all_gather(c: Call, local: np.ndarray, out: np.ndarray, fallback: Fallback) -> None:
     """out (1-D, n * len(local)) receives every rank's block in rank order."""
-    peers = _publish_and_agree(c, local, fallback)
+    among = Readers.of_group(c)
+    peers = _publish_and_agree(c, among, local, fallback)
     if peers is None:
         return
     block, gathered = local.nbytes, out.view(np.uint8)
     gathered[c.rank * block:(c.rank + 1) * block] = local.view(np.uint8)
-    for src in _others(c):
-        _read(c, gathered[src * block:(src + 1) * block], peers, src, 0)
-    _finish(c)
+    for src in _others(among, c.rank):
+        _read(among, gathered[src * block:(src + 1) * block], peers, src, 0)
+    _finish(c, among)
 
 
 def single_copy_broadcast(c: Call, root: int, data: np.ndarray, fallback: Fallback) -> None:
     """data (1-D) becomes the root's on every rank."""
-    peers = _publish_and_agree(c, data, fallback)
+    among = Readers.of_group(c)
+    peers = _publish_and_agree(c, among, data, fallback)
     if peers is None:
         return
     if c.rank != root:
-        _read(c, data.view(np.uint8), peers, root, 0)
-    _finish(c)
+        _read(among, data.view(np.uint8), peers, root, 0)
+    _finish(c, among)
 
 
-def _publish_and_agree(c: Call, source: np.ndarray, fallback: Fallback) -> np.ndarray | None:
+def _publish_and_agree(c: Call, among: Readers, source: np.ndarray, fallback: Fallback) -> np.ndarray | None:
     """Publish where `source` is (an array of the call's shape and type, which peers will read)
-    and read every rank's descriptor: the ranks' (pid, address) pairs as int64 rows. None once
-    fallback(c) has run instead, where the ranks may not read each other (asked on the first call)."""
-    board = c.board
+    and read every rank's descriptor: the ranks' (pid, address) pairs as int64 rows, in
+    among.ranks order. None once fallback(c) has run instead, where the ranks may not read each
+    other (asked on the first call)."""
+    board = among.board
     if board.single_copy_agreed is False:
         fallback(c)
         return None
     address = source.__array_interface__["data"][0]
     _prefer_huge_pages(source, address)
-    guard, seq = c.board_guard(), c.meta.seq
+    guard, seq = among.guard(), c.meta.seq
     board.publish(c.meta, c.code, source, c.deadline, guard, payload=_descriptor(address))
-    descriptors = [board.read(src, seq, c.meta, c.deadline, guard).view(np.int64).copy() for src in range(c.size)]
+    descriptors = [board.read(src, seq, c.meta, c.deadline, guard).view(np.int64).copy() for src in among.ranks]
     if board.single_copy_agreed is None:
-        board.single_copy_agreed = _agree(c, descriptors)
+        board.single_copy_agreed = _agree(c, among, descriptors)
         if not board.single_copy_agreed:
-            _finish(c)
+            _finish(c, among)
             fallback(c)
             return None
     return np.array([d[[PID, ADDRESS]] for d in descriptors], dtype=np.int64)
 
 
-def _finish(c: Call) -> None:
+def _finish(c: Call, among: Readers) -> None:
     """Until no peer may still read our array: everyone has finished the call."""
-    board, seq = c.board, c.meta.seq
+    board, seq = among.board, c.meta.seq
     board.finish(seq)
-    board.wait_all_finished(seq, c.deadline, c.board_guard())
+    board.wait_all_finished(seq, c.deadline, among.guard())
 
 
 def _prefer_huge_pages(array: np.ndarray, address: int) -> None:
@@ -185,30 +227,30 @@ def _step_value(seq: int, step: int) -> int:
     return (seq + 1) << 2 | step
 
 
-def _signal(c: Call, step: int) -> None:
+def _signal(c: Call, among: Readers, step: int) -> None:
     """Set our step word for this call to `step` and wake its waiters."""
-    board, seq = c.board, c.meta.seq
+    board, seq = among.board, c.meta.seq
     word, sleepers = board.payload_word(c.rank, seq, STEP), 2 * board.payload_word(c.rank, seq, STEP_SLEEPERS)
     kernels.store_and_wake(board.mem, word, _step_value(seq, step), sleepers)
 
 
-def _wait_for_all(c: Call, step: int, what: str) -> None:
+def _wait_for_all(c: Call, among: Readers, step: int, what: str) -> None:
     """Until every peer's step word for this call reaches `step` (OFFER: it has voted)."""
-    board, guard, seq = c.board, c.board_guard(), c.meta.seq
-    for src in range(c.size):
+    board, guard, seq = among.board, among.guard(), c.meta.seq
+    for src in among.ranks:
         if src != c.rank:
             board.wait_at_least(board.payload_word(src, seq, STEP), _step_value(seq, step),
                                 2 * board.payload_word(src, seq, STEP_SLEEPERS), c.deadline,
                                 functools.partial(guard, src), f"rank {src} to {what}")
 
 
-def _agree(c: Call, descriptors: list[np.ndarray]) -> bool:
+def _agree(c: Call, among: Readers, descriptors: list[np.ndarray]) -> bool:
     """Whether every rank can read every peer's token: each votes, all read all votes."""
-    board, seq = c.board, c.meta.seq
-    yes = all(can_read(d) for src, d in enumerate(descriptors) if src != c.rank)
-    _signal(c, OFFER if yes else DECLINE)
-    _wait_for_all(c, OFFER, "vote on reading arrays directly")
-    votes = [kernels.load_word(board.mem, board.payload_word(src, seq, STEP)) for src in range(c.size)]
+    board, seq = among.board, c.meta.seq
+    yes = all(can_read(d) for src, d in zip(among.ranks, descriptors) if src != c.rank)
+    _signal(c, among, OFFER if yes else DECLINE)
+    _wait_for_all(c, among, OFFER, "vote on reading arrays directly")
+    votes = [kernels.load_word(board.mem, board.payload_word(src, seq, STEP)) for src in among.ranks]
     return yes and _step_value(seq, DECLINE) not in votes
 
 
@@ -220,30 +262,37 @@ def can_read(descriptor: np.ndarray) -> bool:
     return found == 0 and probe[0] == descriptor[TOKEN]
 
 
-def _byte_ranges(c: Call, data: np.ndarray) -> list[tuple[int, int]]:
-    return [(a * data.itemsize, b * data.itemsize) for a, b in segment_bounds(data.size, c.size)]
+def _byte_ranges(data: np.ndarray, parts: int) -> list[tuple[int, int]]:
+    return [(a * data.itemsize, b * data.itemsize) for a, b in segment_bounds(data.size, parts)]
 
 
-def _others(c: Call) -> list[int]:
-    """Every other rank, starting after our own (so ranks spread their reads over their peers
-    instead of all reading rank 0 first)."""
-    return [(c.rank + k) % c.size for k in range(1, c.size)]
+def _others(among: Readers, me: int) -> list[int]:
+    """The position of every other rank, starting after our own `me` (so ranks spread their reads
+    over their peers instead of all reading the first first)."""
+    n = len(among.ranks)
+    return [(me + k) % n for k in range(1, n)]
 
 
-def _reduce_range(c: Call, data: np.ndarray, op: ReduceKind, peers: np.ndarray, byte_range: tuple[int, int]) -> None:
-    """data[byte_range] = every rank's same range folded in rank order (divided, for AVG)."""
+def _reduce_range(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, peers: np.ndarray,
+                  byte_range: tuple[int, int]) -> None:
+    """data[byte_range] = every rank's same range folded in order (divided, for AVG)."""
     lo, hi = byte_range
-    failed = kernels.reduce_from_peers(data.view(np.uint8), peers, c.rank, lo, hi, c.code, int(op), _scratch_area())
+    me = among.ranks.index(c.rank)
+    failed = kernels.reduce_from_peers(data.view(np.uint8), peers, me, lo, hi, c.code, int(op), _scratch_area())
     if failed is not None:
-        _read_failed(c, *failed)
-    scale_if_avg(c, data[lo // data.itemsize:hi // data.itemsize], op, c.size)
+        _read_failed(among, among.ranks[failed[0]], failed[1])
+    for src in among.ranks:
+        if src != c.rank:
+            among.board.bytes_read_from[src] += hi - lo
+    scale_if_avg(c, data[lo // data.itemsize:hi // data.itemsize], op, len(among.ranks))
 
 
-def _read(c: Call, out: np.ndarray, peers: np.ndarray, src: int, offset: int) -> None:
-    """len(out) bytes of rank src's array from byte `offset` into out (uint8)."""
-    error = kernels.read_peer(out, int(peers[src, 0]), int(peers[src, 1]) + offset)
+def _read(among: Readers, out: np.ndarray, peers: np.ndarray, p: int, offset: int) -> None:
+    """len(out) bytes of the array of the rank at position p from byte `offset` into out (uint8)."""
+    error = kernels.read_peer(out, int(peers[p, 0]), int(peers[p, 1]) + offset)
     if error:
-        _read_failed(c, src, error)
+        _read_failed(among, among.ranks[p], error)
+    among.board.bytes_read_from[among.ranks[p]] += out.nbytes
 
 
 def _scratch_area() -> np.ndarray:
@@ -254,9 +303,9 @@ def _scratch_area() -> np.ndarray:
     return area
 
 
-def _read_failed(c: Call, src: int, error: int) -> None:
+def _read_failed(among: Readers, src: int, error: int) -> None:
     """A read of rank src's array failed after every rank had agreed reads work: src is gone (the
     guard raises PeerLost), or its memory changed under the call."""
-    c.board_guard()(src)
+    among.guard()(src)
     message = f"reading rank {src}'s array directly failed: {os.strerror(error)}"
     raise PeerLost(message, src) if error == errno.ESRCH else CollectiveError(message)
