@@ -126,7 +126,8 @@ def _all_reduce(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[C
         case Algorithm.TWO_LEVEL_ONE_SHOT:
             return lambda c, d: two_level_one_shot_all_reduce(c, w.hosts, d, kind)
         case Algorithm.TWO_LEVEL:
-            return lambda c, d: two_level_all_reduce(c, w.hosts, d, kind, w.setting.one_shot_bytes)
+            setting = w.setting
+            return lambda c, d: two_level_all_reduce(c, w.hosts, d, kind, setting.one_shot_bytes, setting.single_copy)
         case Algorithm.NEIGHBOURHOODS:
             nearby = w.neighbourhoods
             return lambda c, d: two_level_all_reduce(c, nearby, d, kind, w.setting.one_shot_bytes)

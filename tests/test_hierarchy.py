@@ -8,10 +8,13 @@ them), and the test compares those counts with what the algorithm must send, exa
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
 import shmcoll
+from shmcoll.algorithms import single_copy
 from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
 
@@ -73,7 +76,8 @@ def _run(layout: str, n: int, transport: str, action, monkeypatch) -> list[dict]
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4), ("each", 4)])
 def test_paths_follow_the_hosts(layout, n, monkeypatch):
-    """Every byte to a rank on this host goes through shared memory, every other one through TCP."""
+    """Every byte to a rank on this host goes through shared memory (or is read from its memory
+    directly), every other one through TCP."""
     hosts = _hosts(layout, n)
     for action in (_all_reduce, _broadcast, _all_gather):
         results = _run(layout, n, "hier", action, monkeypatch)
@@ -81,10 +85,11 @@ def test_paths_follow_the_hosts(layout, n, monkeypatch):
             assert out["kind"] == "HierarchicalTransport"
             for peer in range(n):
                 local = hosts[peer] == hosts[rank]
-                assert out["tcp" if local else "shm"][peer] == 0, (action.__name__, rank, peer, out)
+                for path in ("shm", "read") if not local else ("tcp",):
+                    assert out[path][peer] == 0, (action.__name__, rank, peer, out)
         assert _cross(results, hosts) > 0
         if len(set(hosts)) < n:
-            assert sum(sum(out["shm"]) for out in results) > 0, action.__name__
+            assert sum(sum(out["shm"]) + sum(out["read"]) for out in results) > 0, action.__name__
 
 
 # Bytes that must cross host boundaries for 1 MiB (S), two-level versus the flat TCP ring or chain.
@@ -108,6 +113,66 @@ def test_two_level_crosses_hosts_less_than_flat(layout, n, action, hier_bytes, f
     assert hier == hier_bytes
     assert flat == (flat_bytes or flat)
     assert hier < flat
+
+
+# ---- a large all-reduce inside each host: peers' arrays read directly, else the rings ----
+
+def _large_all_reduce_in_hosts(pg, unreadable: int | None):
+    """The bytes a 1 MiB SUM moves (checked exact by _all_reduce), then an AVG of random values and
+    an int64 MAX, each checked against numpy; the AVG's result, to compare across ranks, and whether
+    this rank's host read peers' arrays."""
+    if pg.rank == unreadable:  # as a rank in another pid namespace would be
+        real = single_copy._descriptor
+        single_copy._descriptor = lambda address: real(address) + np.eye(1, 8, single_copy.TOKEN, dtype=np.int64)[0]
+    traffic = _traffic_of(pg, _all_reduce)
+    inputs = [np.random.default_rng(r).standard_normal(S // 4).astype(np.float32) for r in range(pg.world_size)]
+    avg = inputs[pg.rank].copy()
+    pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
+    np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
+    top = (np.arange(S // 8, dtype=np.int64) * (pg.rank + 3)) % 1009
+    pg.all_reduce(top, shmcoll.ReduceKind.MAX)
+    assert np.array_equal(top, np.max([(np.arange(S // 8) * (r + 3)) % 1009 for r in range(pg.world_size)], axis=0))
+    return {**traffic, "avg": hashlib.sha256(avg.tobytes()).hexdigest(),
+            "read_directly": pg.transport.host_board.single_copy_agreed}
+
+
+def _run_in_hosts(layout: str, n: int, unreadable: int | None, monkeypatch) -> list[dict]:
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    return run_ranks(n, _large_all_reduce_in_hosts, unreadable)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3)])
+@pytest.mark.parametrize("single_copy_on", ["1", "0"])
+def test_large_all_reduce_moves_each_byte_inside_a_host_once_or_around_its_ring(layout, n, single_copy_on,
+                                                                               monkeypatch):
+    """A rank with a host peer either reads S from it (its half of the peer's array folded in, the
+    peer's finished half copied out: each byte crosses between the processes once) or, with
+    SHMCOLL_SINGLE_COPY=0, sends it S over the shared-memory rings (half reduce-scatter, half
+    all-gather). In 1+2 the second host's extra rank owns nothing: it reads the whole array from
+    the other, which reads the whole array from it. Across hosts: exactly 2S either way."""
+    monkeypatch.setenv("SHMCOLL_SINGLE_COPY", single_copy_on)
+    hosts = _hosts(layout, n)
+    results = _run_in_hosts(layout, n, None, monkeypatch)
+    path, other = ("read", "shm") if single_copy_on == "1" else ("shm", "read")
+    for rank, out in enumerate(results):
+        mates = [S if peer != rank and hosts[peer] == hosts[rank] else 0 for peer in range(n)]
+        assert (out[path], out[other]) == (mates, [0] * n), (rank, out)
+    assert _cross(results, hosts) == 2 * S
+    assert len({out["avg"] for out in results}) == 1  # bitwise alike everywhere
+    assert {out["read_directly"] for out in results if sum(out["read"])} <= {True}
+
+
+@pytest.mark.multiprocess
+def test_a_host_whose_rank_cannot_be_read_takes_its_rings_alone(monkeypatch):
+    """Rank 1's host (0, 1) agrees on the rings; the other host (2, 3) still reads directly, and the
+    results agree bitwise: each host chooses for itself, since only its own ranks meet there."""
+    results = _run_in_hosts("halves", 4, 1, monkeypatch)
+    assert [out["read_directly"] for out in results] == [False, False, True, True]
+    assert [out["shm"] for out in results[:2]] == [[0, S, 0, 0], [S, 0, 0, 0]]
+    assert [out["read"] for out in results[2:]] == [[0, 0, 0, S], [0, 0, S, 0]]
+    assert len({out["avg"] for out in results}) == 1
 
 
 @pytest.mark.multiprocess

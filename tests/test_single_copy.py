@@ -5,7 +5,8 @@ this process (a process may read itself through the same system call), and movin
 come back onto huge pages. Across real ranks over
 shared memory: exact results and bitwise-identical ranks for every reducible type, the other
 calls that read peers (reduce_scatter, all_gather, broadcast), the agreement that makes every rank
-fall back together when one cannot be read, mismatched calls, and a rank killed inside each step.
+fall back together when one cannot be read, mismatched calls, and a rank killed inside each step,
+on one host and inside the hosts of a group across simulated hosts (its byte counts: test_hierarchy.py).
 
 The board is shrunk to 64 KiB (SMALL_BOARD) so that arrays of a few hundred KiB are "large".
 """
@@ -283,3 +284,21 @@ def test_a_rank_killed_inside_a_step_is_lost_to_every_other(call, step):
     results = run_ranks(n, _killed_in_step, victim, call, step, CTX.Barrier(n - 1), env=SMALL_BOARD,
                         may_die={victim})
     assert_survivors({r: out for r, out in enumerate(results) if r != victim}, victim)
+
+
+ACROSS_HOSTS = {"SHMCOLL_TRANSPORT": "hier", "SHMCOLL_TEST_HOSTS": "halves", "SHMCOLL_SHM_BOARD_BYTES": str(64 << 10)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("victim, step, losers", [(1, "_reduce_range", {0, 2, 3}), (2, "_read", {3})])
+def test_a_rank_killed_inside_a_step_across_hosts_is_lost_to_those_that_need_it(victim, step, losers):
+    """Hosts (0, 1) and (2, 3) read inside each host and cross between them by column. Killed
+    while its host peer reads its array and its column peer waits for its slice: every survivor
+    loses it. Killed once the slices crossed, while its host peer waits to copy from it: that
+    peer loses it; the other host, which had all it needed, may return."""
+    n = 4
+    results = run_ranks(n, _killed_in_step, victim, "all_reduce", step, CTX.Barrier(n - 1), env=ACROSS_HOSTS,
+                        may_die={victim})
+    assert_survivors({r: results[r] for r in losers}, victim)
+    for rank in set(range(n)) - losers - {victim}:
+        assert results[rank]["kind"] in ("returned", "PeerLost"), results[rank]

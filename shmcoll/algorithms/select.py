@@ -28,7 +28,9 @@ SHMCOLL_SINGLE_COPY=0 picks at once): RING, CHAIN for broadcast, and for all-red
 SPLIT_HOST_AT ranks NEIGHBOURHOODS. A ring through n ranks takes 2(n-1) steps one after another,
 and with many ranks on few cores each step waits for processes to be scheduled; so NEIGHBOURHOODS
 runs TWO_LEVEL's phases over neighbourhoods of about NEIGHBOURHOOD consecutive ranks instead of
-hosts (at 32 ranks: 20 steps, not 62). Inside TWO_LEVEL all-reduce, each slice crosses hosts in
+hosts (at 32 ranks: 20 steps, not 62). TWO_LEVEL all-reduce reads peers' arrays inside each
+host as SINGLE_COPY does, where the host allows it (each host agrees for itself: only its own ranks
+meet there), else it takes the host's ring. Inside TWO_LEVEL all-reduce, each slice crosses hosts in
 one step (by recursive doubling among more than ONE_SHOT_MAX_HOSTS hosts), or around a ring (by
 halving and doubling from HALVING_FROM_HOSTS hosts) (`across_hosts`); TWO_LEVEL_ONE_SHOT reduces
 in each host on the host's board (one-shot where the array outgrows an entry), and its leaders

@@ -9,6 +9,9 @@ every rank runs the phases in the same order, so a phase never takes a later pha
 Uneven hosts: K = the smallest host's rank count. A large all-reduce is cut into K slices; local
 rank j < K of every host owns slice j and all-reduces it across hosts with its peers of the same
 local rank (K rings busy at once); a larger host's extra ranks only take part inside their host.
+Its in-host phases read the host's peers' arrays directly where the host allows it (single_copy.py:
+each rank folds its slice out of its peers' arrays, and copies the finished slices out of theirs),
+else they go around the host's shared-memory ring.
 All-gather and barrier go through one leader per host (its lowest rank); a large broadcast is one
 chain that visits the hosts one after another, a small one goes from leader to leader by doubling.
 Reduce-scatter and reduce are in two_level_reduce.py.
@@ -36,23 +39,39 @@ from .doubling_broadcast import doubling_broadcast, give, take
 from .halving import halving_doubling_all_reduce
 from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
 from .select import Algorithm, across_hosts, gather_across_hosts, small_across_hosts
+from .single_copy import DESCRIPTOR_BYTES, Readers, all_reduce_among
 
 _NOTHING = np.empty(0, dtype=np.uint8)  # what a barrier's steps carry: only the call's description
 
 
-def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int) -> None:
+def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind, one_shot_bytes: int,
+                         single_copy: bool = False) -> None:
     """Reduce-scatter in the host, all-reduce of each slice across hosts, all-gather in the host.
-    Each element is reduced at one place and copied from there: bitwise identical everywhere."""
+    Each element is reduced at one place and copied from there: bitwise identical everywhere.
+    With single_copy (config.Tuning.single_copy, alike on every rank), the host's ranks read each
+    other's arrays for the in-host phases where the host allows it (single_copy.all_reduce_among):
+    every byte crosses between the host's processes once, where the rings copy it twice."""
     host, k, end = topo.local_ranks(c.rank), topo.min_local, len(data)
-    slices = segment_bounds(end, k)
-    owned = slices + [(end, end)] * (len(host) - k)
-    ring_reduce_scatter(c, data, summed(op), host, owned)
     j = host.index(c.rank)
-    if j < k:
-        a, b = slices[j]
-        _across(c, data[a:b], summed(op), topo.column(j), one_shot_bytes)
-        scale_if_avg(c, data[a:b], op, c.size)
-    ring_all_gather_owned(c, data, host, owned)
+    owned = segment_bounds(end, k) + [(end, end)] * (len(host) - k)
+
+    def across(a: int, b: int) -> None:
+        if j < k:  # a larger host's extra ranks own nothing
+            _across(c, data[a:b], summed(op), topo.column(j), one_shot_bytes)
+            scale_if_avg(c, data[a:b], op, c.size)
+
+    def over_rings(c: Call) -> None:
+        ring_reduce_scatter(c, data, summed(op), host, owned)
+        across(*owned[j])
+        ring_all_gather_owned(c, data, host, owned)
+
+    board = host_board(c.t, host)
+    if not single_copy or board is None or board.capacity < DESCRIPTOR_BYTES:
+        over_rings(c)
+        return
+    ranges = [(a * data.itemsize, b * data.itemsize) for a, b in owned]
+    all_reduce_among(c, Readers.of_host(c, board, host), data, summed(op), ranges, over_rings,
+                     lambda lo, hi: across(lo // data.itemsize, hi // data.itemsize))
 
 
 def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], one_shot_bytes: int) -> None:
