@@ -78,18 +78,22 @@ def _run(layout: str, n: int, transport: str, action, monkeypatch) -> list[dict]
 def test_paths_follow_the_hosts(layout, n, monkeypatch):
     """Every byte to a rank on this host goes through shared memory (or is read from its memory
     directly), every other one through TCP."""
-    hosts = _hosts(layout, n)
     for action in (_all_reduce, _broadcast, _all_gather):
-        results = _run(layout, n, "hier", action, monkeypatch)
-        for rank, out in enumerate(results):
-            assert out["kind"] == "HierarchicalTransport"
-            for peer in range(n):
-                local = hosts[peer] == hosts[rank]
-                for path in ("shm", "read") if not local else ("tcp",):
-                    assert out[path][peer] == 0, (action.__name__, rank, peer, out)
-        assert _cross(results, hosts) > 0
-        if len(set(hosts)) < n:
-            assert sum(sum(out["shm"]) + sum(out["read"]) for out in results) > 0, action.__name__
+        _assert_paths_follow(_hosts(layout, n), _run(layout, n, "hier", action, monkeypatch), action.__name__)
+
+
+def _assert_paths_follow(hosts: list[str], results: list[dict], what: str) -> None:
+    """Nothing went over TCP to a rank of the same host, nor through shared memory (frames or
+    reads) to a rank of another; something crossed hosts, and something moved inside a host."""
+    for rank, out in enumerate(results):
+        assert out["kind"] == "HierarchicalTransport"
+        for peer in range(len(hosts)):
+            local = hosts[peer] == hosts[rank]
+            for path in ("tcp",) if local else ("shm", "read"):
+                assert out[path][peer] == 0, (what, rank, peer, out)
+    assert _cross(results, hosts) > 0
+    if len(set(hosts)) < len(hosts):
+        assert sum(sum(out["shm"]) + sum(out["read"]) for out in results) > 0, what
 
 
 # Bytes that must cross host boundaries for 1 MiB (S), two-level versus the flat TCP ring or chain.
@@ -144,24 +148,36 @@ def _run_in_hosts(layout: str, n: int, unreadable: int | None, monkeypatch) -> l
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3)])
-@pytest.mark.parametrize("single_copy_on", ["1", "0"])
-def test_large_all_reduce_moves_each_byte_inside_a_host_once_or_around_its_ring(layout, n, single_copy_on,
-                                                                               monkeypatch):
-    """A rank with a host peer either reads S from it (its half of the peer's array folded in, the
-    peer's finished half copied out: each byte crosses between the processes once) or, with
-    SHMCOLL_SINGLE_COPY=0, sends it S over the shared-memory rings (half reduce-scatter, half
-    all-gather). In 1+2 the second host's extra rank owns nothing: it reads the whole array from
-    the other, which reads the whole array from it. Across hosts: exactly 2S either way."""
-    monkeypatch.setenv("SHMCOLL_SINGLE_COPY", single_copy_on)
+def test_large_all_reduce_moves_each_byte_inside_a_host_once(layout, n, monkeypatch):
+    """A rank with a host peer reads S from it: its half of the peer's array folded in, the peer's
+    finished half copied out (the rings would copy each byte twice: into a slot and out of it). In
+    1+2 the second host's extra rank owns nothing: it reads the whole array from the other, which
+    reads the whole array from it. Across hosts: exactly 2S. Results are alike bitwise everywhere."""
     hosts = _hosts(layout, n)
     results = _run_in_hosts(layout, n, None, monkeypatch)
-    path, other = ("read", "shm") if single_copy_on == "1" else ("shm", "read")
     for rank, out in enumerate(results):
         mates = [S if peer != rank and hosts[peer] == hosts[rank] else 0 for peer in range(n)]
-        assert (out[path], out[other]) == (mates, [0] * n), (rank, out)
+        assert (out["read"], out["shm"]) == (mates, [0] * n), (rank, out)
     assert _cross(results, hosts) == 2 * S
-    assert len({out["avg"] for out in results}) == 1  # bitwise alike everywhere
-    assert {out["read_directly"] for out in results if sum(out["read"])} <= {True}
+    assert len({out["avg"] for out in results}) == 1
+    assert {out["read_directly"] for out in results if sum(out["read"])} == {True}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3)])
+def test_in_host_phases_read_what_the_ring_would_have_sent(layout, n, monkeypatch):
+    """Inside each host, a rank of a large all-reduce reads from each peer's array exactly what that
+    peer sends it around the host's ring with SHMCOLL_SINGLE_COPY=0, and nothing goes around the
+    ring; across hosts the same bytes go either way."""
+    monkeypatch.setenv("SHMCOLL_SINGLE_COPY", "0")
+    ring = _run(layout, n, "hier", _all_reduce, monkeypatch)
+    monkeypatch.setenv("SHMCOLL_SINGLE_COPY", "1")
+    reads = _run(layout, n, "hier", _all_reduce, monkeypatch)
+    for rank in range(n):
+        assert reads[rank]["read"] == [ring[peer]["shm"][rank] for peer in range(n)], (rank, reads, ring)
+        assert (reads[rank]["shm"], ring[rank]["read"]) == ([0] * n, [0] * n)
+        assert reads[rank]["tcp"] == ring[rank]["tcp"]
+    assert sum(sum(out["read"]) for out in reads) > 0
 
 
 @pytest.mark.multiprocess
@@ -408,16 +424,7 @@ REDUCE_GATHER_SCATTER_ALL_TO_ALL = (_reduce_scatter, _reduce, _all_gather_v, _ga
 @pytest.mark.parametrize("action", REDUCE_GATHER_SCATTER_ALL_TO_ALL, ids=lambda a: a.__name__.lstrip("_"))
 def test_reduce_gather_scatter_all_to_all_follow_the_hosts(layout, n, action, monkeypatch):
     """As test_paths_follow_the_hosts, for the large paths of these collectives."""
-    hosts = _hosts(layout, n)
-    results = _run(layout, n, "hier", action, monkeypatch)
-    for rank, out in enumerate(results):
-        assert out["kind"] == "HierarchicalTransport"
-        for peer in range(n):
-            local = hosts[peer] == hosts[rank]
-            assert out["tcp" if local else "shm"][peer] == 0, (rank, peer, out)
-    assert _cross(results, hosts) > 0
-    if len(set(hosts)) < n:
-        assert sum(sum(out["shm"]) for out in results) > 0
+    _assert_paths_follow(_hosts(layout, n), _run(layout, n, "hier", action, monkeypatch), action.__name__)
 
 
 S3 = _size(3)  # bytes per rank with 3 ranks (S - 4: 262143 float32, a multiple of 3)

@@ -65,13 +65,22 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
         across(*owned[j])
         ring_all_gather_owned(c, data, host, owned)
 
-    board = host_board(c.t, host)
-    if not single_copy or board is None or board.capacity < DESCRIPTOR_BYTES:
+    readers = readers_in_host(c, host, single_copy)
+    if readers is None:
         over_rings(c)
         return
     ranges = [(a * data.itemsize, b * data.itemsize) for a, b in owned]
-    all_reduce_among(c, Readers.of_host(c, board, host), data, summed(op), ranges, over_rings,
+    all_reduce_among(c, readers, data, summed(op), ranges, over_rings,
                      lambda lo, hi: across(lo // data.itemsize, hi // data.itemsize))
+
+
+def readers_in_host(c: Call, host: tuple[int, ...], single_copy: bool) -> Readers | None:
+    """The host's ranks as they read each other's arrays in a large call's in-host phases; None
+    where they go around the host's ring instead: without single_copy, or a board to meet on."""
+    board = host_board(c.t, host)
+    if not single_copy or board is None or board.capacity < DESCRIPTOR_BYTES:
+        return None
+    return Readers.of_host(c, board, host)
 
 
 def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], one_shot_bytes: int) -> None:
