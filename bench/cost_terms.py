@@ -10,17 +10,23 @@ A call's time is one rank's critical path, a sum of terms with one parameter eac
   alpha    per message a rank sends across hosts, one after another: on these hosts a message costs
            a syscall and a Python frame on both ends, paid per message rather than per step, so
            ONE_SHOT's H-1 sends count H-1 times (among 1,024 hosts no one-shot costs one latency)
+  alpha_shared  per message across hosts and per other busy rank on the receiver's core: a rank
+           woken by a message first waits for the ranks it shares a core with to give it up
   beta     per byte a rank sends across hosts (it receives as many, at the same time)
   gamma    per byte a rank folds into its result
-  alpha_local, beta_local  the same as alpha and beta through a host's shared memory (K > 1 only)
+  alpha_local, beta_local  the same as alpha and beta through a host's shared memory (K > 1 only):
+           per wait on a host peer, and per byte read from a host peer's array or sent to it
 
 Counts follow ring.py, doubling.py, halving.py and two_level.py: frames of at most chunk_bytes in a
 ring step or a halving swap (ring's and halving's pieces), whole arrays in recursive doubling and
 one-shot, and two extra messages of the whole array (one folded) for the positions past the
-largest power of two (doubling.on_power_of_two). Ranks that outnumber the cores share them: every
-phase's terms are multiplied by max(1, ranks busy in the phase / cores) ("oversubscription"): in
-TWO_LEVEL_ONE_SHOT only one rank per host crosses, the others sleep meanwhile. So the fitted
-parameters are those of a rank with a core of its own, which is what a real host gives it.
+largest power of two (doubling.on_power_of_two). TWO_LEVEL's in-host phases read the host peers'
+arrays (single_copy.py: three waits, and each rank reads as many bytes as a ring would send it).
+Ranks that outnumber the cores share them: every phase's terms are multiplied by
+max(1, ranks busy in the phase / cores) ("oversubscription"), and each message across hosts adds
+alpha_shared per other busy rank on a core: in TWO_LEVEL_ONE_SHOT only one rank per host crosses,
+the others sleep meanwhile. So the fitted parameters but alpha_shared are those of a rank with a
+core of its own, which is what a real host gives it.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Steps:
     reduced: float = 0.0
     local_messages: float = 0.0
     local_bytes: float = 0.0
+    shared_messages: float = 0.0
 
     def __add__(self, other: Steps) -> Steps:
         return Steps(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -77,6 +84,7 @@ class Machine:
     gamma: float = 0.0
     alpha_local: float = 0.0
     beta_local: float = 0.0
+    alpha_shared: float = 0.0
 
     def seconds(self, steps: Steps) -> float:
         return float(np.dot(astuple(self), astuple(steps)))
@@ -134,24 +142,35 @@ def crossing(algorithm: Algorithm, hosts: int, nbytes: int, chunk_bytes: int = C
 def all_reduce_steps(phases: Algorithm, across: Algorithm, hosts: int, per_host: int, nbytes: int,
                      cores: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> Steps:
     """two_level.py's all-reduce: TWO_LEVEL_ONE_SHOT (one step in the host, the leaders cross with
-    the whole array, the leader hands it to its K-1 ranks) or TWO_LEVEL (ring reduce-scatter in the
-    host, K columns cross with a slice each at once, ring all-gather in the host). Each phase is
-    scaled by share(ranks busy in it, cores): only the leaders cross in TWO_LEVEL_ONE_SHOT."""
+    the whole array, the leader hands it to its K-1 ranks) or TWO_LEVEL (each rank folds its slice
+    out of its K-1 host peers' arrays, K columns cross with a slice each at once, each rank copies
+    the other slices out of their owners' arrays). Each phase is on_cores(ranks busy in it): only
+    the leaders cross in TWO_LEVEL_ONE_SHOT."""
     k, ranks = per_host - 1, hosts * per_host
-    everyone = share(ranks, cores)
     if phases is Algorithm.TWO_LEVEL_ONE_SHOT:
         inside = Steps(calls=1, reduced=k * nbytes, local_messages=in_host_messages(per_host, nbytes),
                        local_bytes=k * nbytes)
         fan_out = Steps(local_messages=k, local_bytes=k * nbytes)
-        leaders = crossing(across, hosts, nbytes, chunk_bytes).times(share(hosts, cores))
-        return (inside + fan_out).times(everyone) + leaders
+        leaders = crossing(across, hosts, nbytes, chunk_bytes)
+        return on_cores(inside + fan_out, ranks, cores) + on_cores(leaders, hosts, cores)
     if phases is not Algorithm.TWO_LEVEL:
         raise ValueError(f"not a two-level all-reduce: {phases}")
-    slice_elems = -(-(nbytes // ITEMSIZE) // per_host)
-    pieces = chunk_count(slice_elems, ITEMSIZE, chunk_bytes)
-    ring = Steps(local_messages=k * pieces, local_bytes=k * slice_elems * ITEMSIZE)
-    scatter = ring + Steps(calls=1, reduced=k * slice_elems * ITEMSIZE)
-    return (scatter + crossing(across, hosts, slice_elems * ITEMSIZE, chunk_bytes) + ring).times(everyone)
+    slice_bytes = -(-(nbytes // ITEMSIZE) // per_host) * ITEMSIZE
+    fold = Steps(calls=1, reduced=k * slice_bytes, local_messages=SINGLE_COPY_WAITS if k else 0,
+                 local_bytes=k * slice_bytes)
+    copy_out = Steps(local_bytes=k * slice_bytes)
+    return on_cores(fold + crossing(across, hosts, slice_bytes, chunk_bytes) + copy_out, ranks, cores)
+
+
+#: The waits of a single-copy call on a host's board (single_copy.py: publish, reduced, finished).
+SINGLE_COPY_WAITS = 3
+
+
+def on_cores(steps: Steps, busy: int, cores: int | None) -> Steps:
+    """A phase's steps where `busy` ranks run it on `cores` cores: every term share() times over,
+    and each message across hosts waits for the other ranks on its receiver's core."""
+    s = share(busy, cores)
+    return steps.times(s) + Steps(shared_messages=steps.messages * (s - 1))
 
 
 def in_host_messages(per_host: int, nbytes: int) -> int:

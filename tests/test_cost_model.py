@@ -70,12 +70,13 @@ def test_large_arrays_stream_in_frames_of_chunk_bytes():
 
 def test_two_level_adds_the_host_phases():
     """Two ranks per host: TWO_LEVEL_ONE_SHOT reduces the whole array in one board step in the host
-    and the leader hands it on (2 shared-memory messages of S, one fold); TWO_LEVEL rings half the
-    array in and out of the host and each column crosses with its half."""
+    and the leader hands it on (2 shared-memory messages of S, one fold); in TWO_LEVEL each rank
+    folds its half out of its peer's array and copies the other half out of it (three waits on the
+    board, S read), and each column crosses with its half."""
     small = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL_ONE_SHOT, RD, 4, 2, S)
     assert small == cost_terms.crossing(RD, 4, S) + Steps(calls=1, reduced=S, local_messages=2, local_bytes=2 * S)
     large = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S)
-    host = Steps(calls=1, reduced=S // 2, local_messages=2, local_bytes=S)
+    host = Steps(calls=1, reduced=S // 2, local_messages=3, local_bytes=S)
     assert large == cost_terms.crossing(RING, 4, S // 2) + host
     assert cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, HD, 8, 1, S) == cost_terms.crossing(HD, 8, S) + Steps(1)
 
@@ -96,12 +97,15 @@ def test_the_host_step_is_one_board_step_where_the_array_fits_an_entry():
 
 def test_ranks_that_share_cores_scale_the_phases_they_are_busy_in():
     """4 hosts x 2 ranks on 2 cores: every phase at 8 ranks / 2 cores, except TWO_LEVEL_ONE_SHOT's
-    crossing, where only the 4 leaders run (4 / 2); at a core each, nothing is scaled."""
+    crossing, where only the 4 leaders run (4 / 2); each message across hosts then also waits for
+    the other rank (or 3 others) on its core. At a core each, nothing is scaled."""
     small = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL_ONE_SHOT, RD, 4, 2, S, cores=2)
     host = Steps(calls=1, reduced=S, local_messages=2, local_bytes=2 * S)
-    assert small == cost_terms.crossing(RD, 4, S).times(2) + host.times(4)
+    crossing = cost_terms.crossing(RD, 4, S)
+    assert small == crossing.times(2) + Steps(shared_messages=crossing.messages) + host.times(4)
     large = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S, cores=2)
-    assert large == cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S).times(4)
+    alone = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S)
+    assert large == alone.times(4) + Steps(shared_messages=3 * alone.messages)
     assert cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S, cores=8) == \
         cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S)
 
@@ -143,7 +147,8 @@ def _grid() -> list:
 
 @pytest.mark.parametrize("cores", [None, 2])
 def test_the_fit_recovers_known_parameters(cores):
-    truth = Machine(call=8e-6, alpha=40e-6, beta=0.8e-9, gamma=0.3e-9, alpha_local=5e-6, beta_local=0.2e-9)
+    truth = Machine(call=8e-6, alpha=40e-6, beta=0.8e-9, gamma=0.3e-9, alpha_local=5e-6, beta_local=0.2e-9,
+                    alpha_shared=30e-6 if cores else 0.0)  # nothing shares a core where cores is None
     points = [Point(p.algorithm, p.hosts, p.per_host, p.size, cost_terms.predict(truth, p, cores)) for p in _grid()]
     got = cost_terms.fit(points, cores)
     for term in cost_terms.TERMS:
@@ -252,7 +257,8 @@ def test_measure_jobs_time_all_reduce_by_the_forced_algorithm(tmp_path, monkeypa
 def test_fit_reads_measure_json_and_writes_the_parameters(tmp_path, capsys):
     """`fit` end to end on measure's JSON form, made from known parameters: every point predicted to
     the microsecond, the fitted parameters written, a PNG drawn where matplotlib is installed."""
-    truth = Machine(call=50e-6, alpha=120e-6, beta=0.9e-9, gamma=0.1e-9, alpha_local=40e-6, beta_local=0.4e-9)
+    truth = Machine(call=50e-6, alpha=120e-6, beta=0.9e-9, gamma=0.1e-9, alpha_local=40e-6, beta_local=0.4e-9,
+                    alpha_shared=60e-6)
     points = [{**vars(p), "seconds": cost_terms.predict(truth, p, 2), "rounds": []} for p in _grid()]
     data, params, png = tmp_path / "m.json", tmp_path / "fit.json", tmp_path / "m.png"
     data.write_text(json.dumps({"cores": 2, "points": points}))
