@@ -24,9 +24,8 @@ largest power of two (doubling.on_power_of_two). TWO_LEVEL's in-host phases read
 arrays (single_copy.py: three waits, and each rank reads as many bytes as a ring would send it).
 Ranks that outnumber the cores share them: every phase's terms are multiplied by
 max(1, ranks busy in the phase / cores) ("oversubscription"), and each message across hosts adds
-alpha_shared per other busy rank on a core: in TWO_LEVEL_ONE_SHOT only one rank per host crosses,
-the others sleep meanwhile. So the fitted parameters but alpha_shared are those of a rank with a
-core of its own, which is what a real host gives it.
+alpha_shared per other busy rank on a core. So the fitted parameters but alpha_shared are those
+of a rank with a core of its own, which is what a real host gives it.
 """
 
 from __future__ import annotations
@@ -141,18 +140,16 @@ def crossing(algorithm: Algorithm, hosts: int, nbytes: int, chunk_bytes: int = C
 
 def all_reduce_steps(phases: Algorithm, across: Algorithm, hosts: int, per_host: int, nbytes: int,
                      cores: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> Steps:
-    """two_level.py's all-reduce: TWO_LEVEL_ONE_SHOT (one step in the host, the leaders cross with
-    the whole array, the leader hands it to its K-1 ranks) or TWO_LEVEL (each rank folds its slice
-    out of its K-1 host peers' arrays, K columns cross with a slice each at once, each rank copies
-    the other slices out of their owners' arrays). Each phase is on_cores(ranks busy in it): only
-    the leaders cross in TWO_LEVEL_ONE_SHOT."""
+    """two_level.py's all-reduce over hosts of `per_host` ranks each: TWO_LEVEL_ONE_SHOT (one step
+    in the host, then the K columns cross with the whole array at once) or TWO_LEVEL (each rank
+    folds its slice out of its K-1 host peers' arrays, the K columns cross with a slice each at
+    once, each rank copies the other slices out of their owners' arrays). Every rank is busy in
+    every phase (on_cores)."""
     k, ranks = per_host - 1, hosts * per_host
     if phases is Algorithm.TWO_LEVEL_ONE_SHOT:
         inside = Steps(calls=1, reduced=k * nbytes, local_messages=in_host_messages(per_host, nbytes),
                        local_bytes=k * nbytes)
-        fan_out = Steps(local_messages=k, local_bytes=k * nbytes)
-        leaders = crossing(across, hosts, nbytes, chunk_bytes)
-        return on_cores(inside + fan_out, ranks, cores) + on_cores(leaders, hosts, cores)
+        return on_cores(inside + crossing(across, hosts, nbytes, chunk_bytes), ranks, cores)
     if phases is not Algorithm.TWO_LEVEL:
         raise ValueError(f"not a two-level all-reduce: {phases}")
     slice_bytes = -(-(nbytes // ITEMSIZE) // per_host) * ITEMSIZE

@@ -10,8 +10,8 @@ element count, op) and kept. A call then takes a sequence number and runs the bo
 slice comes back to Python for the failure checks.
 
 A group across hosts (LeanAcrossHosts) runs its small all-reduce and barrier the same way as far as
-the host's board goes: what is worked out once is the call's description, its board header and the
-leaders' algorithm; the steps across hosts and back are two_level.py's own.
+the host's board goes: what is worked out once is the call's description, its board header and its
+column's algorithm; the steps across hosts and to a larger host's extra ranks are two_level.py's own.
 
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
@@ -175,14 +175,16 @@ class LeanPath:
 
 class LeanAcrossHosts(LeanPath):
     """The same calls in a group that spans hosts (two_level.py's small all-reduce and barrier):
-    the step on this host's board runs from the prepared header as above, then the leaders'
-    exchange and the leader's hand-on are two_level.py's own, so ranks may take either path."""
+    the step on this host's board runs from the prepared header as above, then the column's
+    exchange and the leader's hand-on to extra ranks are two_level.py's own, so ranks may take
+    either path."""
 
     def __init__(self, runner: Runner, transport: Transport, setting: Setting, topology: Topology):
         self._host = topology.local_ranks(transport.rank)
-        self._leaders = topology.leaders()
-        self._is_leader = transport.rank == self._host[0]
-        self._reduce_across = two_level.leaders_all_reduce(len(self._leaders))
+        self._min_local = topology.min_local
+        j = self._host.index(transport.rank)
+        self._column = topology.column(j) if j < self._min_local else None
+        self._reduce_across = two_level.column_all_reduce(topology.n_hosts)
         self._host_board = two_level.host_board(transport, self._host)
         super().__init__(runner, transport, setting, self._host_board)
 
@@ -198,9 +200,9 @@ class LeanAcrossHosts(LeanPath):
         if self._host_board is not None:
             self._host_board.all_reduce(seq, flat, p.header, p.code, p.op, c.deadline,
                                         lambda: self._t.host_board_guard(c.tag, c.meta), c.meta)
-        if self._is_leader:
+        if self._column is not None:
             if p.meta.coll == Collective.BARRIER:
-                dissemination_barrier(c, self._leaders)
+                dissemination_barrier(c, self._column)
             else:
-                self._reduce_across(c, flat, p.fold, self._leaders)
-        two_level.from_leader(c, self._host, self._host_board, flat)
+                self._reduce_across(c, flat, p.fold, self._column)
+        two_level.from_leader(c, self._host, self._host_board, flat, self._min_local)

@@ -191,19 +191,26 @@ def test_a_host_whose_rank_cannot_be_read_takes_its_rings_alone(monkeypatch):
     assert len({out["avg"] for out in results}) == 1
 
 
-@pytest.mark.multiprocess
-def test_small_all_reduce_goes_through_the_leaders(monkeypatch):
-    """8 bytes over 2+2: only the two leaders talk across hosts, one message each way. Inside a
-    host the ranks reduce on the board (nothing over the rings) and the leader's one ring message
-    hands the result on."""
-    def small(pg):
-        x = np.full(2, pg.rank + 1.0, dtype=np.float32)
-        pg.all_reduce(x)
-        assert np.all(x == 10.0)
+def _small_all_reduce(pg):
+    x = np.full(2, pg.rank + 1.0, dtype=np.float32)  # 8 bytes
+    pg.all_reduce(x)
+    n = pg.world_size
+    assert np.all(x == n * (n + 1) / 2)
 
-    results = _run("halves", 4, "hier", small, monkeypatch)
-    assert [sum(out["tcp"]) for out in results] == [8, 0, 8, 0]
-    assert [out["shm"] for out in results] == [[0, 8, 0, 0], [0] * 4, [0, 0, 0, 8], [0] * 4]
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n, tcp, shm", [
+    ("halves", 4, [[0, 0, 8, 0], [0, 0, 0, 8], [8, 0, 0, 0], [0, 8, 0, 0]], [[0] * 4] * 4),
+    ("first-alone", 4, [[0, 8, 0, 0], [8, 0, 0, 0], [0] * 4, [0] * 4], [[0] * 4, [0, 0, 8, 8], [0] * 4, [0] * 4]),
+])
+def test_small_all_reduce_crosses_hosts_by_column(layout, n, tcp, shm, monkeypatch):
+    """8 bytes: the ranks of a host reduce on its board (nothing over the rings), then local rank j
+    of every host swaps the host's sum with local rank j of the others, one message each way, so
+    no rank waits for its leader to hand the result on. Over 1+3 there is one column (0, 1): the
+    second host's extra ranks 2 and 3 get the result from their leader over the rings."""
+    results = _run(layout, n, "hier", _small_all_reduce, monkeypatch)
+    assert [out["tcp"] for out in results] == tcp
+    assert [out["shm"] for out in results] == shm
 
 
 SMALL_CALLS = [(np.float32, shmcoll.ReduceKind.SUM), (np.float16, shmcoll.ReduceKind.AVG),
@@ -229,12 +236,13 @@ def _small_calls_by_either_path(pg, lean_parity: int):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("each", 4)])
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("halves", 5), ("first-alone", 3), ("each", 4)])
 @pytest.mark.parametrize("lean_parity", [0, 1])
 def test_small_calls_across_hosts_agree_whichever_path_each_rank_takes(layout, n, lean_parity, monkeypatch):
     """Ranks of a group across hosts take the lean path for a small all-reduce and a barrier
     (LeanAcrossHosts) unless something sends them down the general one; the two send the same
-    frames, so ranks on either path, leaders or not, meet and get the same results."""
+    frames, so ranks on either path, in a column or an extra rank of a larger host (3+2, 1+2),
+    meet and get the same results."""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     results = run_ranks(n, _small_calls_by_either_path, lean_parity)
@@ -252,7 +260,7 @@ def test_small_calls_across_hosts_agree_whichever_path_each_rank_takes(layout, n
 def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_shot(monkeypatch):
     """Above a board entry (SHMCOLL_SHM_BOARD_BYTES) but within the one-step size, the ranks of a host
     swap their arrays over the rings instead: each sends its whole array to its local peer once,
-    and the leader its result once more."""
+    then its host's sum to its column peer."""
     monkeypatch.setenv("SHMCOLL_SHM_BOARD_BYTES", "4096")
     count = 4096  # 16 KiB of float32
 
@@ -263,8 +271,8 @@ def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_sh
 
     results = _run("halves", 4, "hier", small, monkeypatch)
     b = 4 * count
-    assert [sum(out["tcp"]) for out in results] == [b, 0, b, 0]
-    assert [out["shm"] for out in results] == [[0, 2 * b, 0, 0], [b, 0, 0, 0], [0, 0, 0, 2 * b], [0, 0, b, 0]]
+    assert [out["tcp"] for out in results] == [[0, 0, b, 0], [0, 0, 0, b], [b, 0, 0, 0], [0, b, 0, 0]]
+    assert [out["shm"] for out in results] == [[0, b, 0, 0], [b, 0, 0, 0], [0, 0, 0, b], [0, 0, b, 0]]
 
 
 @pytest.mark.parametrize("ids, hosts, columns", [
@@ -499,14 +507,13 @@ def _small_reduce_scatter(pg):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("action", [_small_reduce, _small_reduce_scatter], ids=lambda a: a.__name__.lstrip("_"))
-def test_small_reductions_go_through_the_leaders(action, monkeypatch):
+def test_small_reductions_cross_hosts_by_column(action, monkeypatch):
     """8 bytes per rank over 2+2 (<= SHMCOLL_ONE_SHOT_BYTES): reduce and reduce_scatter reuse
-    all_reduce's one-step path, so only the leaders 0 and 2 talk across hosts, the whole 8 bytes
-    once each way; inside each host the ranks meet on the board, and the leader hands the result
-    to its peer over the rings."""
+    all_reduce's one-step path: inside each host the ranks meet on the board, then each swaps the
+    whole 8 bytes with its column peer on the other host, once each way."""
     results = _run("halves", 4, "hier", action, monkeypatch)
-    assert [out["tcp"] for out in results] == [[0, 0, 8, 0], [0] * 4, [8, 0, 0, 0], [0] * 4]
-    assert [out["shm"] for out in results] == [[0, 8, 0, 0], [0] * 4, [0, 0, 0, 8], [0] * 4]
+    assert [out["tcp"] for out in results] == [[0, 0, 8, 0], [0, 0, 0, 8], [8, 0, 0, 0], [0, 8, 0, 0]]
+    assert [out["shm"] for out in results] == [[0] * 4] * 4
 
 
 def _subgroup_all_reduce(pg):

@@ -33,11 +33,11 @@ host as SINGLE_COPY does, where the host allows it (each host agrees for itself:
 meet there), else it takes the host's ring. Inside TWO_LEVEL all-reduce, each slice crosses hosts in
 one step (by recursive doubling among more than ONE_SHOT_MAX_HOSTS hosts), or around a ring (by
 halving and doubling from HALVING_FROM_HOSTS hosts) (`across_hosts`); TWO_LEVEL_ONE_SHOT reduces
-in each host on the host's board (one-shot where the array outgrows an entry), and its leaders
-choose as a small slice does (`small_across_hosts`). TWO_LEVEL_LEADERS hands a small call's data to
-each host's leader and back, the leaders taking ceil(log2 hosts) steps among them (a doubling
-broadcast, a Bruck all-gather); TWO_LEVEL all-gather takes that form once its total is known
-(`gather_across_hosts`).
+in each host on the host's board (one-shot where the array outgrows an entry), and its columns
+(local rank j of every host) choose as a small slice does (`small_across_hosts`).
+TWO_LEVEL_LEADERS hands a small call's data to each host's leader and back, the leaders taking
+ceil(log2 hosts) steps among them (a doubling broadcast, a Bruck all-gather); TWO_LEVEL
+all-gather takes that form once its total is known (`gather_across_hosts`).
 A group with no board (TCP only, or a sub-group) takes the large column's algorithm, SINGLE_COPY's
 fallback where it says so, except all_reduce's ONE_SHOT, and for small calls DOUBLING (broadcast)
 and BRUCK (all_gather), which take ceil(log2 n) steps where the chain and the ring take n - 1.
@@ -96,7 +96,7 @@ class Algorithm(enum.Enum):
     DIRECT = "direct"  # direct.py: an agreement step, then each block straight to its destination
     PAIRWISE = "pairwise"  # direct.py: all_to_all's exchange, every rank with every rank
     DEADLINE = "deadline"  # federated.py: rank 0 averages what arrives before the deadline
-    TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level.py: one step in each host, among leaders, fan out
+    TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level.py: one step in each host, one in each column
     TWO_LEVEL_LEADERS = "two-level via leaders"  # two_level.py: to the leader, log2 steps among leaders, back
     TWO_LEVEL = "two-level"  # two_level*.py: inside each host, across hosts, inside again
     NEIGHBOURHOODS = "neighbourhoods"  # two_level.py's all-reduce, over runs of ranks of one host
@@ -145,7 +145,7 @@ def gather_across_hosts(total_bytes: int) -> Algorithm:
 
 
 def small_across_hosts(hosts: int) -> Algorithm:
-    """A small all-reduce among one rank per host (TWO_LEVEL_ONE_SHOT's leaders, or a column): one
+    """A small all-reduce among one rank per host (a column of TWO_LEVEL_ONE_SHOT or TWO_LEVEL): one
     step of hosts-1 messages per rank, or log2(hosts) steps of one message each."""
     return Algorithm.ONE_SHOT if hosts <= ONE_SHOT_MAX_HOSTS else Algorithm.RECURSIVE_DOUBLING
 

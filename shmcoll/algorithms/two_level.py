@@ -12,8 +12,11 @@ local rank (K rings busy at once); a larger host's extra ranks only take part in
 Its in-host phases read the host's peers' arrays directly where the host allows it (single_copy.py:
 each rank folds its slice out of its peers' arrays, and copies the finished slices out of theirs),
 else they go around the host's shared-memory ring.
-All-gather and barrier go through one leader per host (its lowest rank); a large broadcast is one
-chain that visits the hosts one after another, a small one goes from leader to leader by doubling.
+A small all-reduce and the barrier meet on each host's board first; then local rank j < K of every
+host crosses with its peers of the same local rank (its column: K exchanges at once, each rank
+holding its host's result already), and a larger host's extra ranks hear from its leader (its
+lowest rank). All-gather goes through one leader per host; a large broadcast is one chain that
+visits the hosts one after another, a small one goes from leader to leader by doubling.
 Reduce-scatter and reduce are in two_level_reduce.py.
 """
 
@@ -96,18 +99,20 @@ _ALL_REDUCE_ACROSS: dict[Algorithm, AcrossHosts] = {
 
 def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
     """Latency first: one step in the host (on its board, where the array fits, else one-shot),
-    one-shot (or recursive doubling) among host leaders, leader fans out."""
+    which leaves every rank there with its host's sum; one-shot (or recursive doubling) among each
+    column, in host order, so every column folds the same sums alike; the leader hands the result
+    to a larger host's extra ranks. No rank of a column waits for another rank of its host."""
     host = topo.local_ranks(c.rank)
     board = _in_host_step(c, host, data, summed(op))
-    if c.rank == host[0]:
-        leaders = topo.leaders()
-        leaders_all_reduce(len(leaders))(c, data, summed(op), leaders)
-    from_leader(c, host, board, data)
+    j, k = host.index(c.rank), topo.min_local
+    if j < k:
+        column_all_reduce(topo.n_hosts)(c, data, summed(op), topo.column(j))
+    from_leader(c, host, board, data, k)
     scale_if_avg(c, data, op, c.size)
 
 
-def leaders_all_reduce(hosts: int) -> AcrossHosts:
-    """The small all-reduce's step among the hosts' leaders (one per host): f(c, data, op, leaders)."""
+def column_all_reduce(hosts: int) -> AcrossHosts:
+    """The small all-reduce's step among one rank per host (a column): f(c, data, op, column)."""
     return _ALL_REDUCE_ACROSS[small_across_hosts(hosts)]
 
 
@@ -128,17 +133,18 @@ def host_board(t: Transport, host: tuple[int, ...]) -> Board | None:
     return t.host_board if len(host) > 1 else None
 
 
-def from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray) -> None:
-    """The host's leader hands data to the host's other ranks, which receive it. Where the host
-    step ran on `board`, the leader first waits for them to leave it: a rank still between board
-    waits would take these frames for another call's."""
-    if c.rank != host[0]:
+def from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray, first: int = 1) -> None:
+    """The host's leader hands data to the host's ranks from local index `first` on (a larger
+    host's extra ranks, which no column holds), which receive it. Where the host step ran on
+    `board`, the leader first waits for them to leave it: a rank still between board waits would
+    take these frames for another call's."""
+    if c.rank == host[0] and first < len(host):
+        if board is not None:
+            board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
+        for peer in host[first:]:
+            c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
+    elif host.index(c.rank) >= first:
         c.t.recv_into(host[0], c.tag, data, c.code, c.deadline, c.meta)
-        return
-    if board is not None:
-        board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
-    for peer in host[1:]:
-        c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
 
 
 def two_level_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:
@@ -224,9 +230,11 @@ def two_level_leaders_broadcast(c: Call, topo: Topology, root: int, data: np.nda
 
 
 def two_level_barrier(c: Call, topo: Topology) -> None:
-    """Host barrier, leaders' barrier, host barrier: nobody leaves before the leaders all met. On
-    the host's board the first is one compiled step and the last the leader's word to each of its
-    ranks; without one (TCP only) both are dissemination barriers."""
+    """Host barrier, then across hosts: nobody leaves before every host's ranks all arrived. On the
+    host's board that is one compiled step, then a dissemination barrier in each column (every
+    column holds one rank of every host, which left its host's step), then the leader's word to a
+    larger host's extra ranks; without a board (TCP only), dissemination barriers in the host,
+    among the leaders, and in the host again."""
     host = topo.local_ranks(c.rank)
     board = host_board(c.t, host)
     if board is None:
@@ -236,15 +244,17 @@ def two_level_barrier(c: Call, topo: Topology) -> None:
         dissemination_barrier(c, host)
         return
     host_board_all_reduce(c, _NOTHING, ReduceKind.SUM)
-    if c.rank == host[0]:
-        dissemination_barrier(c, topo.leaders())
-    from_leader(c, host, board, _NOTHING)
+    j, k = host.index(c.rank), topo.min_local
+    if j < k:
+        dissemination_barrier(c, topo.column(j))
+    from_leader(c, host, board, _NOTHING, k)
 
 
 def two_level_agree(c: Call, topo: Topology) -> None:
     """The agreement step of rooted calls (direct.agree) across hosts: the hierarchy's barrier. Every
-    frame carries the call's description and a rank leaves only after hearing, through the leaders,
-    from every rank, with one message per host pair instead of one per rank pair."""
+    frame carries the call's description and a rank leaves only after hearing, through its host's
+    board and its column (or its leader), from every rank, with K messages per host pair (K ranks
+    per host) instead of one per rank pair."""
     two_level_barrier(replace(c, code=SIGNAL_CODE), topo)
 
 
