@@ -39,7 +39,7 @@ import numpy as np
 from hosts_rank import FORCINGS, forced
 
 from shmcoll.algorithms.call import chunk_count
-from shmcoll.algorithms.select import Algorithm, Setting, across_hosts, select, small_across_hosts
+from shmcoll.algorithms.select import Algorithm, Setting, across_hosts, crossing_columns, select, small_across_hosts
 from shmcoll.config import ONE_SHOT_BYTES_ACROSS_HOSTS, Tuning
 from shmcoll.transport.shm_layout import board_bytes_for
 from shmcoll.types import Collective
@@ -141,15 +141,18 @@ def crossing(algorithm: Algorithm, hosts: int, nbytes: int, chunk_bytes: int = C
 def all_reduce_steps(phases: Algorithm, across: Algorithm, hosts: int, per_host: int, nbytes: int,
                      cores: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> Steps:
     """two_level.py's all-reduce over hosts of `per_host` ranks each: TWO_LEVEL_ONE_SHOT (one step
-    in the host, then the K columns cross with the whole array at once) or TWO_LEVEL (each rank
-    folds its slice out of its K-1 host peers' arrays, the K columns cross with a slice each at
-    once, each rank copies the other slices out of their owners' arrays). Every rank is busy in
-    every phase (on_cores)."""
+    in the host, then crossing_columns columns cross with the whole array at once, and each leader
+    hands it to the ranks of no column) or TWO_LEVEL (each rank folds its slice out of its K-1 host
+    peers' arrays, the K columns cross with a slice each at once, each rank copies the other
+    slices out of their owners' arrays). Each phase is on_cores(ranks busy in it)."""
     k, ranks = per_host - 1, hosts * per_host
     if phases is Algorithm.TWO_LEVEL_ONE_SHOT:
+        columns = crossing_columns(hosts, per_host)
         inside = Steps(calls=1, reduced=k * nbytes, local_messages=in_host_messages(per_host, nbytes),
                        local_bytes=k * nbytes)
-        return on_cores(inside + crossing(across, hosts, nbytes, chunk_bytes), ranks, cores)
+        handed = Steps(local_messages=per_host - columns, local_bytes=(per_host - columns) * nbytes)
+        crossed = crossing(across, hosts, nbytes, chunk_bytes)
+        return on_cores(inside + handed, ranks, cores) + on_cores(crossed, hosts * columns, cores)
     if phases is not Algorithm.TWO_LEVEL:
         raise ValueError(f"not a two-level all-reduce: {phases}")
     slice_bytes = -(-(nbytes // ITEMSIZE) // per_host) * ITEMSIZE

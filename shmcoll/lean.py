@@ -181,9 +181,7 @@ class LeanAcrossHosts(LeanPath):
 
     def __init__(self, runner: Runner, transport: Transport, setting: Setting, topology: Topology):
         self._host = topology.local_ranks(transport.rank)
-        self._min_local = topology.min_local
-        j = self._host.index(transport.rank)
-        self._column = topology.column(j) if j < self._min_local else None
+        self._column, self._first_handed = two_level.small_crossing(topology, transport.rank)
         self._reduce_across = two_level.column_all_reduce(topology.n_hosts)
         self._host_board = two_level.host_board(transport, self._host)
         super().__init__(runner, transport, setting, self._host_board)
@@ -205,4 +203,4 @@ class LeanAcrossHosts(LeanPath):
                 dissemination_barrier(c, self._column)
             else:
                 self._reduce_across(c, flat, p.fold, self._column)
-        two_level.from_leader(c, self._host, self._host_board, flat, self._min_local)
+        two_level.from_leader(c, self._host, self._host_board, flat, self._first_handed)

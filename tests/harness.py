@@ -253,6 +253,7 @@ HOST_LAYOUTS = {
     "first-alone": lambda rank, n: "a" if rank == 0 else "b",         # 1+3, 1+2, 1+1
     "each": lambda rank, n: f"h{rank}",                               # 1+1+1+1
     "interleaved": lambda rank, n: "ab"[rank % 2],                    # a,b,a,b
+    "pairs": lambda rank, n: f"p{rank // 2}",                         # 2+2+2
 }
 
 

@@ -202,12 +202,16 @@ def _small_all_reduce(pg):
 @pytest.mark.parametrize("layout, n, tcp, shm", [
     ("halves", 4, [[0, 0, 8, 0], [0, 0, 0, 8], [8, 0, 0, 0], [0, 8, 0, 0]], [[0] * 4] * 4),
     ("first-alone", 4, [[0, 8, 0, 0], [8, 0, 0, 0], [0] * 4, [0] * 4], [[0] * 4, [0, 0, 8, 8], [0] * 4, [0] * 4]),
+    ("pairs", 6, [[0, 0, 8, 0, 8, 0], [0] * 6, [8, 0, 0, 0, 8, 0], [0] * 6, [8, 0, 8, 0, 0, 0], [0] * 6],
+     [[0, 8, 0, 0, 0, 0], [0] * 6, [0, 0, 0, 8, 0, 0], [0] * 6, [0, 0, 0, 0, 0, 8], [0] * 6]),
 ])
 def test_small_all_reduce_crosses_hosts_by_column(layout, n, tcp, shm, monkeypatch):
-    """8 bytes: the ranks of a host reduce on its board (nothing over the rings), then local rank j
-    of every host swaps the host's sum with local rank j of the others, one message each way, so
-    no rank waits for its leader to hand the result on. Over 1+3 there is one column (0, 1): the
-    second host's extra ranks 2 and 3 get the result from their leader over the rings."""
+    """8 bytes: the ranks of a host reduce on its board (nothing over the rings), then between 2
+    hosts local rank j of every host swaps the host's sum with local rank j of the other, one
+    message each way, so no rank waits for its leader to hand the result on. Over 1+3 there is one
+    column (0, 1): the second host's extra ranks 2 and 3 get the result from their leader over the
+    rings. Among 3 hosts (2+2+2) only the leaders 0, 2 and 4 cross, one message to each other
+    leader, and each hands the result to its host's other rank."""
     results = _run(layout, n, "hier", _small_all_reduce, monkeypatch)
     assert [out["tcp"] for out in results] == tcp
     assert [out["shm"] for out in results] == shm
@@ -236,13 +240,13 @@ def _small_calls_by_either_path(pg, lean_parity: int):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, n", [("halves", 4), ("halves", 5), ("first-alone", 3), ("each", 4)])
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("halves", 5), ("first-alone", 3), ("each", 4), ("pairs", 6)])
 @pytest.mark.parametrize("lean_parity", [0, 1])
 def test_small_calls_across_hosts_agree_whichever_path_each_rank_takes(layout, n, lean_parity, monkeypatch):
     """Ranks of a group across hosts take the lean path for a small all-reduce and a barrier
     (LeanAcrossHosts) unless something sends them down the general one; the two send the same
-    frames, so ranks on either path, in a column or an extra rank of a larger host (3+2, 1+2),
-    meet and get the same results."""
+    frames, so ranks on either path, crossing hosts or not (3+2, 1+2, 2+2+2), meet and get the
+    same results."""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     results = run_ranks(n, _small_calls_by_either_path, lean_parity)

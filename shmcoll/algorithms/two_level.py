@@ -12,10 +12,11 @@ local rank (K rings busy at once); a larger host's extra ranks only take part in
 Its in-host phases read the host's peers' arrays directly where the host allows it (single_copy.py:
 each rank folds its slice out of its peers' arrays, and copies the finished slices out of theirs),
 else they go around the host's shared-memory ring.
-A small all-reduce and the barrier meet on each host's board first; then local rank j < K of every
-host crosses with its peers of the same local rank (its column: K exchanges at once, each rank
-holding its host's result already), and a larger host's extra ranks hear from its leader (its
-lowest rank). All-gather goes through one leader per host; a large broadcast is one chain that
+A small all-reduce and the barrier meet on each host's board first; then between 2 hosts local
+rank j < K of every host crosses with its peers of the same local rank (its column: K exchanges at
+once, each rank holding its host's result already), among more only the leaders (each host's
+lowest rank, column 0) do (select.crossing_columns); the ranks of no column hear from their
+leader. All-gather goes through one leader per host; a large broadcast is one chain that
 visits the hosts one after another, a small one goes from leader to leader by doubling.
 Reduce-scatter and reduce are in two_level_reduce.py.
 """
@@ -41,7 +42,7 @@ from .doubling import recursive_doubling_all_reduce
 from .doubling_broadcast import doubling_broadcast, give, take
 from .halving import halving_doubling_all_reduce
 from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
-from .select import Algorithm, across_hosts, gather_across_hosts, small_across_hosts
+from .select import Algorithm, across_hosts, crossing_columns, gather_across_hosts, small_across_hosts
 from .single_copy import DESCRIPTOR_BYTES, Readers, all_reduce_among
 
 _NOTHING = np.empty(0, dtype=np.uint8)  # what a barrier's steps carry: only the call's description
@@ -99,16 +100,24 @@ _ALL_REDUCE_ACROSS: dict[Algorithm, AcrossHosts] = {
 
 def two_level_one_shot_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKind) -> None:
     """Latency first: one step in the host (on its board, where the array fits, else one-shot),
-    which leaves every rank there with its host's sum; one-shot (or recursive doubling) among each
-    column, in host order, so every column folds the same sums alike; the leader hands the result
-    to a larger host's extra ranks. No rank of a column waits for another rank of its host."""
+    which leaves every rank there with its host's sum; one-shot (or recursive doubling) in each
+    crossing column (small_crossing), in host order, so every column folds the same sums alike;
+    the leader hands the result to the ranks of no column."""
     host = topo.local_ranks(c.rank)
     board = _in_host_step(c, host, data, summed(op))
-    j, k = host.index(c.rank), topo.min_local
-    if j < k:
-        column_all_reduce(topo.n_hosts)(c, data, summed(op), topo.column(j))
-    from_leader(c, host, board, data, k)
+    column, first = small_crossing(topo, c.rank)
+    if column is not None:
+        column_all_reduce(topo.n_hosts)(c, data, summed(op), column)
+    from_leader(c, host, board, data, first)
     scale_if_avg(c, data, op, c.size)
+
+
+def small_crossing(topo: Topology, rank: int) -> tuple[tuple[int, ...] | None, int]:
+    """Whom `rank` crosses hosts with in a small all-reduce or barrier: its column, or None where it
+    hears from its leader; and the local index from which its host's leader hands the result on."""
+    crossing = crossing_columns(topo.n_hosts, topo.min_local)
+    j = topo.local_index(rank)
+    return (topo.column(j) if j < crossing else None), crossing
 
 
 def column_all_reduce(hosts: int) -> AcrossHosts:
@@ -134,8 +143,8 @@ def host_board(t: Transport, host: tuple[int, ...]) -> Board | None:
 
 
 def from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray, first: int = 1) -> None:
-    """The host's leader hands data to the host's ranks from local index `first` on (a larger
-    host's extra ranks, which no column holds), which receive it. Where the host step ran on
+    """The host's leader hands data to the host's ranks from local index `first` on (those of no
+    crossing column), which receive it. Where the host step ran on
     `board`, the leader first waits for them to leave it: a rank still between board waits would
     take these frames for another call's."""
     if c.rank == host[0] and first < len(host):
@@ -231,10 +240,10 @@ def two_level_leaders_broadcast(c: Call, topo: Topology, root: int, data: np.nda
 
 def two_level_barrier(c: Call, topo: Topology) -> None:
     """Host barrier, then across hosts: nobody leaves before every host's ranks all arrived. On the
-    host's board that is one compiled step, then a dissemination barrier in each column (every
-    column holds one rank of every host, which left its host's step), then the leader's word to a
-    larger host's extra ranks; without a board (TCP only), dissemination barriers in the host,
-    among the leaders, and in the host again."""
+    host's board that is one compiled step, then a dissemination barrier in each crossing column
+    (small_crossing: each holds one rank of every host, which left its host's step), then the
+    leader's word to the ranks of none; without a board (TCP only), dissemination barriers in the
+    host, among the leaders, and in the host again."""
     host = topo.local_ranks(c.rank)
     board = host_board(c.t, host)
     if board is None:
@@ -244,17 +253,17 @@ def two_level_barrier(c: Call, topo: Topology) -> None:
         dissemination_barrier(c, host)
         return
     host_board_all_reduce(c, _NOTHING, ReduceKind.SUM)
-    j, k = host.index(c.rank), topo.min_local
-    if j < k:
-        dissemination_barrier(c, topo.column(j))
-    from_leader(c, host, board, _NOTHING, k)
+    column, first = small_crossing(topo, c.rank)
+    if column is not None:
+        dissemination_barrier(c, column)
+    from_leader(c, host, board, _NOTHING, first)
 
 
 def two_level_agree(c: Call, topo: Topology) -> None:
     """The agreement step of rooted calls (direct.agree) across hosts: the hierarchy's barrier. Every
     frame carries the call's description and a rank leaves only after hearing, through its host's
-    board and its column (or its leader), from every rank, with K messages per host pair (K ranks
-    per host) instead of one per rank pair."""
+    board and its column (or its leader), from every rank, with at most K messages per host pair
+    (K ranks per host) instead of one per rank pair."""
     two_level_barrier(replace(c, code=SIGNAL_CODE), topo)
 
 
