@@ -10,8 +10,8 @@ element count, op) and kept. A call then takes a sequence number and runs the bo
 slice comes back to Python for the failure checks.
 
 A group across hosts (LeanAcrossHosts) runs its small all-reduce and barrier the same way as far as
-the host's board goes: what is worked out once is the call's description, its board header and its
-column's algorithm; the steps across hosts and to a larger host's extra ranks are two_level.py's own.
+the host's board goes: what is worked out once is the call's description, its board header, whom
+the rank crosses hosts with and how; the steps across hosts and back are two_level.py's own.
 
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
@@ -175,9 +175,9 @@ class LeanPath:
 
 class LeanAcrossHosts(LeanPath):
     """The same calls in a group that spans hosts (two_level.py's small all-reduce and barrier):
-    the step on this host's board runs from the prepared header as above, then the column's
-    exchange and the leader's hand-on to extra ranks are two_level.py's own, so ranks may take
-    either path."""
+    the step on this host's board runs from the prepared header as above, then the exchange
+    across hosts (by column, or among the leaders) and the leader's hand-on are two_level.py's
+    own, so ranks may take either path."""
 
     def __init__(self, runner: Runner, transport: Transport, setting: Setting, topology: Topology):
         self._host = topology.local_ranks(transport.rank)
