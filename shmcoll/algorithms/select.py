@@ -71,9 +71,10 @@ ONE_SHOT_MAX_HOSTS = 3
 HALVING_FROM_HOSTS = 4
 #: Hosts up to which a small all-reduce or barrier crosses by column (local rank j of every host,
 #: every j < K at once), not only through each host's leader. Between 2 hosts both send K messages
-#: per host, and columns save the leader's hand-on to its ranks (2x2 on 2 cores, 8 B: 361 -> 313
-#: us). Among H > 2 hosts a host's columns send K(H-1) messages, against (H-1) + (K-1) through
-#: its leader: 4x2, 8 B, recursive doubling went from 1.15 to 1.39 ms, one-shot from 1.16 to 2.12 ms.
+#: per host, and columns save the leader's hand-on to its ranks. Among H > 2 hosts a host's columns
+#: send K(H-1) messages, against (H-1) + (K-1) through its leader. Simulated hosts on 2 cores,
+#: alternating runs: 2x2, 8 B: 275-292 us by column, 307-340 by leaders; 4x2, 8 B: even (1.46-1.47
+#: against 1.28-1.51 ms), 64 KiB: 2.24-2.42 against 1.71-1.93 ms.
 COLUMNS_UP_TO_HOSTS = 2
 #: Largest root array a broadcast without a board sends by doubling (DOUBLING, or among the hosts'
 #: leaders TWO_LEVEL_LEADERS: ceil(log2 n) steps, the whole array in each) rather than down a
