@@ -52,9 +52,9 @@ class Forcing:
     """select.py's knobs set so that one algorithm crosses hosts at every size. select reads its two
     host-count constants as module globals at each call, and one_shot_bytes from the environment at
     init (every rank sets the same, as the selection requires). A small-enough array (one_shot_bytes
-    NEVER) runs TWO_LEVEL_ONE_SHOT, whose leaders cross by ONE_SHOT or RECURSIVE_DOUBLING; a large
-    one (one_shot_bytes 0) runs TWO_LEVEL, whose columns cross by RING or HALVING_DOUBLING. With one
-    rank per host both are the crossing alone."""
+    NEVER) runs TWO_LEVEL_ONE_SHOT, whose columns (or leaders) cross by ONE_SHOT or
+    RECURSIVE_DOUBLING; a large one (one_shot_bytes 0) runs TWO_LEVEL, whose columns cross by RING
+    or HALVING_DOUBLING. With one rank per host both are the crossing alone."""
 
     one_shot_max_hosts: int
     halving_from_hosts: int
