@@ -12,7 +12,9 @@ string from "gloo" to "shmcoll" (after `import shmcoll.torch`) buys. Three measu
   DDP step    forward + backward + SGD step of DistributedDataParallel (default settings) around
               --layers x Linear(1024, 1024) with ReLU between (16: 64 MiB of float32 gradients) on a
               batch of 8, at each of --ddp-ranks; a few untimed steps, a barrier, then --steps steps
-              timed one by one on rank 0; the median step.
+              timed one by one on rank 0; the median step. Then the same on a fresh model whose comm
+              hook returns each bucket as it is: a line under the table gives that step without
+              communication in each backend's job, and what communication adds to each step.
   adapter     at 8 B in the shmcoll ranks, after the sizes: dist.all_reduce(t) minus the wrapped shmcoll
               group's own all_reduce on a numpy array (dist.group.WORLD.shmcoll_group), their timed
               loops alternating; the medians' difference.
@@ -208,8 +210,9 @@ def records(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
                          "unit": "us", "gloo": gloo, "shmcoll": shm, "ratio": ratio(shm, gloo)})
     for n in args.ddp_ranks:
         gloo, shm = (result(jobs, "ddp", b, n).get("median_ms") for b in BACKENDS)
+        no_comm = {b: result(jobs, "ddp", b, n).get("no_comm_median_ms") for b in BACKENDS}
         rows.append({"what": "DDP step", "kind": "ddp", "ranks": n, "unit": "ms", "gloo": gloo, "shmcoll": shm,
-                     "ratio": ratio(shm, gloo)})
+                     "ratio": ratio(shm, gloo), "no_comm": no_comm})
     return rows
 
 
@@ -236,6 +239,17 @@ def adapter_line(adapter: dict[str, Any] | None, ranks: int) -> str:
             f"shmcoll call: {adapter['floor_us']:.1f} us) and shmcoll.torch's {adapter['own_us']:.1f} us")
 
 
+def ddp_line(row: dict[str, Any]) -> str:
+    """What communication adds to a DDP step: each backend's step less the same job's step without it."""
+    base = row["no_comm"]
+    if None in (row["gloo"], row["shmcoll"], *base.values()):
+        return f"DDP at {row['ranks']} ranks without communication: error (a DDP job failed)"
+    added = {b: row[b] - base[b] for b in BACKENDS}
+    return (f"DDP at {row['ranks']} ranks without communication (a comm hook that returns each bucket as it is): "
+            f"{base['gloo']:.1f} ms in gloo's job, {base['shmcoll']:.1f} ms in shmcoll's; communication adds "
+            f"{added['gloo']:.1f} ms with gloo, {added['shmcoll']:.1f} ms with shmcoll")
+
+
 def header(args: argparse.Namespace, command: str) -> list[str]:
     """The exact command, then what was measured and how, in a few comment lines."""
     p = args.policy
@@ -246,14 +260,15 @@ def header(args: argparse.Namespace, command: str) -> list[str]:
             f"about {p.rep_s:g} s, at most {p.max_iters} calls), rank 0's time per call",
             f"DDP step: forward + backward + SGD, {p.layers} x Linear({WIDTH}, {WIDTH}) ({p.grad_bytes / 2**20:.1f} "
             f"MiB of float32 gradients), batch {BATCH}; median of {p.steps} steps after {p.ddp_warmup} untimed, "
-            "rank 0's time"]
+            "rank 0's time; then the same step on a fresh model whose comm hook communicates nothing"]
 
 
 def report(jobs: list[Job], args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Print the table, the adapter's overhead and any errors; return the JSON document."""
     rows = records(jobs, args)
     adapter = result(jobs, "all_reduce", "shmcoll", args.ranks[0]).get("adapter")
-    print("\n".join(["", *table(rows), "", adapter_line(adapter, args.ranks[0])]), flush=True)
+    ddp_lines = [ddp_line(r) for r in rows if r["kind"] == "ddp"]
+    print("\n".join(["", *table(rows), "", adapter_line(adapter, args.ranks[0]), *ddp_lines]), flush=True)
     errors = [f"{' and '.join(j.jobs)} over {j.backend} at {j.ranks} ranks: {j.error}" for j in jobs if j.error]
     for e in errors:
         print(f"error: {e}", flush=True)

@@ -26,6 +26,9 @@ SCRIPT = REPO / "bench" / "torch_compare.py"
 TIME_CELL = re.compile(r"^(\d+\.\d) (us|ms)$")
 RATIO_CELL = re.compile(r"^(\d+(?:\.\d+)?(?:e[+-]\d+)?)x$")
 ADAPTER_LINE = re.compile(r"^adapter overhead: (-?\d+\.\d) us \(")
+DDP_LINE = re.compile(r"^DDP at (\d+) ranks without communication \(.*\): (\d+\.\d) ms in gloo's job, "
+                      r"(\d+\.\d) ms in shmcoll's; communication adds (-?\d+\.\d) ms with gloo, "
+                      r"(-?\d+\.\d) ms with shmcoll$")
 #: --quick launches two jobs (gloo's ranks, then shmcoll's), each bounded like any launched job.
 QUICK_RUN_S = 2 * RUN_HANG_S
 
@@ -77,6 +80,19 @@ def test_quick_run_prints_both_backends_and_writes_the_same_json(tmp_path):
     assert len(adapter) == 1 and adapter[0].group(1) == f"{overhead['overhead_us']:.1f}", out
     assert overhead["torch_path_us"] + overhead["own_us"] == pytest.approx(overhead["overhead_us"])
     assert f"torch's own path {overhead['torch_path_us']:.1f} us" in adapter[0].string
+    _assert_ddp_line_follows_the_json(out, doc)
+
+
+def _assert_ddp_line_follows_the_json(out: str, doc: dict) -> None:
+    """One line per DDP world size: each job's step without communication, and each step less it."""
+    lines = [m for ln in out.splitlines() if (m := DDP_LINE.match(ln))]
+    ddp_rows = [r for r in doc["rows"] if r["kind"] == "ddp"]
+    assert len(lines) == len(ddp_rows) == 1, out
+    (m,), (row,) = lines, ddp_rows
+    gloo_alone, shm_alone = row["no_comm"]["gloo"], row["no_comm"]["shmcoll"]
+    assert gloo_alone > 0 and shm_alone > 0
+    assert m.groups() == (str(row["ranks"]), f"{gloo_alone:.1f}", f"{shm_alone:.1f}",
+                          f"{row['gloo'] - gloo_alone:.1f}", f"{row['shmcoll'] - shm_alone:.1f}")
 
 
 def _sleepers(count: int) -> list[subprocess.Popen]:
