@@ -47,10 +47,12 @@ board_all_reduce = _native.board_all_reduce
 #: read_peer(out, pid, address) -> 0, or the errno of the failed read: len(out) bytes of process
 #: pid's memory from address into out (process_vm_readv; algorithms/single_copy.py).
 read_peer = _native.read_peer
-#: reduce_from_peers(own, peers, me, lo, hi, code, op, scratch) -> None, or (rank, errno) of the
-#: failed read: bytes [lo, hi) of every rank's array folded in rank order into own[lo:hi] (own:
-#: rank me's array as uint8; peers[r]: rank r's pid and array address, int64), reading
-#: len(scratch) // 2 bytes of a peer at a time into scratch.
+#: reduce_from_peers(own, peers, me, lo, hi, code, op, scratch, deliver) -> None, or (rank, errno)
+#: of the failed read or write: bytes [lo, hi) of every rank's array folded in rank order into
+#: own[lo:hi] (own: rank me's array as uint8; peers[r]: rank r's pid and array address, int64),
+#: reading len(scratch) // 2 bytes of a peer at a time into scratch. deliver 0 keeps the result
+#: in own; d >= 1 also divides each finished piece by d where d > 1 (AVG, float codes) and writes
+#: it into every peer's array (process_vm_writev) while it is still in cache.
 reduce_from_peers = _native.reduce_from_peers
 #: collapse_to_huge_pages(buffer) -> 0, or the errno: the whole 2 MiB pages inside a buffer
 #: backed by huge pages now (MADV_COLLAPSE, Linux 6.1+), so a peer's read of it pins one

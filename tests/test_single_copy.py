@@ -93,11 +93,31 @@ def test_each_rank_folds_its_range_of_every_array_in_rank_order(dtype, op, ranks
         mine = arrays[me].copy()  # the others keep reading the untouched inputs
         peers[me, 1] = _address(mine)
         failed = kernels.reduce_from_peers(mine.view(np.uint8), peers, me, lo * itemsize, hi * itemsize,
-                                           wire.code, int(op), scratch)
+                                           wire.code, int(op), scratch, 0)
         peers[me, 1] = _address(arrays[me])
         assert failed is None
         assert np.array_equal(mine[:lo], arrays[me][:lo]) and np.array_equal(mine[hi:], arrays[me][hi:])
         assert mine[lo:hi].tobytes() == reference[lo:hi].tobytes(), (me, lo, hi)
+
+
+@pytest.mark.parametrize("dtype, op", CASES)
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_each_rank_delivers_its_folded_range_into_every_array(dtype, op, ranks):
+    """As above, but each "rank" also divides each finished piece (AVG) and writes it into every
+    other array, one rank after another: a rank's range of the others is still their input when it
+    folds, since only the rank that owns a range writes it. At the end every array is the result."""
+    arrays = [_inputs(r, dtype, 1001) for r in range(ranks)]
+    reference = _fold_in_rank_order(arrays, op)
+    wire, itemsize = wire_type_of(np.dtype(dtype)), np.dtype(dtype).itemsize
+    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    scratch = np.empty(80 + itemsize - 1, dtype=np.uint8)
+    divisor = ranks if op is ReduceKind.AVG else 1
+    for me, (lo, hi) in enumerate(segment_bounds(1001, ranks)):
+        failed = kernels.reduce_from_peers(arrays[me].view(np.uint8), peers, me, lo * itemsize, hi * itemsize,
+                                           wire.code, int(op), scratch, divisor)
+        assert failed is None
+    for me, array in enumerate(arrays):
+        assert array.tobytes() == reference.tobytes(), me
 
 
 def test_a_failed_read_names_the_rank_it_was_reading():
@@ -106,9 +126,26 @@ def test_a_failed_read_names_the_rank_it_was_reading():
     peers[2] = (NO_SUCH_PID, _address(arrays[2]))
     scratch = np.empty(1024, dtype=np.uint8)
     code = wire_type_of(np.dtype(np.float32)).code
-    assert kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, 0, 0, 256, code, 0, scratch) == (2, errno.ESRCH)
+    assert kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, 0, 0, 256, code, 0, scratch, 0) == \
+        (2, errno.ESRCH)
     peers[2] = (os.getpid(), 8)
-    assert kernels.reduce_from_peers(arrays[1].view(np.uint8), peers, 1, 0, 256, code, 0, scratch) == (2, errno.EFAULT)
+    assert kernels.reduce_from_peers(arrays[1].view(np.uint8), peers, 1, 0, 256, code, 0, scratch, 0) == \
+        (2, errno.EFAULT)
+
+
+def test_a_failed_write_names_the_rank_it_was_writing_to():
+    """Rank 2's array can be read but not written (a read-only mapping): the fold succeeds, the
+    delivery to rank 2 fails, after rank 1's has gone through."""
+    arrays = [np.full(64, r + 1.0, dtype=np.float32) for r in range(2)]
+    read_only = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
+    third = np.frombuffer(read_only, dtype=np.float32, count=64)
+    peers = np.array([(os.getpid(), _address(a)) for a in (*arrays, third)], dtype=np.int64)
+    code = wire_type_of(np.dtype(np.float32)).code
+    failed = kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, 0, 0, 256, code, 0,
+                                       np.empty(1024, dtype=np.uint8), 1)
+    assert failed == (2, errno.EFAULT)
+    assert np.array_equal(arrays[0], np.full(64, 3.0)) and np.array_equal(arrays[1], arrays[0])
+    assert not third.any()
 
 
 @pytest.mark.parametrize("me, lo, hi, code, scratch_bytes", [
@@ -124,7 +161,18 @@ def test_reduce_from_peers_refuses_arguments_that_describe_no_reduction(me, lo, 
     peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
     with pytest.raises(ValueError, match="do not describe"):
         kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, me, lo, hi, code, 0,
-                                  np.empty(scratch_bytes, dtype=np.uint8))
+                                  np.empty(scratch_bytes, dtype=np.uint8), 0)
+
+
+@pytest.mark.parametrize("dtype, deliver", [(np.float32, -1), (np.int64, 2)])
+def test_reduce_from_peers_refuses_a_delivery_it_cannot_make(dtype, deliver):
+    """A negative delivery, or a division (AVG) of integers: refused before anything is read."""
+    arrays = [np.ones(64, dtype=dtype) for _ in range(2)]
+    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    code = wire_type_of(np.dtype(dtype)).code
+    with pytest.raises(ValueError, match="do not describe"):
+        kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, 0, 0, 64, code, 0,
+                                  np.empty(1024, dtype=np.uint8), deliver)
 
 
 def test_a_rank_may_read_a_peer_only_where_the_peers_token_is_found():
@@ -209,6 +257,24 @@ def test_large_all_reduces_read_peers_directly_exactly_and_alike(n):
     assert all(out == results[0][1] for _, out in results)
 
 
+def _bytes_moved(pg):
+    pg.all_reduce(_inputs(pg.rank, np.float32))
+    board = pg.transport.board
+    return list(board.bytes_read_from), list(board.bytes_written_to), list(pg.transport.bytes_to)
+
+
+@pytest.mark.multiprocess
+def test_a_large_all_reduce_reads_and_writes_each_owned_range_once_per_peer():
+    """Each rank reads its own (uneven) range of every peer's array and writes the finished range
+    back into it: exactly the range's bytes each way per peer, and nothing through the rings."""
+    n = 3
+    results = run_ranks(n, _bytes_moved, env=SMALL_BOARD)
+    for rank, (read, written, sent) in enumerate(results):
+        lo, hi = segment_bounds(ELEMENTS, n)[rank]
+        owned = [0 if peer == rank else (hi - lo) * 4 for peer in range(n)]
+        assert (read, written, sent) == (owned, owned, [0] * n), rank
+
+
 def _moves(pg):
     """reduce_scatter, all_gather and broadcast of arrays past the board, checked exactly."""
     n, me = pg.world_size, pg.rank
@@ -263,7 +329,7 @@ def _killed_in_step(pg, victim: int, call: str, step: str, finish):
     pg.all_reduce(data)  # the agreement, so the fault hits a call that reads peers
     run = (lambda: pg.all_reduce(data)) if call == "all_reduce" else (lambda: pg.broadcast(victim, data))
     if pg.rank == victim:
-        setattr(single_copy, step, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+        setattr(single_copy, step, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
         run()
         return None
     out = attempt(run)
@@ -274,12 +340,12 @@ def _killed_in_step(pg, victim: int, call: str, step: str, finish):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("call, step", [("all_reduce", "_reduce_range"), ("all_reduce", "_read"),
+@pytest.mark.parametrize("call, step", [("all_reduce", "_reduce_range"), ("all_reduce", "_finish"),
                                         ("broadcast", "_finish")])
 def test_a_rank_killed_inside_a_step_is_lost_to_every_other(call, step):
-    """Killed once it has published (its peers read it or wait for its range), once its range is
-    reduced (its peers copy it, then wait for everyone to finish), or as a broadcast's root whose
-    array its peers are reading."""
+    """Killed once it has published (its peers read it and write into it), once it has delivered
+    its range (its peers wait for everyone to finish), or as a broadcast's root whose array its
+    peers are reading."""
     victim, n = 1, 3
     results = run_ranks(n, _killed_in_step, victim, call, step, CTX.Barrier(n - 1), env=SMALL_BOARD,
                         may_die={victim})

@@ -277,10 +277,10 @@ done:
 
 static PyObject *reduce_from_peers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     held_buffer own = {0}, peers = {0}, scratch = {0};
-    int64_t me, lo, hi, code, op;
+    int64_t me, lo, hi, code, op, divisor;
     PyObject *result = NULL;
-    if (check_count(nargs, 8, "reduce_from_peers") || as_i64(args[2], &me) || as_i64(args[3], &lo) ||
-        as_i64(args[4], &hi) || as_i64(args[5], &code) || as_i64(args[6], &op) ||
+    if (check_count(nargs, 9, "reduce_from_peers") || as_i64(args[2], &me) || as_i64(args[3], &lo) ||
+        as_i64(args[4], &hi) || as_i64(args[5], &code) || as_i64(args[6], &op) || as_i64(args[8], &divisor) ||
         hold(args[0], &own, 1, "reduce_from_peers own") || hold(args[1], &peers, 0, "reduce_from_peers peers") ||
         hold(args[7], &scratch, 1, "reduce_from_peers scratch"))
         goto done;
@@ -288,14 +288,15 @@ static PyObject *reduce_from_peers(PyObject *self, PyObject *const *args, Py_ssi
     size_t piece = size ? (size_t)scratch.view.len / 2 / size * size : 0;
     if (!sc_has_loop(code, op) || peers.view.len % sizeof(struct peer_array) || (uintptr_t)peers.view.buf % 8 ||
         me < 0 || (size_t)me >= ranks || lo < 0 || hi < lo || hi > own.view.len || lo % size || hi % size ||
-        piece == 0) {
+        piece == 0 || divisor < 0 || (divisor > 1 && (code < CODE_F16 || code > CODE_F64))) {
         PyErr_SetString(PyExc_ValueError, "reduce_from_peers: arguments do not describe a reduction");
         goto done;
     }
+    struct delivery delivery = {divisor};
     int failed = -1, error;
     Py_BEGIN_ALLOW_THREADS
     error = sc_reduce_from_peers(own.view.buf, peers.view.buf, (int)ranks, (int)me, (size_t)lo, (size_t)hi,
-                                 (int)code, (int)op, scratch.view.buf, piece, &failed);
+                                 (int)code, (int)op, divisor ? &delivery : NULL, scratch.view.buf, piece, &failed);
     Py_END_ALLOW_THREADS
     result = error ? Py_BuildValue("(ii)", failed, error) : Py_NewRef(Py_None);
 done:
@@ -339,8 +340,10 @@ static PyMethodDef methods[] = {
      "read_peer(out, pid, address) -> 0, or the errno of the failed read: len(out) bytes of process pid's "
      "memory at address"},
     {"reduce_from_peers", (PyCFunction)(void (*)(void))reduce_from_peers, METH_FASTCALL,
-     "reduce_from_peers(own, peers, me, lo, hi, code, op, scratch) -> None, or (rank, errno) of the failed "
-     "read: bytes [lo, hi) of every rank's array (peers: int64 pairs pid, address) folded in rank order into own"},
+     "reduce_from_peers(own, peers, me, lo, hi, code, op, scratch, deliver) -> None, or (rank, errno) of the "
+     "failed read or write: bytes [lo, hi) of every rank's array (peers: int64 pairs pid, address) folded in "
+     "rank order into own; deliver 0 keeps the result there, d >= 1 also divides each piece by d (where d > 1) "
+     "and writes it into every peer's array"},
     {"collapse_to_huge_pages", collapse_to_huge_pages, METH_O,
      "collapse_to_huge_pages(buffer) -> 0, or the errno: back the whole huge pages inside the buffer with huge "
      "pages now (MADV_COLLAPSE)"},

@@ -1,11 +1,14 @@
 /* A large all-reduce's data movement on one host when ranks may read each other's memory: every
-   byte crosses between processes once, copied by the kernel straight out of the peer's array,
-   instead of twice through shared memory (algorithms/single_copy.py says when this runs).
+   byte crosses between processes once, copied by the kernel straight out of (or into) the peer's
+   array, instead of twice through shared memory (algorithms/single_copy.py says when this runs).
 
    The fold is in rank order, piece by piece, over a scratch area small enough to stay in cache:
    rank 0 folds into its own array; any other rank starts from rank 0's piece in scratch, folds
-   the rest in (its own piece at its turn), and copies the result into its array. Only the owner
-   of a range writes it, and peers read only ranges their owners do not write during this step. */
+   the rest in (its own piece at its turn), and copies the result into its array. Where asked, the
+   finished piece is then divided (AVG) and written into every peer's array at the same bytes
+   while it is still in cache: the peers' lines were just read for the fold, so no byte of it
+   goes to memory and back again. Only the owner of a range reads or writes that range in any
+   array during this step. */
 #define _GNU_SOURCE
 #include "peers.h"
 
@@ -30,6 +33,36 @@ int sc_read_peer(void *out, int64_t pid, uint64_t address, size_t n) {
     return 0;
 }
 
+int sc_write_peer(const void *in, int64_t pid, uint64_t address, size_t n) {
+    const uint8_t *from = in;
+    while (n > 0) {
+        struct iovec local = {(void *)from, n}, remote = {(void *)(uintptr_t)address, n};
+        ssize_t put = process_vm_writev((pid_t)pid, &local, 1, &remote, 1, 0);
+        if (put < 0 && errno == EINTR)
+            continue;
+        if (put <= 0)
+            return put < 0 ? errno : EFAULT;
+        from += put, address += (uint64_t)put, n -= (size_t)put;
+    }
+    return 0;
+}
+
+/* Divide a finished piece (divisor > 1: AVG), then write it into every peer's array. */
+static int deliver_piece(uint8_t *piece, size_t n, const struct peer_array *peers, int ranks, int me, size_t at,
+                         int code, int64_t divisor, int *failed) {
+    if (divisor > 1)
+        sc_scale(piece, n / sc_element_size(code), code, divisor);
+    for (int k = 1; k < ranks; k++) {
+        int r = (me + k) % ranks;
+        int error = sc_write_peer(piece, peers[r].pid, peers[r].address + at, n);
+        if (error) {
+            *failed = r;
+            return error;
+        }
+    }
+    return 0;
+}
+
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25
 #endif
@@ -44,7 +77,8 @@ int sc_collapse_to_huge_pages(void *start, size_t n) {
 }
 
 int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,
-                         int code, int op, uint8_t *scratch, size_t piece, int *failed) {
+                         int code, int op, const struct delivery *deliver, uint8_t *scratch, size_t piece,
+                         int *failed) {
     size_t size = sc_element_size(code);
     uint8_t *acc_area = scratch, *incoming = scratch + piece;
     for (size_t at = lo; at < hi; at += piece) {
@@ -67,6 +101,11 @@ int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks
         }
         if (me != 0)
             memcpy(own + at, acc, n);
+        if (deliver) {
+            int error = deliver_piece(own + at, n, peers, ranks, me, at, code, deliver->divisor, failed);
+            if (error)
+                return error;
+        }
     }
     return 0;
 }

@@ -64,6 +64,8 @@ class Board:
         self.single_copy_agreed: bool | None = None
         #: bytes this rank read straight from each local rank's memory so far (single_copy.py), by group rank
         self.bytes_read_from = [0] * (max(local_of) + 1)
+        #: ... and wrote straight into each local rank's memory (a large all-reduce on one host)
+        self.bytes_written_to = [0] * (max(local_of) + 1)
         self.spin_ns = int(spin_s * 1e9)  # how long a wait spins before it sleeps
         self._nbytes = 0
         self._header = b""
