@@ -26,7 +26,9 @@ This script is the driver: for every world size and backend it starts the ranks 
 (bench/torch_compare_rank.py, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), which
 make the measurements asked for at that size, all_reduce before DDP. Nothing carries over between
 backends (a gloo rank does not even import shmcoll). Every rank runs torch.set_num_threads(--threads,
-default 1), with OMP_NUM_THREADS the same. A job is killed past --timeout seconds, a rank that fails
+default 1), with OMP_NUM_THREADS the same, and glibc's malloc told to keep freed memory in the heap
+(KEEP_HEAP; --default-malloc leaves glibc's defaults, under which a DDP step's time depends on each
+rank's heap layout, whichever the backend). A job is killed past --timeout seconds, a rank that fails
 takes the others down after a short grace and its error is reported, and the other jobs still run.
 Rank 0 hands its results back through a file. The header (with the exact command) is printed first,
 progress goes to stderr, the table comes last. Exit status: 0; 1 when a job failed or a check found a
@@ -65,6 +67,12 @@ DEFAULT_SIZES = "8,64K,1M,16M,64M"
 QUICK_SIZES = "8,64K"
 RANK_SCRIPT = Path(__file__).resolve().with_name("torch_compare_rank.py")
 GRACE_S = 10.0                         # how long the other ranks get to exit once one rank failed
+#: glibc's malloc settings every rank of both backends runs with (unless --default-malloc, or
+#: GLIBC_TUNABLES is set already): a fixed mmap threshold and a trim threshold of 1 GiB, so freed
+#: gradients stay in the heap. With glibc's defaults, whether a process hands the top of its heap
+#: back to the kernel after each step, and takes 15-20 ms of page faults in the next, depends on
+#: its heap's layout: one rank or both, under either backend, from one run to the next.
+KEEP_HEAP = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 EXIT_FAILED = 1
 
 # 16 layers: 16 x (1024 x 1024 + 1024) float32 parameters, 64 MiB of gradients (3 DDP buckets).
@@ -94,21 +102,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world: int, port: int, threads: int) -> dict[str, str]:
-    """torch's env:// variables for one rank, without any outer launcher's rank variables."""
-    return child_env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                      "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                      "OMP_NUM_THREADS": str(threads)})
+def rank_env(rank: int, world: int, port: int, threads: int, malloc: str) -> dict[str, str]:
+    """torch's env:// variables for one rank, without any outer launcher's rank variables, and
+    `malloc` as glibc's tunables where given (and none are set already)."""
+    env = child_env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                     "OMP_NUM_THREADS": str(threads)})
+    if malloc:
+        env.setdefault("GLIBC_TUNABLES", malloc)
+    return env
 
 
-def start_ranks(job: Job, spec: dict[str, Any], threads: int, logs: list[Path]) -> list[subprocess.Popen]:
+def start_ranks(job: Job, spec: dict[str, Any], threads: int, malloc: str,
+                logs: list[Path]) -> list[subprocess.Popen]:
     """job.ranks processes of the rank script, each in a session of its own (so killpg reaches only it)."""
     cmd = [sys.executable, str(RANK_SCRIPT), json.dumps(spec)]
     port = free_port()
     procs = []
     for rank, log in enumerate(logs):
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(cmd, env=rank_env(rank, job.ranks, port, threads), stdout=out,
+            procs.append(subprocess.Popen(cmd, env=rank_env(rank, job.ranks, port, threads, malloc), stdout=out,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=True))
     return procs
@@ -155,14 +168,14 @@ def log_tail(path: Path, lines: int = 12) -> str:
     return "\n".join(f"      {ln}" for ln in kept) or "      (no output)"
 
 
-def run_job(job: Job, spec: dict[str, Any], threads: int, timeout_s: float, tmp: Path) -> Job:
+def run_job(job: Job, spec: dict[str, Any], threads: int, malloc: str, timeout_s: float, tmp: Path) -> Job:
     """Start the ranks, wait for them, and read rank 0's result; on failure the ranks' last lines."""
     name = f"{job.backend}-{job.ranks}"
     spec = {**spec, "jobs": job.jobs, "backend": job.backend, "result_file": str(tmp / f"{name}.json")}
     logs = [tmp / f"{name}-rank{r}.log" for r in range(job.ranks)]
     say(f"{' and '.join(job.jobs)} over {job.backend} at {job.ranks} ranks ...", sys.stderr)
     t0 = time.monotonic()
-    why = wait_ranks(start_ranks(job, spec, threads, logs), timeout_s)
+    why = wait_ranks(start_ranks(job, spec, threads, malloc, logs), timeout_s)
     job.seconds = time.monotonic() - t0
     if not why:
         job.result = json.loads(Path(spec["result_file"]).read_text())
@@ -256,6 +269,9 @@ def header(args: argparse.Namespace, command: str) -> list[str]:
     return [f"$ {command}",
             f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.threads} thread(s) per rank; "
             "shmcoll/gloo = shmcoll's time / gloo's (below 1: shmcoll is faster)",
+            "malloc: " + (f"GLIBC_TUNABLES={args.malloc} in every rank of both backends (unless set already), so "
+                          "no rank returns its freed gradients to the kernel after each step"
+                          if args.malloc else "glibc's defaults (--default-malloc)"),
             f"all_reduce: float32 SUM in place; median of {p.reps} timed loops (each after a barrier, "
             f"about {p.rep_s:g} s, at most {p.max_iters} calls), rank 0's time per call",
             f"DDP step: forward + backward + SGD, {p.layers} x Linear({WIDTH}, {WIDTH}) ({p.grad_bytes / 2**20:.1f} "
@@ -272,7 +288,8 @@ def report(jobs: list[Job], args: argparse.Namespace, command: str) -> dict[str,
     errors = [f"{' and '.join(j.jobs)} over {j.backend} at {j.ranks} ranks: {j.error}" for j in jobs if j.error]
     for e in errors:
         print(f"error: {e}", flush=True)
-    return {"command": command, "policy": asdict(args.policy), "threads": args.threads, "rows": rows,
+    return {"command": command, "policy": asdict(args.policy), "threads": args.threads, "malloc": args.malloc,
+            "rows": rows,
             "adapter_overhead": adapter, "errors": errors,
             "jobs": [asdict(j) for j in jobs]}
 
@@ -318,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None,
                    help=f"seconds before one job's ranks are killed (default {FULL.timeout_s:g}; --quick "
                         f"{QUICK.timeout_s:g})")
+    p.add_argument("--default-malloc", dest="malloc", action="store_const", const="", default=KEEP_HEAP,
+                   help="run the ranks with glibc's own malloc settings (default: GLIBC_TUNABLES=" + KEEP_HEAP + ")")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the results here")
     return p
 
@@ -347,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         say(line)
     spec = {"sizes": args.sizes, "threads": args.threads, "policy": asdict(args.policy)}
     with tempfile.TemporaryDirectory(prefix="torch-compare-") as tmp:
-        jobs = [run_job(j, spec, args.threads, args.policy.timeout_s, Path(tmp)) for j in plan_jobs(args)]
+        jobs = [run_job(j, spec, args.threads, args.malloc, args.policy.timeout_s, Path(tmp)) for j in plan_jobs(args)]
     doc = report(jobs, args, command)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(doc, indent=1) + "\n")

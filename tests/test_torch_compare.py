@@ -81,6 +81,7 @@ def test_quick_run_prints_both_backends_and_writes_the_same_json(tmp_path):
     assert overhead["torch_path_us"] + overhead["own_us"] == pytest.approx(overhead["overhead_us"])
     assert f"torch's own path {overhead['torch_path_us']:.1f} us" in adapter[0].string
     _assert_ddp_line_follows_the_json(out, doc)
+    assert f"# malloc: GLIBC_TUNABLES={doc['malloc']} in every rank" in out and doc["malloc"]
 
 
 def _assert_ddp_line_follows_the_json(out: str, doc: dict) -> None:
@@ -93,6 +94,21 @@ def _assert_ddp_line_follows_the_json(out: str, doc: dict) -> None:
     assert gloo_alone > 0 and shm_alone > 0
     assert m.groups() == (str(row["ranks"]), f"{gloo_alone:.1f}", f"{shm_alone:.1f}",
                           f"{row['gloo'] - gloo_alone:.1f}", f"{row['shmcoll'] - shm_alone:.1f}")
+
+
+def test_ranks_keep_freed_memory_unless_told_otherwise_or_already_set(monkeypatch):
+    """Every rank gets the same malloc settings, whichever the backend; --default-malloc gives none,
+    and settings already in the environment are the user's to keep."""
+    _torch()
+    driver = _load_driver()
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    keep = driver.parse_args(["--quick"]).malloc
+    assert keep == driver.KEEP_HEAP and "trim_threshold" in keep
+    assert driver.rank_env(1, 2, 29500, 1, keep)["GLIBC_TUNABLES"] == keep
+    assert driver.parse_args(["--quick", "--default-malloc"]).malloc == ""
+    assert "GLIBC_TUNABLES" not in driver.rank_env(1, 2, 29500, 1, "")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert driver.rank_env(1, 2, 29500, 1, keep)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
 
 
 def _sleepers(count: int) -> list[subprocess.Popen]:
