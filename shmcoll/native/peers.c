@@ -19,32 +19,31 @@
 
 #include "reduce.h"
 
-int sc_read_peer(void *out, int64_t pid, uint64_t address, size_t n) {
-    uint8_t *to = out;
+/* process_vm_readv or process_vm_writev: the same call, the copy going one way or the other. */
+typedef ssize_t (*cross_copy)(pid_t, const struct iovec *, unsigned long, const struct iovec *, unsigned long,
+                              unsigned long);
+
+/* n bytes between `local` and `address` in process pid, by `copy`, resumed after partial copies
+   and signals: 0, or the errno of the copy that failed. */
+static int copy_with_peer(cross_copy copy, uint8_t *local, int64_t pid, uint64_t address, size_t n) {
     while (n > 0) {
-        struct iovec local = {to, n}, remote = {(void *)(uintptr_t)address, n};
-        ssize_t got = process_vm_readv((pid_t)pid, &local, 1, &remote, 1, 0);
-        if (got < 0 && errno == EINTR)
+        struct iovec mine = {local, n}, remote = {(void *)(uintptr_t)address, n};
+        ssize_t done = copy((pid_t)pid, &mine, 1, &remote, 1, 0);
+        if (done < 0 && errno == EINTR)
             continue;
-        if (got <= 0)
-            return got < 0 ? errno : EFAULT;  /* 0 bytes: the range is not mapped in the peer */
-        to += got, address += (uint64_t)got, n -= (size_t)got;
+        if (done <= 0)
+            return done < 0 ? errno : EFAULT;  /* 0 bytes: the range is not mapped in the peer */
+        local += done, address += (uint64_t)done, n -= (size_t)done;
     }
     return 0;
 }
 
+int sc_read_peer(void *out, int64_t pid, uint64_t address, size_t n) {
+    return copy_with_peer(process_vm_readv, out, pid, address, n);
+}
+
 int sc_write_peer(const void *in, int64_t pid, uint64_t address, size_t n) {
-    const uint8_t *from = in;
-    while (n > 0) {
-        struct iovec local = {(void *)from, n}, remote = {(void *)(uintptr_t)address, n};
-        ssize_t put = process_vm_writev((pid_t)pid, &local, 1, &remote, 1, 0);
-        if (put < 0 && errno == EINTR)
-            continue;
-        if (put <= 0)
-            return put < 0 ? errno : EFAULT;
-        from += put, address += (uint64_t)put, n -= (size_t)put;
-    }
-    return 0;
+    return copy_with_peer(process_vm_writev, (uint8_t *)(uintptr_t)in, pid, address, n);
 }
 
 /* Divide a finished piece (divisor > 1: AVG), then write it into every peer's array. */
