@@ -277,10 +277,10 @@ done:
 
 static PyObject *reduce_from_peers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     held_buffer own = {0}, peers = {0}, scratch = {0};
-    int64_t me, lo, hi, code, op, divisor;
+    int64_t me, lo, hi, code, op, deliver;
     PyObject *result = NULL;
     if (check_count(nargs, 9, "reduce_from_peers") || as_i64(args[2], &me) || as_i64(args[3], &lo) ||
-        as_i64(args[4], &hi) || as_i64(args[5], &code) || as_i64(args[6], &op) || as_i64(args[8], &divisor) ||
+        as_i64(args[4], &hi) || as_i64(args[5], &code) || as_i64(args[6], &op) || as_i64(args[8], &deliver) ||
         hold(args[0], &own, 1, "reduce_from_peers own") || hold(args[1], &peers, 0, "reduce_from_peers peers") ||
         hold(args[7], &scratch, 1, "reduce_from_peers scratch"))
         goto done;
@@ -288,15 +288,14 @@ static PyObject *reduce_from_peers(PyObject *self, PyObject *const *args, Py_ssi
     size_t piece = size ? (size_t)scratch.view.len / 2 / size * size : 0;
     if (!sc_has_loop(code, op) || peers.view.len % sizeof(struct peer_array) || (uintptr_t)peers.view.buf % 8 ||
         me < 0 || (size_t)me >= ranks || lo < 0 || hi < lo || hi > own.view.len || lo % size || hi % size ||
-        piece == 0 || divisor < 0 || (divisor > 1 && (code < CODE_F16 || code > CODE_F64))) {
+        piece == 0 || deliver < 0 || (deliver > 1 && (code < CODE_F16 || code > CODE_F64))) {
         PyErr_SetString(PyExc_ValueError, "reduce_from_peers: arguments do not describe a reduction");
         goto done;
     }
-    struct delivery delivery = {divisor};
     int failed = -1, error;
     Py_BEGIN_ALLOW_THREADS
     error = sc_reduce_from_peers(own.view.buf, peers.view.buf, (int)ranks, (int)me, (size_t)lo, (size_t)hi,
-                                 (int)code, (int)op, divisor ? &delivery : NULL, scratch.view.buf, piece, &failed);
+                                 (int)code, (int)op, deliver, scratch.view.buf, piece, &failed);
     Py_END_ALLOW_THREADS
     result = error ? Py_BuildValue("(ii)", failed, error) : Py_NewRef(Py_None);
 done:

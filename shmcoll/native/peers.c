@@ -76,7 +76,7 @@ int sc_collapse_to_huge_pages(void *start, size_t n) {
 }
 
 int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,
-                         int code, int op, const struct delivery *deliver, uint8_t *scratch, size_t piece,
+                         int code, int op, int64_t deliver, uint8_t *scratch, size_t piece,
                          int *failed) {
     size_t size = sc_element_size(code);
     uint8_t *acc_area = scratch, *incoming = scratch + piece;
@@ -101,7 +101,7 @@ int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks
         if (me != 0)
             memcpy(own + at, acc, n);
         if (deliver) {
-            int error = deliver_piece(own + at, n, peers, ranks, me, at, code, deliver->divisor, failed);
+            int error = deliver_piece(own + at, n, peers, ranks, me, at, code, deliver, failed);
             if (error)
                 return error;
         }

@@ -17,18 +17,13 @@ int sc_read_peer(void *out, int64_t pid, uint64_t address, size_t n);
 /* Copy n bytes from `in` to `address` in process pid: 0, or the errno of the write that failed. */
 int sc_write_peer(const void *in, int64_t pid, uint64_t address, size_t n);
 
-/* What sc_reduce_from_peers does with each finished piece: divide it by `divisor` where it is
-   above 1 (AVG), then write it into every peer's array at the same bytes. */
-struct delivery {
-    int64_t divisor;
-};
-
 /* Bytes [lo, hi) of every rank's array folded in rank order into own[lo, hi) (own is rank me's
    array): peers' bytes are read into scratch, `piece` bytes at a time (two pieces of scratch);
-   each piece is then delivered where `deliver` is not NULL. 0, or the errno of the read or
-   write that failed with *failed set to the peer's rank. */
+   where `deliver` is not 0, each finished piece is then divided by it where it is above 1 (AVG)
+   and written into every peer's array at the same bytes. 0, or the errno of the read or write
+   that failed with *failed set to the peer's rank. */
 int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,
-                         int code, int op, const struct delivery *deliver, uint8_t *scratch, size_t piece,
+                         int code, int op, int64_t deliver, uint8_t *scratch, size_t piece,
                          int *failed);
 
 /* Ask the kernel to back the whole 2 MiB-aligned huge pages inside [start, start + n) with huge
