@@ -11,6 +11,7 @@ docstring. The checks of the results run outside the timed loops; a wrong result
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -280,7 +281,9 @@ def run(spec: dict[str, Any]) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(EXIT_FAILED)  # at once: the other ranks see a lost peer, not a shutdown that waits for them
-    dist.barrier()  # leave together: a gloo rank whose peer tore down its connections first was seen to abort
+    gc.collect()  # frees the DDP wrappers (their reducers sit in reference cycles) while the group lives:
+    # a gloo rank that freed one after destroy_process_group() was seen to abort
+    dist.barrier()  # leave together
     dist.destroy_process_group()
     return 0
 

@@ -20,6 +20,7 @@ without it, it says so and exits with status 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -145,6 +146,7 @@ def main(argv=None) -> int:
                   f"{args.batch} ({args.batch // n} per rank), {args.dtype}, DistributedDataParallel", flush=True)
         model, losses, times = train_distributed(torch, dist, args)
     finally:
+        gc.collect()  # frees the DDP wrapper (its reducer is in reference cycles) while the group still lives
         dist.destroy_process_group()
     if rank == 0:
         report(torch, args, n, model, losses, times)
