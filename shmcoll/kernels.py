@@ -54,6 +54,15 @@ read_peer = _native.read_peer
 #: in own; d >= 1 also divides each finished piece by d where d > 1 (AVG, float codes) and writes
 #: it into every peer's array (process_vm_writev) while it is still in cache.
 reduce_from_peers = _native.reduce_from_peers
+#: swap_frames(fd, header, data, expect, inbound, code, op, own_first, spin_ns, wait_ns) ->
+#: (status, sent): one frame each way with a TCP peer (native/swap.h). Sends header and data on
+#: socket fd, then, once the peer's frame (its header byte for byte `expect`, its payload data's
+#: length) waits whole in the socket, reads it into inbound and folds it into data (data op theirs,
+#: or theirs op data where not own_first). status: SWAP_DONE; SWAP_SENT (the frame went out, the
+#: peer's is not there within wait_ns or another frame comes first: nothing was read);
+#: SWAP_PARTIAL (only `sent` bytes went out); below 0, -errno of a failed send.
+swap_frames = _native.swap_frames
+SWAP_DONE, SWAP_SENT, SWAP_PARTIAL = _native.SWAP_DONE, _native.SWAP_SENT, _native.SWAP_PARTIAL
 #: collapse_to_huge_pages(buffer) -> 0, or the errno: the whole 2 MiB pages inside a buffer
 #: backed by huge pages now (MADV_COLLAPSE, Linux 6.1+), so a peer's read of it pins one
 #: page per 2 MiB instead of 512. Contents do not change.

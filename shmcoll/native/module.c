@@ -1,4 +1,4 @@
-/* shmcoll._native: the Python face of the C kernels (reduce.c, words.c, board.c, peers.c).
+/* shmcoll._native: the Python face of the C kernels (reduce.c, words.c, board.c, peers.c, swap.c).
 
    Why C and not a JIT: every rank of a job would otherwise import a compiler (about 75 MiB and a
    second of start-up per process, times 32 ranks on one host); this module loads in microseconds
@@ -11,6 +11,7 @@
 #include "board.h"
 #include "peers.h"
 #include "reduce.h"
+#include "swap.h"
 #include "words.h"
 
 enum { RELEASE_GIL_FROM_BYTES = 64 * 1024 }; /* shorter loops keep the GIL: releasing costs more than they do */
@@ -305,6 +306,39 @@ done:
     return result;
 }
 
+static PyObject *swap_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer header = {0}, data = {0}, expect = {0}, inbound = {0};
+    int64_t fd, code, op, own_first, spin_ns, wait_ns;
+    PyObject *result = NULL;
+    if (check_count(nargs, 10, "swap_frames") || as_i64(args[0], &fd) || as_i64(args[5], &code) ||
+        as_i64(args[6], &op) || as_i64(args[7], &own_first) || as_i64(args[8], &spin_ns) ||
+        as_i64(args[9], &wait_ns) || hold(args[1], &header, 0, "swap_frames header") ||
+        hold(args[2], &data, 1, "swap_frames data") || hold(args[3], &expect, 0, "swap_frames expect") ||
+        hold(args[4], &inbound, 1, "swap_frames inbound"))
+        goto done;
+    size_t size = sc_element_size((int)code);
+    if (fd < 0 || (data.view.len > 0 && (!sc_has_loop(code, op) || data.view.len % size)) || header.view.len == 0 ||
+        expect.view.len != header.view.len || inbound.view.len != header.view.len + data.view.len ||
+        spin_ns < 0 || wait_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "swap_frames: arguments do not describe an exchange");
+        goto done;
+    }
+    size_t sent = 0;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = sc_swap_frames((int)fd, header.view.buf, (size_t)header.view.len, data.view.buf,
+                            (size_t)data.view.len, expect.view.buf, inbound.view.buf, (int)code, (int)op,
+                            own_first != 0, spin_ns, wait_ns, &sent);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(in)", status, (Py_ssize_t)sent);
+done:
+    release(&header);
+    release(&data);
+    release(&expect);
+    release(&inbound);
+    return result;
+}
+
 static PyObject *collapse_to_huge_pages(PyObject *self, PyObject *arg) {
     held_buffer mem = {0};
     if (hold(arg, &mem, 0, "collapse_to_huge_pages"))
@@ -343,6 +377,8 @@ static PyMethodDef methods[] = {
      "failed read or write: bytes [lo, hi) of every rank's array (peers: int64 pairs pid, address) folded in "
      "rank order into own; deliver 0 keeps the result there, d >= 1 also divides each piece by d (where d > 1) "
      "and writes it into every peer's array"},
+    {"swap_frames", (PyCFunction)(void (*)(void))swap_frames, METH_FASTCALL,
+     "swap_frames(fd, header, data, expect, inbound, code, op, own_first, spin_ns, wait_ns) -> (status, sent)"},
     {"collapse_to_huge_pages", collapse_to_huge_pages, METH_O,
      "collapse_to_huge_pages(buffer) -> 0, or the errno: back the whole huge pages inside the buffer with huge "
      "pages now (MADV_COLLAPSE)"},
@@ -359,7 +395,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
     sc_use_cpu_specific_loops(1);
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "BOARD_DONE", BOARD_DONE) < 0) {
+    if (m && (PyModule_AddIntConstant(m, "BOARD_DONE", BOARD_DONE) < 0 ||
+              PyModule_AddIntConstant(m, "SWAP_DONE", SWAP_DONE) < 0 ||
+              PyModule_AddIntConstant(m, "SWAP_SENT", SWAP_SENT) < 0 ||
+              PyModule_AddIntConstant(m, "SWAP_PARTIAL", SWAP_PARTIAL) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

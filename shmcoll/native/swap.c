@@ -1,0 +1,110 @@
+/* The small all-reduce's step between two hosts, in C (swap.h). In Python the same exchange runs
+   through about a hundred function calls per message (framing, locks, the mailbox, the fold): tens
+   of microseconds of one core for an 8-byte message that the kernel carries in a few, and where
+   ranks outnumber cores that time is taken from the peer being waited for. The frame is the one
+   transport/frame.py writes; the caller holds the connection's locks, so nobody else reads or
+   writes the socket meanwhile, and anything unexpected is left in the socket for the caller. */
+#define _GNU_SOURCE
+#include "swap.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#include "reduce.h"
+#include "words.h"
+
+/* Wait until fd is ready for `events` or `ns` nanoseconds have passed (0: only look). */
+static int wait_ready(int fd, short events, int64_t ns) {
+    struct pollfd p = {.fd = fd, .events = events};
+    struct timespec t = {ns / 1000000000, ns % 1000000000};
+    return ppoll(&p, 1, &t, NULL);
+}
+
+/* Send header and data, waiting for room until end_ns: the bytes sent, or -errno. */
+static int64_t send_frame(int fd, const uint8_t *header, size_t header_bytes, const uint8_t *data, size_t nbytes,
+                          int64_t end_ns) {
+    size_t total = header_bytes + nbytes, done = 0;
+    while (done < total) {
+        struct iovec parts[2];
+        int count = 0;
+        if (done < header_bytes)
+            parts[count++] = (struct iovec){(void *)(header + done), header_bytes - done};
+        size_t from = done > header_bytes ? done - header_bytes : 0;
+        if (nbytes > from)
+            parts[count++] = (struct iovec){(void *)(data + from), nbytes - from};
+        struct msghdr msg = {.msg_iov = parts, .msg_iovlen = count};
+        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n >= 0) {
+            done += (size_t)n;
+            continue;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return -errno;
+        int64_t left = end_ns - sc_now_ns();
+        if (left <= 0 || wait_ready(fd, POLLOUT, left) <= 0)
+            break;
+    }
+    return (int64_t)done;
+}
+
+/* The peer's frame, once whole in the socket and announced by `expect`, read into inbound:
+   1 when read, 0 when it is not there (yet), -1 when something else comes first. */
+static int take_frame(int fd, const uint8_t *expect, size_t header_bytes, uint8_t *inbound, size_t total) {
+    ssize_t seen = recv(fd, inbound, total, MSG_PEEK | MSG_DONTWAIT);
+    if (seen == 0 || (seen < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+        return -1; /* the connection's end, or an error: the caller's reader reports it */
+    if (seen < 0)
+        return 0;
+    size_t compared = (size_t)seen < header_bytes ? (size_t)seen : header_bytes;
+    if (memcmp(inbound, expect, compared) != 0)
+        return -1;
+    if ((size_t)seen < total)
+        return 0;
+    return recv(fd, inbound, total, MSG_DONTWAIT) == (ssize_t)total ? 1 : -1; /* peeked whole: cannot fall short */
+}
+
+static void fold(uint8_t *data, uint8_t *theirs, size_t nbytes, int code, int op, int own_first) {
+    size_t n = nbytes / sc_element_size(code);
+    if (own_first) {
+        sc_reduce(data, theirs, n, code, op);
+        return;
+    }
+    sc_reduce(theirs, data, n, code, op);
+    memcpy(data, theirs, nbytes);
+}
+
+int sc_swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8_t *data, size_t nbytes,
+                   const uint8_t *expect, uint8_t *inbound, int code, int op, int own_first, int64_t spin_ns,
+                   int64_t wait_ns, size_t *sent) {
+    int64_t start = sc_now_ns(), end = start + wait_ns;
+    int64_t n = send_frame(fd, header, header_bytes, data, nbytes, end);
+    if (n < 0)
+        return (int)n;
+    *sent = (size_t)n;
+    if ((size_t)n < header_bytes + nbytes)
+        return SWAP_PARTIAL;
+    for (;;) {
+        int got = take_frame(fd, expect, header_bytes, inbound, header_bytes + nbytes);
+        if (got < 0)
+            return SWAP_SENT;
+        if (got > 0) {
+            if (nbytes > 0)
+                fold(data, inbound + header_bytes, nbytes, code, op, own_first);
+            return SWAP_DONE;
+        }
+        int64_t now = sc_now_ns();
+        if (now >= end)
+            return SWAP_SENT;
+        if (now - start < spin_ns)
+            sched_yield();
+        else if (wait_ready(fd, POLLIN, end - now) > 0)
+            sched_yield(); /* readable, but maybe only part of the frame: let its sender go on */
+    }
+}
