@@ -3,6 +3,8 @@
 Over real TCP connections on loopback: both ends fold in one order; anything but the peer's frame
 of the same call stays in the socket for the reader thread; a peer that is not there in time, a
 socket that takes only part of the frame and a failed send are each reported, never waited out.
+Then in ranks on simulated hosts: the small all-reduce across two hosts and the doubling among
+four take this path, and a late peer falls back to the receive that waits for it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from shmcoll import kernels
 from shmcoll.transport import frame
 from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
 from shmcoll.types import F16, F32, F64, I64, U8, Collective, ReduceKind
+
+from harness import run_ranks
 
 TAG = 7
 WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machine; the tests do not wait it out
@@ -181,3 +185,77 @@ def _read_exactly(sock, n: int) -> bytes:
         assert chunk, "connection closed early"
         got += chunk
     return got
+
+
+def _count_swaps(pg, late_rank: int | None) -> dict:
+    """Small all-reduces, each swap_frames status counted; late_rank starts its last call 0.2 s
+    after the others, past the native wait, so its partners fall back to the general receive."""
+    statuses: list[int] = []
+    swap = kernels.swap_frames
+
+    def counted(*args):
+        result = swap(*args)
+        statuses.append(result[0])
+        return result
+    kernels.swap_frames = counted
+    results = []
+    for i in range(6):
+        if i == 5 and pg.rank == late_rank:
+            time.sleep(0.2)
+        x = np.arange(3, dtype=np.float32) + pg.rank + i
+        pg.all_reduce(x)
+        results.append(x.tolist())
+    return {"statuses": statuses, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n, crossings", [("halves", 4, 1), ("each", 4, 2)])
+def test_small_all_reduces_across_hosts_swap_in_one_call(layout, n, crossings, monkeypatch):
+    """2+2 ranks: local rank j of each host swaps the host's sum with its column peer; 4 hosts of one
+    rank: recursive doubling, two swaps per call. Each such step is one native call (or none, where
+    the peer's frame was read into the mailbox before the call began), and the sums are right."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    out = run_ranks(n, _count_swaps, None)
+    for rank in range(n):
+        assert 0 < len(out[rank]["statuses"]) <= 6 * crossings
+        assert out[rank]["results"] == [(np.arange(3) * n + sum(range(n)) + n * i).tolist() for i in range(6)]
+    assert any(s == kernels.SWAP_DONE for o in out for s in o["statuses"])
+
+
+def _barrier_swaps(pg) -> list[int]:
+    statuses: list[int] = []
+    swap = kernels.swap_frames
+
+    def counted(*args):
+        result = swap(*args)
+        statuses.append(result[0])
+        return result
+    kernels.swap_frames = counted
+    for _ in range(4):
+        pg.barrier()
+    return statuses
+
+
+@pytest.mark.multiprocess
+def test_a_barrier_between_two_hosts_meets_in_one_call(monkeypatch):
+    """2+2 ranks: after the host's board, each column's two ranks meet in one native call per
+    barrier (or none, where the peer's frame was in the mailbox first)."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
+    out = run_ranks(4, _barrier_swaps)
+    assert all(0 < len(statuses) <= 4 for statuses in out)
+    assert any(s == kernels.SWAP_DONE for statuses in out for s in statuses)
+
+
+@pytest.mark.multiprocess
+def test_a_late_peer_is_waited_for_by_the_general_receive(monkeypatch):
+    """Rank 2 (the other host's first rank) comes 0.2 s late to the last call: rank 0's native wait
+    ends first with its frame sent, the general receive takes rank 2's frame when it comes, and
+    every rank's sum is right."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
+    out = run_ranks(4, _count_swaps, 2)
+    assert out[0]["statuses"][-1] == kernels.SWAP_SENT
+    for rank in range(4):
+        assert out[rank]["results"][-1] == (np.arange(3) * 4 + 6 + 20).tolist()

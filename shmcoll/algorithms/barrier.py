@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..types import ReduceKind
 from .call import Call
 
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -19,6 +20,9 @@ def dissemination_barrier(c: Call, members: Sequence[int] | None = None) -> None
     """members: the ranks taking part (default every rank); the hierarchy runs it per host and across hosts."""
     ranks = range(c.size) if members is None else members
     n, p, distance = len(ranks), ranks.index(c.rank), 1
+    if n == 2:  # one step each way: a meeting, in one call where the transport has one
+        c.t.exchange(ranks[1 - p], c.tag, _EMPTY, c.code, c.meta, c.deadline, ReduceKind.SUM, own_first=p == 0)
+        return
     while distance < n:
         c.t.send(ranks[(p + distance) % n], c.tag, _EMPTY, c.code, c.meta, c.deadline)
         c.t.recv_into(ranks[(p - distance) % n], c.tag, _EMPTY, c.code, c.deadline, c.meta)

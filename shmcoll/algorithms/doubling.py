@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .. import kernels
 from ..types import ReduceKind
 from .call import Call
 from .ring import scale_if_avg, summed
@@ -60,11 +59,4 @@ def on_power_of_two(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence
 
 def _exchange(c: Call, data: np.ndarray, op: ReduceKind, partner: int, lower: bool) -> None:
     """data = (lower position's data) op (higher position's data), on both ends."""
-    c.t.send(partner, c.tag, data, c.code, c.meta, c.deadline)
-    if lower:
-        c.t.recv_into(partner, c.tag, data, c.code, c.deadline, c.meta, op)
-        return
-    theirs = np.empty_like(data)
-    c.t.recv_into(partner, c.tag, theirs, c.code, c.deadline, c.meta)
-    kernels.reduce_into(theirs, data, c.code, op)
-    data[:] = theirs
+    c.t.exchange(partner, c.tag, data, c.code, c.meta, c.deadline, op, own_first=lower)

@@ -90,6 +90,10 @@ def one_shot_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequ
     member order (x0 op x1 op ...), reducing straight from the received messages: bitwise identical."""
     ranks = _members(c, members)
     n, p = len(ranks), ranks.index(c.rank)
+    if n == 2:
+        c.t.exchange(ranks[1 - p], c.tag, data, c.code, c.meta, c.deadline, op, own_first=p == 0)
+        scale_if_avg(c, data, op, n)
+        return
     for step in range(1, n):  # each rank starts with a different peer: no one is sent to by all at once
         c.t.send(ranks[(p + step) % n], c.tag, data, c.code, c.meta, c.deadline)
     first = ranks[0]

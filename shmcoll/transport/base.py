@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from .shm_board import Board
 
 
+#: What Transport._swap did: nothing, sent the array only, or the whole exchange.
+NOT_STARTED, SENT, SWAPPED = range(3)
+
+
 class BoardGuard(Protocol):
     """What a board wait runs between looks at the board: raises when waiting can no longer succeed."""
 
@@ -69,6 +73,32 @@ class Transport(ABC):
         """Receive into `out` (a 1-D storage array): copy, or reduce with op. Checks the sender's call."""
         msg = self.recv(src, tag, deadline, strict)
         place(msg, out, code, want, op)
+
+    def exchange(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+                 op: ReduceKind, own_first: bool) -> None:
+        """One pairwise step of an all-reduce: send data (a 1-D storage array) to peer and fold in
+        the array peer sends in the same call, data = own op theirs where own_first, else theirs
+        op own (both ends then hold bitwise the same result); with an empty array the two only
+        meet (a barrier's step). A transport may do it in one step (`_swap`); else a send, then a
+        receive."""
+        done = self._swap(peer, tag, data, code, meta, deadline, op, own_first)
+        if done == NOT_STARTED:
+            self.send(peer, tag, data, code, meta, deadline)
+        if done == SWAPPED:
+            return
+        if own_first or not data.nbytes:
+            self.recv_into(peer, tag, data, code, deadline, meta, op if data.nbytes else None)
+            return
+        theirs = np.empty_like(data)
+        self.recv_into(peer, tag, theirs, code, deadline, meta)
+        kernels.reduce_into(theirs, data, code, op)
+        data[:] = theirs
+
+    def _swap(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+              op: ReduceKind, own_first: bool) -> int:
+        """exchange() in one step where this transport can: SWAPPED; SENT (data went out, peer's
+        array is still to be received); NOT_STARTED (nothing was done: the default)."""
+        return NOT_STARTED
 
     @abstractmethod
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:

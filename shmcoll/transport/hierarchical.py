@@ -15,7 +15,8 @@ from typing import TypeVar
 import numpy as np
 
 from ..errors import CollectiveTimeout, PeerLost
-from .base import BoardGuard, Transport
+from ..types import ReduceKind
+from .base import NOT_STARTED, BoardGuard, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
@@ -56,6 +57,14 @@ class HierarchicalTransport(Transport):
     # ---- moving data ----
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
         self._route(to).send(to, tag, buf, code, meta, deadline)
+
+    def _swap(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+              op: ReduceKind, own_first: bool) -> int:
+        """The TCP side's one-step exchange with a remote peer; the rest of exchange() runs here
+        (its receive in slices that look at this host's shared memory)."""
+        if peer in self._local:
+            return NOT_STARTED
+        return self.net._swap(peer, tag, data, code, meta, deadline, op, own_first)
 
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         if src in self._local:

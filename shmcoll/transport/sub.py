@@ -36,7 +36,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import CollectiveMismatch, InvalidArgument
-from ..types import TAG_RESERVED_BASE
+from ..types import TAG_RESERVED_BASE, ReduceKind
 from .base import Transport
 from .frame import Meta
 from .mailbox import AbortReason, Message
@@ -131,6 +131,12 @@ class SubTransport(Transport):
     # ---- moving data ----
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
         self.root.send(self.ranks[to], tag, buf, code, self._out(meta), deadline)
+
+    def _swap(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+              op: ReduceKind, own_first: bool) -> int:
+        """The root's one-step exchange, in its numbering (exchange() carries collective tags only,
+        which the root's mailbox queues unchanged)."""
+        return self.root._swap(self.ranks[peer], tag, data, code, self._out(meta), deadline, op, own_first)
 
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         return self._in(self.root.recv(self.ranks[src], self._tag(tag), deadline, strict))

@@ -14,11 +14,17 @@ ranks outnumber cores), on both sides of every exchange: most of a small message
 Python threads cannot spin for one another (they would pass the GIL back and forth), so the
 waiting thread reads alone. Only frames already whole in the socket are read this way; the rest
 (large ones, a peer stopped mid-send, the connection's end) are the reader thread's.
+
+A pairwise exchange (Transport.exchange: the small all-reduce's step across hosts, a two-rank
+barrier) goes further where it can have the connection at once: one native call sends its frame,
+waits as a caller does, reads the peer's frame of the same call and folds it in
+(kernels.swap_frames). Anything else on the socket first is left there for the paths above.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 import select
 import socket
 import struct
@@ -28,9 +34,11 @@ import time
 
 import numpy as np
 
+from .. import kernels
 from ..errors import CollectiveError, CollectiveTimeout, PeerLost
+from ..types import ReduceKind
 from . import frame
-from .base import LinkTransport, Transport
+from .base import NOT_STARTED, SENT, SWAPPED, LinkTransport, Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -46,6 +54,9 @@ CALLER_SLEEP_SECONDS = 20e-3
 _GOODBYE_SECONDS = 2.0
 #: Bytes a caller peeks at to find a whole frame: a small frame's header and payload in one look.
 PEEK_BYTES = 4096
+#: Largest array a pairwise exchange sends and receives in one native call (NetTransport._swap):
+#: the small all-reduce's, whose time is mostly the calls around the kernel's.
+SWAP_MAX_BYTES = 256 << 10
 #: Seconds between heartbeats to each peer. A rank silent for several of them is reported as such
 #: by a timeout (a SIGSTOPped or hung process), unlike a live rank that is itself waiting.
 HEARTBEAT_SECONDS = 0.5
@@ -113,6 +124,46 @@ class NetTransport(LinkTransport):
             raise PeerLost(f"rank {to} was lost: {lost[to]}", to)
         if deadline is not None and time.monotonic() > deadline:
             raise CollectiveTimeout(f"rank {to} did not accept data before the deadline (stopped or overloaded?)")
+
+    # ---- both ways at once ----
+    def _swap(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+              op: ReduceKind, own_first: bool) -> int:
+        """exchange() as one native call (kernels.swap_frames: send, wait, read, fold, with no Python
+        between), where this thread can have the connection at once: its reader thread idle, no send
+        under way, nothing of this call queued already. The wait is a caller's (spin, then up to
+        CALLER_SLEEP_SECONDS asleep); a peer's frame that is not there by then, or anything else on
+        the socket first, is left to recv."""
+        inbox = self._inboxes.get(peer)
+        if inbox is None or data.nbytes > SWAP_MAX_BYTES or not inbox.lock.acquire(blocking=False):
+            return NOT_STARTED
+        send_lock = self._send_locks[peer]
+        if self._mailbox.has(peer, tag) or not send_lock.acquire(blocking=False):
+            inbox.lock.release()
+            return NOT_STARTED
+        status, sent, header = kernels.SWAP_SENT, 0, b""
+        try:
+            self._check_can_send(peer, deadline)
+            header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
+            expect = frame.pack(DATA, peer, tag, meta, code, data.shape, data.nbytes)
+            wait_s = max(0.0, min(CALLER_SLEEP_SECONDS, deadline - time.monotonic()))
+            inbox.mute_reader(True)
+            status, sent = kernels.swap_frames(inbox.sock.fileno(), header, data, expect,
+                                               np.empty(HEADER_SIZE + data.nbytes, np.uint8), code, int(op),
+                                               own_first, int(self._spin_s * 1e9), int(wait_s * 1e9))
+        finally:
+            inbox.lock.release()
+            inbox.leave(found=status == kernels.SWAP_DONE)
+            if status != kernels.SWAP_PARTIAL:
+                send_lock.release()
+        if status == kernels.SWAP_PARTIAL:  # the reader thread drains the peer's frame meanwhile
+            try:
+                self._send_locked(peer, _advance([memoryview(header), data.data.cast("B")], sent), deadline)
+            finally:
+                send_lock.release()
+        elif status < 0:
+            raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
+        self.bytes_to[peer] += data.nbytes
+        return SWAPPED if status == kernels.SWAP_DONE else SENT
 
     # ---- receiving ----
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
