@@ -20,7 +20,7 @@ import os
 import time
 import weakref
 
-from .config import Config, load_config, spin_seconds, tcp_spin_seconds
+from .config import Config, load_config, spin_seconds, swap_spin_seconds, tcp_spin_seconds
 from .errors import (
     CollectiveError,
     CollectiveMismatch,
@@ -242,7 +242,7 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
     try:
         remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
         net = _tcp_transport(cfg, client, deadline, spans_hosts=True, sharing=sharing, peers=remote,
-                             mailbox=mailbox, local=shm)
+                             mailbox=mailbox, local=shm, board_peers=len(topology.local_ranks(cfg.rank)) > 1)
     except BaseException:
         shm.close()
         raise
@@ -251,9 +251,10 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
 
 def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool, sharing: int,
                    peers: set[int] | None = None, mailbox: Mailbox | None = None,
-                   local: ShmTransport | None = None) -> NetTransport:
+                   local: ShmTransport | None = None, board_peers: bool = False) -> NetTransport:
     """TCP to `peers` (default every other rank); under a hierarchy, `local` is this host's
-    shared-memory transport and the mailbox the one both share. sharing: _sharing_cores.
+    shared-memory transport and the mailbox the one both share, and board_peers whether this rank
+    shares it with host peers. sharing: _sharing_cores.
 
     Each rank listens where it reached the store from and publishes that address. A rank that
     reached it over loopback runs on rank 0's host; in a job across hosts (where the rendezvous
@@ -272,7 +273,8 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spa
     socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers,
                          check=lambda: _raise_if_aborted(client, deadline))
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local,
-                        spin_s=tcp_spin_seconds(cfg.tuning, sharing))
+                        spin_s=tcp_spin_seconds(cfg.tuning, sharing),
+                        swap_spin_s=swap_spin_seconds(cfg.tuning, sharing, board_peers))
 
 
 def _reachable(published: list, client: RendezvousStore) -> tuple[str, int]:

@@ -189,6 +189,22 @@ def tcp_spin_seconds(tuning: Tuning, sharing: int) -> float:
     return TCP_SPIN_US_OWN_CORE * 1e-6 if sharing <= _cores() else 0.0
 
 
+#: How long the native pairwise exchange (kernels.swap_frames: the small all-reduce's step across
+#: hosts) polls its socket, yielding the core between looks, before it sleeps in poll: as
+#: TCP_SPIN_US_OWN_CORE where each rank has a core of its own, and also where ranks outnumber cores
+#: but this one has no host peers on a board. Its waits are then all on TCP peers, which need the
+#: core less than its wake-up from sleep costs (4 namespace hosts of one rank on 2 cores, 8-byte
+#: all-reduce: 101-123 us against 194). Host peers on a board need it more (2 + 2 ranks: 61 us
+#: sleeping at once, 77 spinning). Python's waits do not spin there: they would hold the GIL
+#: against the reader thread (1 MiB across hosts took 10% longer).
+def swap_spin_seconds(tuning: Tuning, sharing: int, board_peers: bool) -> float:
+    """How long this rank's native exchanges with TCP peers poll first: SHMCOLL_SPIN_US if set, else
+    as above."""
+    if tuning.spin_us is not None:
+        return tuning.spin_us * 1e-6
+    return TCP_SPIN_US_OWN_CORE * 1e-6 if sharing <= _cores() or not board_peers else 0.0
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

@@ -718,21 +718,27 @@ def test_small_all_gather_goes_through_the_leaders(layout, n, monkeypatch):
 # ---- hosts that share one machine share its cores ----
 
 def _spins(pg):
-    """How long this rank's TCP and shared-memory waits spin before they sleep (seconds)."""
-    return {"tcp": pg.transport.net._spin_s, "shm": pg.transport.shm.board.spin_ns * 1e-9}
+    """How long this rank's TCP waits, native exchanges and shared-memory waits spin before they
+    sleep (seconds)."""
+    net = pg.transport.net
+    return {"tcp": net._spin_s, "swap": net._swap_spin_ns * 1e-9, "shm": pg.transport.shm.board.spin_ns * 1e-9}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cores, tcp_s, shm_s", [(2, 0.0, 200e-6), (3, 200e-6, 2000e-6)])
-def test_hosts_on_one_kernel_weigh_all_their_ranks_against_its_cores(cores, tcp_s, shm_s, monkeypatch):
-    """Three simulated hosts of one rank each run on one kernel (as network namespaces do): each rank
-    weighs the job's 3 ranks there against the cores (patched here), not its host's 1, so on 2 cores
-    nobody polls its socket and shared-memory waits spin briefly."""
+@pytest.mark.parametrize("layout, n, cores, tcp_s, swap_s, shm_s", [
+    ("each", 3, 2, 0.0, 200e-6, 200e-6), ("each", 3, 3, 200e-6, 200e-6, 2000e-6), ("halves", 4, 2, 0.0, 0.0, 200e-6)])
+def test_hosts_on_one_kernel_weigh_all_their_ranks_against_its_cores(layout, n, cores, tcp_s, swap_s, shm_s,
+                                                                     monkeypatch):
+    """Simulated hosts run on one kernel (as network namespaces do): each rank weighs all the job's
+    ranks there against the cores (patched here), not its host's, so on 2 cores nobody's Python
+    polls its socket and shared-memory waits spin briefly. The native exchange still polls where
+    a rank has no host peers on its board (hosts of one rank), whose waits are all on TCP."""
     import shmcoll.config
 
     monkeypatch.delenv("SHMCOLL_SPIN_US", raising=False)
     monkeypatch.setattr(shmcoll.config, "_cores", lambda: cores)
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
-    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
-    for out in run_ranks(3, _spins):
-        assert out == {"tcp": pytest.approx(tcp_s), "shm": pytest.approx(shm_s, abs=1e-8)}  # whole ns
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    for out in run_ranks(n, _spins):
+        assert out == {"tcp": pytest.approx(tcp_s), "swap": pytest.approx(swap_s, abs=1e-8),
+                       "shm": pytest.approx(shm_s, abs=1e-8)}  # whole ns

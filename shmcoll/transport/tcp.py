@@ -67,12 +67,15 @@ class NetTransport(LinkTransport):
 
     def __init__(self, rank: int, world_size: int, socks: dict[int, socket.socket], *,
                  timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD, mailbox: Mailbox | None = None,
-                 local: Transport | None = None, spin_s: float = 0.0):
+                 local: Transport | None = None, spin_s: float = 0.0, swap_spin_s: float | None = None):
         """socks: one connected socket per peer this transport reaches (every other rank, or only
         the remote ones under a HierarchicalTransport, which passes the mailbox it shares and this
-        host's shared-memory transport as `local`: its abort flag ends a blocked send here too)."""
+        host's shared-memory transport as `local`: its abort flag ends a blocked send here too).
+        spin_s: how long a caller's wait polls its socket first (config.tcp_spin_seconds);
+        swap_spin_s: the same for the native exchange (config.swap_spin_seconds; default spin_s)."""
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._max_payload, self._spin_s = max_payload, spin_s
+        self._swap_spin_ns = int((spin_s if swap_spin_s is None else swap_spin_s) * 1e9)
         self._mailbox = mailbox or Mailbox(rank, world_size)
         self._local = local
         self.bytes_to = [0] * world_size  # payload bytes sent to each rank (what the hierarchy moves where)
@@ -149,7 +152,7 @@ class NetTransport(LinkTransport):
             inbox.mute_reader(True)
             status, sent = kernels.swap_frames(inbox.sock.fileno(), header, data, expect,
                                                np.empty(HEADER_SIZE + data.nbytes, np.uint8), code, int(op),
-                                               own_first, int(self._spin_s * 1e9), int(wait_s * 1e9))
+                                               own_first, self._swap_spin_ns, int(wait_s * 1e9))
         finally:
             inbox.lock.release()
             inbox.leave(found=status == kernels.SWAP_DONE)
