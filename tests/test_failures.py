@@ -243,7 +243,7 @@ def _killed_before_barrier(rank, n, port, victim, sender, stamps, ready, finish)
 
 def test_sigkill_while_others_wait_in_barrier(transport, aftermath):
     n, victim = 4, 2
-    sender = 3 if transport == "hier" else 1  # over hosts 0,1 + 2,3 rank 2 first hears from its host's rank 3
+    sender = 3  # rank 2 first hears from rank 3: its host's peer over hosts 0,1 + 2,3, its first pair (2 ^ 1) over TCP
     stamps = CTX.RawArray("d", n + 1)
     results, pids = run_tracked(n, _killed_before_barrier, victim, sender, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
                                 may_die={victim})

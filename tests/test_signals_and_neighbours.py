@@ -83,9 +83,9 @@ def _interrupted(rank, n, port, victim, sig, where, stamps, ready, finish):
     call = (lambda: pg.all_reduce(data)) if where == "all_reduce" else pg.barrier
     if rank == victim:
         if where == "barrier":
-            # the others wait in barrier number 1 for us: the rank that signals us first is inside it
-            sender = 3 if os.environ.get("SHMCOLL_TRANSPORT") == "hier" else 1
-            stamps[n] = float(peers_inside(pg, [sender], seq=1))
+            # the others wait in barrier number 1 for us: the rank that signals us first is inside
+            # it, rank 3 on either transport (our host peer; over TCP our first pair, 2 ^ 1)
+            stamps[n] = float(peers_inside(pg, [3], seq=1))
         arm_signal(pg, 5 if where == "all_reduce" else 1, sig, stamps)
         try:
             call()
