@@ -187,9 +187,9 @@ def _read_exactly(sock, n: int) -> bytes:
     return got
 
 
-def _count_swaps(pg, late_rank: int | None) -> dict:
-    """Small all-reduces, each swap_frames status counted; late_rank starts its last call 0.2 s
-    after the others, past the native wait, so its partners fall back to the general receive."""
+def _count_statuses() -> list[int]:
+    """From now on in this rank, each swap_frames call's status, appended to the list returned
+    (the real call runs)."""
     statuses: list[int] = []
     swap = kernels.swap_frames
 
@@ -198,6 +198,13 @@ def _count_swaps(pg, late_rank: int | None) -> dict:
         statuses.append(result[0])
         return result
     kernels.swap_frames = counted
+    return statuses
+
+
+def _count_swaps(pg, late_rank: int | None) -> dict:
+    """Small all-reduces, each swap_frames status counted; late_rank starts its last call 0.2 s
+    after the others, past the native wait, so its partners fall back to the general receive."""
+    statuses = _count_statuses()
     results = []
     for i in range(6):
         if i == 5 and pg.rank == late_rank:
@@ -224,14 +231,7 @@ def test_small_all_reduces_across_hosts_swap_in_one_call(layout, n, crossings, m
 
 
 def _barrier_swaps(pg) -> list[int]:
-    statuses: list[int] = []
-    swap = kernels.swap_frames
-
-    def counted(*args):
-        result = swap(*args)
-        statuses.append(result[0])
-        return result
-    kernels.swap_frames = counted
+    statuses = _count_statuses()
     for _ in range(4):
         pg.barrier()
     return statuses
