@@ -240,9 +240,10 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
     mailbox = Mailbox(cfg.rank, cfg.world_size)
     shm = _shm_transport(cfg, client, hosts, pids, deadline, sharing, mailbox)
     try:
-        remote = set(range(cfg.world_size)) - set(topology.local_ranks(cfg.rank))
-        net = _tcp_transport(cfg, client, deadline, spans_hosts=True, sharing=sharing, peers=remote,
-                             mailbox=mailbox, local=shm, board_peers=len(topology.local_ranks(cfg.rank)) > 1)
+        host = topology.local_ranks(cfg.rank)
+        net = _tcp_transport(cfg, client, deadline, spans_hosts=True, sharing=sharing,
+                             peers=set(range(cfg.world_size)) - set(host), mailbox=mailbox, local=shm,
+                             board_peers=len(host) > 1)
     except BaseException:
         shm.close()
         raise

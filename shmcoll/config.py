@@ -198,11 +198,11 @@ def tcp_spin_seconds(tuning: Tuning, sharing: int) -> float:
 #: sleeping at once, 77 spinning). Python's waits do not spin there: they would hold the GIL
 #: against the reader thread (1 MiB across hosts took 10% longer).
 def swap_spin_seconds(tuning: Tuning, sharing: int, board_peers: bool) -> float:
-    """How long this rank's native exchanges with TCP peers poll first: SHMCOLL_SPIN_US if set, else
-    as above."""
-    if tuning.spin_us is not None:
-        return tuning.spin_us * 1e-6
-    return TCP_SPIN_US_OWN_CORE * 1e-6 if sharing <= _cores() or not board_peers else 0.0
+    """How long this rank's native exchanges with TCP peers poll first: as its TCP waits
+    (tcp_spin_seconds), except that a rank without board peers polls even where ranks outnumber cores."""
+    if board_peers or tuning.spin_us is not None:
+        return tcp_spin_seconds(tuning, sharing)
+    return TCP_SPIN_US_OWN_CORE * 1e-6
 
 
 def _cores() -> int:

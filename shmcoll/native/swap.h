@@ -17,9 +17,9 @@ enum {
    its header must equal `expect` byte for byte (the same call, from the peer) and its payload be
    data's length. Once the whole frame waits in the socket it is read into `inbound` (header then
    payload) and folded: data = data op theirs, or theirs op data where !own_first (float
-   operations in one order on both ends: bitwise the same result); empty frames only meet. The wait polls for spin_ns,
-   yielding the core between looks, then sleeps in ppoll; wait_ns bounds the whole call. Nothing
-   but that frame is ever read. */
+   operations in one order on both ends: bitwise the same result); empty frames only meet. The
+   wait polls for spin_ns, yielding the core between looks, then sleeps in ppoll; wait_ns bounds
+   the whole call. Nothing but that frame is ever read. */
 int sc_swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8_t *data, size_t nbytes,
                    const uint8_t *expect, uint8_t *inbound, int code, int op, int own_first, int64_t spin_ns,
                    int64_t wait_ns, size_t *sent);
