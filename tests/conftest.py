@@ -1,7 +1,8 @@
 """Shared fixtures: the multiprocess marker enforced, a check that nothing is left in /dev/shm, the
-transports tests run over, and a directory for launched rank programs."""
+transports tests run over, a directory for launched rank programs, and a TCP connection's ends."""
 
 import os
+import socket
 import textwrap
 
 import pytest
@@ -104,3 +105,17 @@ def aftermath():
     after = faults.Aftermath()
     yield after
     after.clean_up()
+
+
+@pytest.fixture
+def pair():
+    """Two ends of one loopback TCP connection, set up as NetTransport sets up its sockets."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    for s in (a, b):
+        s.settimeout(0.25)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    yield a, b
+    a.close()
+    b.close()

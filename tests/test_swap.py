@@ -29,20 +29,6 @@ WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machin
 CODES = {t.user: t.code for t in (F16, F32, F64, I64)}
 
 
-@pytest.fixture
-def pair():
-    """Two ends of one loopback TCP connection, set up as NetTransport sets up its sockets."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        a = socket.create_connection(listener.getsockname())
-        b, _ = listener.accept()
-    for s in (a, b):
-        s.settimeout(0.25)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    yield a, b
-    a.close()
-    b.close()
-
-
 def _meta(data: np.ndarray, op: ReduceKind, seq: int = 3) -> Meta:
     return Meta(seq=seq, coll=int(Collective.ALL_REDUCE), dtype=CODES[data.dtype], elements=data.size,
                 op=int(op))

@@ -1,4 +1,5 @@
-/* shmcoll._native: the Python face of the C kernels (reduce.c, words.c, board.c, peers.c, swap.c).
+/* shmcoll._native: the Python face of the C kernels (reduce.c, words.c, board.c, peers.c, swap.c,
+   duplex.c).
 
    Why C and not a JIT: every rank of a job would otherwise import a compiler (about 75 MiB and a
    second of start-up per process, times 32 ranks on one host); this module loads in microseconds
@@ -9,6 +10,7 @@
 #include <Python.h>
 
 #include "board.h"
+#include "duplex.h"
 #include "peers.h"
 #include "reduce.h"
 #include "swap.h"
@@ -339,6 +341,61 @@ done:
     return result;
 }
 
+/* Whether a duplex's arguments describe one: frames within their buffers, a loop for the fold, and
+   progress a previous call could have left. */
+static int duplex_is_valid(const struct duplex_out *out, const struct duplex_in *in, const struct duplex_progress *p,
+                           int64_t spin_ns, int64_t wait_ns) {
+    size_t size = sc_element_size(in->code);
+    int folds = in->op >= 0;
+    if (out->fd < 0 || in->fd < 0 || out->header_bytes == 0 || in->header_bytes == 0 ||
+        in->header_bytes > 256 || spin_ns < 0 || wait_ns < 0)
+        return 0;
+    if (folds && (!sc_has_loop(in->code, in->op) || in->nbytes % size || in->scratch_bytes < size))
+        return 0;
+    return p->sent >= 0 && (size_t)p->sent <= out->header_bytes + out->nbytes && p->got >= 0 &&
+           (size_t)p->got <= in->nbytes && p->pending >= 0 && p->pending <= p->got &&
+           (size_t)p->pending <= (folds ? in->scratch_bytes : 0) && p->in_state >= IN_WAITING &&
+           p->in_state <= IN_ELSEWHERE && p->beats >= 0;
+}
+
+static PyObject *duplex(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer header = {0}, data = {0}, expect = {0}, beat = {0}, into = {0}, scratch = {0}, progress = {0};
+    int64_t out_fd, in_fd, code, op, spin_ns, wait_ns;
+    PyObject *result = NULL;
+    if (check_count(nargs, 13, "duplex") || as_i64(args[0], &out_fd) || as_i64(args[3], &in_fd) ||
+        as_i64(args[8], &code) || as_i64(args[9], &op) || as_i64(args[10], &spin_ns) || as_i64(args[11], &wait_ns) ||
+        hold(args[1], &header, 0, "duplex header") || hold(args[2], &data, 0, "duplex data") ||
+        hold(args[4], &expect, 0, "duplex expect") || hold(args[5], &beat, 0, "duplex beat") ||
+        hold(args[6], &into, 1, "duplex into") || hold(args[7], &scratch, 1, "duplex scratch") ||
+        hold(args[12], &progress, 1, "duplex progress"))
+        goto done;
+    struct duplex_out out = {(int)out_fd, header.view.buf, (size_t)header.view.len, data.view.buf,
+                             (size_t)data.view.len};
+    struct duplex_in in = {(int)in_fd, expect.view.buf, beat.view.buf, (size_t)expect.view.len, into.view.buf,
+                           (size_t)into.view.len, scratch.view.buf, (size_t)scratch.view.len, (int)code,
+                           op < 0 ? -1 : (int)op};
+    struct duplex_progress *p = progress.view.buf;
+    if (progress.view.len != sizeof *p || (uintptr_t)p % 8 || beat.view.len != expect.view.len ||
+        !duplex_is_valid(&out, &in, p, spin_ns, wait_ns)) {
+        PyErr_SetString(PyExc_ValueError, "duplex: arguments do not describe a frame each way");
+        goto done;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = sc_duplex(&out, &in, p, spin_ns, wait_ns);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(status);
+done:
+    release(&header);
+    release(&data);
+    release(&expect);
+    release(&beat);
+    release(&into);
+    release(&scratch);
+    release(&progress);
+    return result;
+}
+
 static PyObject *collapse_to_huge_pages(PyObject *self, PyObject *arg) {
     held_buffer mem = {0};
     if (hold(arg, &mem, 0, "collapse_to_huge_pages"))
@@ -379,6 +436,10 @@ static PyMethodDef methods[] = {
      "and writes it into every peer's array"},
     {"swap_frames", (PyCFunction)(void (*)(void))swap_frames, METH_FASTCALL,
      "swap_frames(fd, header, data, expect, inbound, code, op, own_first, spin_ns, wait_ns) -> (status, sent)"},
+    {"duplex", (PyCFunction)(void (*)(void))duplex, METH_FASTCALL,
+     "duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns, progress) -> "
+     "status: one frame out while one comes in (native/duplex.h); op < 0 copies; progress: int64[5], kept "
+     "between calls"},
     {"collapse_to_huge_pages", collapse_to_huge_pages, METH_O,
      "collapse_to_huge_pages(buffer) -> 0, or the errno: back the whole huge pages inside the buffer with huge "
      "pages now (MADV_COLLAPSE)"},
@@ -398,7 +459,13 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (m && (PyModule_AddIntConstant(m, "BOARD_DONE", BOARD_DONE) < 0 ||
               PyModule_AddIntConstant(m, "SWAP_DONE", SWAP_DONE) < 0 ||
               PyModule_AddIntConstant(m, "SWAP_SENT", SWAP_SENT) < 0 ||
-              PyModule_AddIntConstant(m, "SWAP_PARTIAL", SWAP_PARTIAL) < 0)) {
+              PyModule_AddIntConstant(m, "SWAP_PARTIAL", SWAP_PARTIAL) < 0 ||
+              PyModule_AddIntConstant(m, "DUPLEX_DONE", DUPLEX_DONE) < 0 ||
+              PyModule_AddIntConstant(m, "DUPLEX_PENDING", DUPLEX_PENDING) < 0 ||
+              PyModule_AddIntConstant(m, "DUPLEX_ENDED", DUPLEX_ENDED) < 0 ||
+              PyModule_AddIntConstant(m, "IN_BODY", IN_BODY) < 0 ||
+              PyModule_AddIntConstant(m, "IN_DONE", IN_DONE) < 0 ||
+              PyModule_AddIntConstant(m, "IN_ELSEWHERE", IN_ELSEWHERE) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -12,43 +12,22 @@
 #include <sched.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
-#include <time.h>
 
+#include "duplex.h"
 #include "reduce.h"
 #include "words.h"
-
-/* Wait until fd is ready for `events` or `ns` nanoseconds have passed (0: only look). */
-static int wait_ready(int fd, short events, int64_t ns) {
-    struct pollfd p = {.fd = fd, .events = events};
-    struct timespec t = {ns / 1000000000, ns % 1000000000};
-    return ppoll(&p, 1, &t, NULL);
-}
 
 /* Send header and data, waiting for room until end_ns: the bytes sent, or -errno. */
 static int64_t send_frame(int fd, const uint8_t *header, size_t header_bytes, const uint8_t *data, size_t nbytes,
                           int64_t end_ns) {
     size_t total = header_bytes + nbytes, done = 0;
     while (done < total) {
-        struct iovec parts[2];
-        int count = 0;
-        if (done < header_bytes)
-            parts[count++] = (struct iovec){(void *)(header + done), header_bytes - done};
-        size_t from = done > header_bytes ? done - header_bytes : 0;
-        if (nbytes > from)
-            parts[count++] = (struct iovec){(void *)(data + from), nbytes - from};
-        struct msghdr msg = {.msg_iov = parts, .msg_iovlen = count};
-        ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n >= 0) {
-            done += (size_t)n;
-            continue;
-        }
-        if (errno == EINTR)
-            continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return -errno;
+        int64_t n = sc_send_some(fd, header, header_bytes, data, nbytes, done);
+        if (n < 0)
+            return n;
+        done += (size_t)n;
         int64_t left = end_ns - sc_now_ns();
-        if (left <= 0 || wait_ready(fd, POLLOUT, left) <= 0)
+        if (!n && (left <= 0 || sc_wait_ready(fd, POLLOUT, left) <= 0))
             break;
     }
     return (int64_t)done;
@@ -104,7 +83,7 @@ int sc_swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8_t *
             return SWAP_SENT;
         if (now - start < spin_ns)
             sched_yield();
-        else if (wait_ready(fd, POLLIN, end - now) > 0)
+        else if (sc_wait_ready(fd, POLLIN, end - now) > 0)
             sched_yield(); /* readable, but maybe only part of the frame: let its sender go on */
     }
 }

@@ -1,0 +1,168 @@
+/* A ring's or halving-doubling's step across hosts in C (duplex.h). In Python a large frame goes
+   out in a blocking send while a reader thread takes the peer's: it allocates a buffer, copies
+   the payload in, hands it over through the mailbox (a GIL switch each time), and only then is it
+   folded, out of cache. Here one thread sends and reads both at once, the payload lands in place
+   (or in a small scratch folded while the rest arrives), and the link stays busy both ways. The
+   caller holds both connections' locks, so nobody else reads or writes those sockets meanwhile. */
+#define _GNU_SOURCE
+#include "duplex.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#include "reduce.h"
+#include "words.h"
+
+/* Fold pending scratch bytes once this many have come (or the payload is whole): each batch is
+   folded while the kernel receives the next, and still sits in cache. */
+enum { FOLD_FROM_BYTES = 64 * 1024, MAX_HEADER_BYTES = 256 };
+
+static size_t at_most(size_t bytes, size_t limit) { return bytes < limit ? bytes : limit; }
+
+int sc_wait_ready(int fd, short events, int64_t ns) {
+    struct pollfd p = {.fd = fd, .events = events};
+    struct timespec t = {ns / 1000000000, ns % 1000000000};
+    return ppoll(&p, 1, &t, NULL);
+}
+
+int64_t sc_send_some(int fd, const uint8_t *header, size_t header_bytes, const uint8_t *data, size_t nbytes,
+                     size_t done) {
+    struct iovec parts[2];
+    int count = 0;
+    if (done < header_bytes)
+        parts[count++] = (struct iovec){(void *)(header + done), header_bytes - done};
+    size_t from = done > header_bytes ? done - header_bytes : 0;
+    if (nbytes > from)
+        parts[count++] = (struct iovec){(void *)(data + from), nbytes - from};
+    if (!count)
+        return 0;
+    struct msghdr msg = {.msg_iov = parts, .msg_iovlen = count};
+    ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0)
+        return n;
+    return (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : -errno;
+}
+
+/* A recv that cannot block: the bytes read, 0 when nothing waits, -1 at the connection's end or on
+   an error (the caller's reader thread says which, from the socket). */
+static ssize_t take(int fd, void *to, size_t room, int flags) {
+    ssize_t n = recv(fd, to, room, flags | MSG_DONTWAIT);
+    if (n > 0)
+        return n;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+        return 0;
+    return -1;
+}
+
+/* Look at the next header on the socket: read a heartbeat, or the expected header (the payload
+   follows), or give the socket up to the caller for anything else. 1 when it moved, 0 when a
+   header is still on its way, -1 at the connection's end. */
+static int take_header(const struct duplex_in *in, struct duplex_progress *p) {
+    uint8_t seen[MAX_HEADER_BYTES];
+    ssize_t n = take(in->fd, seen, in->header_bytes, MSG_PEEK);
+    if (n <= 0)
+        return (int)n;
+    int is_expected = memcmp(seen, in->expect, (size_t)n) == 0, is_beat = memcmp(seen, in->beat, (size_t)n) == 0;
+    if (!is_expected && !is_beat) {
+        p->in_state = IN_ELSEWHERE;
+        return 1;
+    }
+    if ((size_t)n < in->header_bytes)
+        return 0;
+    if (take(in->fd, seen, in->header_bytes, 0) != (ssize_t)in->header_bytes) /* peeked whole: cannot fall short */
+        return -1;
+    if (is_beat)
+        p->beats++;
+    else
+        p->in_state = in->nbytes ? IN_BODY : IN_DONE;
+    return 1;
+}
+
+/* Fold the whole elements waiting in scratch into their place; a split element's bytes stay. */
+static void fold_pending(const struct duplex_in *in, struct duplex_progress *p) {
+    size_t size = sc_element_size(in->code), pending = (size_t)p->pending, whole = pending / size * size;
+    sc_reduce(in->into + (size_t)p->got - pending, in->scratch, whole / size, in->code, in->op);
+    memmove(in->scratch, in->scratch + whole, pending - whole);
+    p->pending = (int64_t)(pending - whole);
+}
+
+/* Read what has come of the payload: into place, or into scratch to fold. As take_header. */
+static int take_body(const struct duplex_in *in, struct duplex_progress *p) {
+    size_t left = in->nbytes - (size_t)p->got;
+    int folds = in->op >= 0;
+    uint8_t *to = folds ? in->scratch + p->pending : in->into + p->got;
+    size_t room = folds ? at_most(left, in->scratch_bytes - (size_t)p->pending) : left;
+    ssize_t n = take(in->fd, to, room, 0);
+    if (n <= 0)
+        return (int)n;
+    p->got += n;
+    p->pending += folds ? n : 0;
+    int whole = (size_t)p->got == in->nbytes;
+    if (folds && (whole || (size_t)p->pending >= FOLD_FROM_BYTES || (size_t)p->pending == in->scratch_bytes))
+        fold_pending(in, p);
+    if (whole)
+        p->in_state = IN_DONE;
+    return 1;
+}
+
+static int receive_some(const struct duplex_in *in, struct duplex_progress *p) {
+    if (p->in_state == IN_WAITING)
+        return take_header(in, p);
+    return p->in_state == IN_BODY ? take_body(in, p) : 0;
+}
+
+/* Sleep until either socket can move (or ns pass): one pollfd when both are one connection. */
+static void wait_either(const struct duplex_out *out, int sending, const struct duplex_in *in, int receiving,
+                        int64_t ns) {
+    struct pollfd fds[2];
+    int count = 0;
+    if (sending)
+        fds[count++] = (struct pollfd){.fd = out->fd, .events = POLLOUT};
+    if (receiving && count && in->fd == out->fd)
+        fds[0].events |= POLLIN;
+    else if (receiving)
+        fds[count++] = (struct pollfd){.fd = in->fd, .events = POLLIN};
+    struct timespec t = {ns / 1000000000, ns % 1000000000};
+    ppoll(fds, count, &t, NULL);
+}
+
+int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *p, int64_t spin_ns,
+              int64_t wait_ns) {
+    int64_t moved_at = sc_now_ns(), end = moved_at + wait_ns;
+    size_t total = out->header_bytes + out->nbytes;
+    int woke_idle = 0; /* the last wait ended with nothing to move: a header still on its way */
+    for (;;) {
+        int64_t sent = (size_t)p->sent < total
+                           ? sc_send_some(out->fd, out->header, out->header_bytes, out->data, out->nbytes, (size_t)p->sent)
+                           : 0;
+        if (sent < 0)
+            return (int)sent;
+        p->sent += sent;
+        int got = receive_some(in, p);
+        if (got < 0)
+            return DUPLEX_ENDED;
+        int sending = (size_t)p->sent < total, receiving = p->in_state < IN_DONE;
+        if (!sending && !receiving)
+            return DUPLEX_DONE;
+        int64_t now = sc_now_ns();
+        if (sent || got) {
+            moved_at = now;
+            woke_idle = 0;
+            continue;
+        }
+        if (now >= end)
+            return DUPLEX_PENDING;
+        if (now - moved_at < spin_ns || woke_idle) {
+            sched_yield();
+            woke_idle = 0;
+        } else {
+            wait_either(out, sending, in, receiving, end - now);
+            woke_idle = 1;
+        }
+    }
+}

@@ -1,0 +1,68 @@
+/* One frame out to a TCP peer while one comes in from a peer (the same or another), both at once:
+   a step of a ring or of halving-doubling across hosts, without Python between the sends, the
+   reads and the folds. */
+#ifndef SHMCOLL_DUPLEX_H
+#define SHMCOLL_DUPLEX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* sc_duplex's results; below 0: -errno of a send that failed. */
+enum {
+    DUPLEX_DONE = 0,    /* our frame is sent, and the peer's read (IN_DONE) or left to the caller (IN_ELSEWHERE) */
+    DUPLEX_PENDING = 1, /* the wait ran out first: call again with the same progress */
+    DUPLEX_ENDED = 2,   /* the incoming connection ended or failed (EOF, reset): maybe mid-frame */
+};
+
+/* Where the incoming frame stands (progress->in_state). */
+enum { IN_WAITING = 0, IN_BODY = 1, IN_DONE = 2, IN_ELSEWHERE = 3 };
+
+/* The frame going out: header, then data, on connected socket fd. */
+struct duplex_out {
+    int fd;
+    const uint8_t *header;
+    size_t header_bytes;
+    const uint8_t *data;
+    size_t nbytes;
+};
+
+/* The frame coming in on fd: its header must equal `expect` byte for byte (the same call, from the
+   peer); headers equal to `beat` (the peer's heartbeat) before it are read and counted. Its
+   payload goes into `into`: copied (op < 0), or read into scratch and folded, into = into op
+   theirs, a batch at a time while the rest is still arriving. */
+struct duplex_in {
+    int fd;
+    const uint8_t *expect;
+    const uint8_t *beat;
+    size_t header_bytes;
+    uint8_t *into;
+    size_t nbytes;
+    uint8_t *scratch;
+    size_t scratch_bytes;
+    int code;
+    int op;
+};
+
+/* How far a duplex got, kept by the caller between calls (Python's int64[5]). sent: bytes of our
+   frame sent; got: payload bytes of the peer's frame read; pending: of those, bytes in scratch not
+   folded yet; in_state: IN_*; beats: heartbeats read. */
+struct duplex_progress {
+    int64_t sent, got, pending, in_state, beats;
+};
+
+/* Move both frames as far as they go within wait_ns: sending whatever the socket takes, reading
+   whatever has come; while neither can move it polls, yielding the core between looks, until
+   spin_ns have passed since anything moved, then sleeps in ppoll. Anything but a heartbeat or the expected header first on the incoming socket is left there
+   (IN_ELSEWHERE), and sending goes on. Nothing past the peer's frame is ever read. */
+int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *progress,
+              int64_t spin_ns, int64_t wait_ns);
+
+/* One non-blocking sendmsg of what is left of header + data after `done` bytes: the bytes it
+   took (0 when the socket has no room), or -errno. */
+int64_t sc_send_some(int fd, const uint8_t *header, size_t header_bytes, const uint8_t *data, size_t nbytes,
+                     size_t done);
+
+/* Wait until fd is ready for `events` or `ns` nanoseconds have passed (0: only look): ppoll's result. */
+int sc_wait_ready(int fd, short events, int64_t ns);
+
+#endif
