@@ -56,14 +56,17 @@ def close_group(pg) -> dict:
 
 def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> None:
     """Deliver `sig` to this rank just before its `after_sends`-th frame from now on; stamp the time.
-    A frame is a transport send, the send of a pairwise exchange in one native call over TCP
-    (kernels.swap_frames) or, over shared memory, an entry published on the board (the small
-    collectives' way: by Board.publish, or by the compiled step that all_reduce and barrier run).
-    With min_items, only sends of at least that many elements count (data frames, not the
-    signalling frames of an agreement step)."""
+    A frame is a transport send, the send of a pairwise exchange or of a ring's step in native calls
+    over TCP (kernels.swap_frames; kernels.duplex's first call of a frame, before it sent anything)
+    or, over shared memory, an entry published on the board (the small collectives' way: by
+    Board.publish, or by the compiled step that all_reduce and barrier run). With min_items, only
+    sends of at least that many elements count (data frames, not the signalling frames of an
+    agreement step)."""
     count = itertools.count(1)
 
     def counts(args) -> bool:
+        if len(args) == 13 and args[12][0]:  # kernels.duplex resuming a frame it began
+            return False
         return not min_items or (len(args) > 2 and getattr(args[2], "size", 0) >= min_items)
 
     def armed(real):
@@ -80,6 +83,7 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
     transport = pg.transport
     transport.send = armed(transport.send)
     kernels.swap_frames = armed(kernels.swap_frames)
+    kernels.duplex = armed(kernels.duplex)
     board = transport.board or transport.host_board  # across hosts, the in-host steps of small calls
     if board is not None:  # the board's calls: published in Python, or in one compiled step
         board.publish = armed(board.publish)

@@ -77,5 +77,4 @@ def _swap(c: Call, data: np.ndarray, partner: int, out: tuple[int, int], into: t
     copied), streamed in chunks: both ends cut their two ranges into the same number of pieces."""
     pieces = chunk_count(max(out[1] - out[0], into[1] - into[0]), data.itemsize, c.chunk_bytes)
     for (s0, s1), (r0, r1) in zip(sub_bounds(*out, pieces), sub_bounds(*into, pieces)):
-        c.t.send(partner, c.tag, data[s0:s1], c.code, c.meta, c.deadline)
-        c.t.recv_into(partner, c.tag, data[r0:r1], c.code, c.deadline, c.meta, op)
+        c.t.send_recv(partner, partner, c.tag, data[s0:s1], data[r0:r1], c.code, c.meta, c.deadline, op)

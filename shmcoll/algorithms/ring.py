@@ -32,8 +32,7 @@ def _ring_step(c: Call, data: np.ndarray, ring: Sequence[int], p: int, send_seg:
     n = len(ring)
     right, left = ring[(p + 1) % n], ring[(p - 1) % n]
     for (s0, s1), (r0, r1) in zip(sub_bounds(*send_seg, pieces), sub_bounds(*recv_seg, pieces)):
-        c.t.send(right, c.tag, data[s0:s1], c.code, c.meta, c.deadline)
-        c.t.recv_into(left, c.tag, data[r0:r1], c.code, c.deadline, c.meta, op)
+        c.t.send_recv(right, left, c.tag, data[s0:s1], data[r0:r1], c.code, c.meta, c.deadline, op)
 
 
 def _pieces(c: Call, data: np.ndarray, owned: Sequence[Bounds]) -> int:

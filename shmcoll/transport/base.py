@@ -2,7 +2,8 @@
 
 A transport moves arrays to and from one peer at a time and knows nothing of collectives. Algorithms
 call `send` and `recv_into`; `recv_into` either copies a message into the destination or reduces it
-into it (op given), so a transport that can read in place (shared memory) needs no extra copy. Every
+into it (op given), so a transport that can read in place (shared memory) needs no extra copy.
+`exchange` and `send_recv` are a step's send and receive together, which TCP runs in native calls. Every
 wait takes an absolute deadline (time.monotonic() seconds). A transport that has a shared-memory
 board (one-step small collectives, algorithms/board.py) also offers the guard its waits run.
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from .shm_board import Board
 
 
-#: What Transport._swap did: nothing, sent the array only, or the whole exchange.
+#: What Transport._swap and _duplex did: nothing, sent the array only, or both ways.
 NOT_STARTED, SENT, SWAPPED = range(3)
 
 
@@ -98,6 +99,24 @@ class Transport(ABC):
               op: ReduceKind, own_first: bool) -> int:
         """exchange() in one step where this transport can: SWAPPED; SENT (data went out, peer's
         array is still to be received); NOT_STARTED (nothing was done: the default)."""
+        return NOT_STARTED
+
+    def send_recv(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
+                  deadline: float, op: ReduceKind | None = None) -> None:
+        """One step of a ring or of halving-doubling: send `out` to rank `to` while receiving src's
+        array of the same call into `into` (both 1-D storage arrays): folded, into = into op
+        theirs, or copied (op None). A transport may move both at once (`_duplex`); else a send,
+        then a receive (sends never block on a peer that is itself sending)."""
+        done = self._duplex(to, src, tag, out, into, code, meta, deadline, op)
+        if done == NOT_STARTED:
+            self.send(to, tag, out, code, meta, deadline)
+        if done != SWAPPED:
+            self.recv_into(src, tag, into, code, deadline, meta, op)
+
+    def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
+                deadline: float, op: ReduceKind | None) -> int:
+        """send_recv() at once where this transport can: SWAPPED; SENT (out went, src's array is
+        still to be received); NOT_STARTED (nothing was done: the default)."""
         return NOT_STARTED
 
     @abstractmethod

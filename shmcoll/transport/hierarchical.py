@@ -66,6 +66,17 @@ class HierarchicalTransport(Transport):
             return NOT_STARTED
         return self.net._swap(peer, tag, data, code, meta, deadline, op, own_first)
 
+    def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
+                deadline: float, op: ReduceKind | None) -> int:
+        """The TCP side's send_recv() where both peers are remote."""
+        if to in self._local or src in self._local:
+            return NOT_STARTED
+        try:
+            return self.net._duplex(to, src, tag, out, into, code, meta, deadline, op)
+        except PeerLost:
+            self.shm.check_health(strict=False)  # as _sliced: an abort's reason that came through this host
+            raise
+
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         if src in self._local:
             return self.shm.recv(src, tag, deadline, strict)

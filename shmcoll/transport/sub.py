@@ -138,6 +138,11 @@ class SubTransport(Transport):
         which the root's mailbox queues unchanged)."""
         return self.root._swap(self.ranks[peer], tag, data, code, self._out(meta), deadline, op, own_first)
 
+    def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
+                deadline: float, op: ReduceKind | None) -> int:
+        """The root's send_recv() at once, in its numbering (collective tags only, as _swap)."""
+        return self.root._duplex(self.ranks[to], self.ranks[src], tag, out, into, code, self._out(meta), deadline, op)
+
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         return self._in(self.root.recv(self.ranks[src], self._tag(tag), deadline, strict))
 

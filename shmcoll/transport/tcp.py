@@ -18,7 +18,10 @@ waiting thread reads alone. Only frames already whole in the socket are read thi
 A pairwise exchange (Transport.exchange: the small all-reduce's step across hosts, a two-rank
 barrier) goes further where it can have the connection at once: one native call sends its frame,
 waits as a caller does, reads the peer's frame of the same call and folds it in
-(kernels.swap_frames). Anything else on the socket first is left there for the paths above.
+(kernels.swap_frames). So does a ring's or halving-doubling's step (Transport.send_recv), where it
+can have both connections: native calls send its frame while they read the peer's straight into
+place, or through a small scratch folded as it comes (kernels.duplex), with a look at the group's
+health between calls. Anything else on the socket first is left there for the paths above.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ PEEK_BYTES = 4096
 #: Largest array a pairwise exchange sends and receives in one native call (NetTransport._swap):
 #: the small all-reduce's, whose time is mostly the calls around the kernel's.
 SWAP_MAX_BYTES = 256 << 10
+#: Seconds one native duplex call (NetTransport._duplex) runs before it returns for a look at the
+#: group's health and the deadline, and is called again where it stopped.
+DUPLEX_SLICE_SECONDS = CALLER_SLEEP_SECONDS
+#: Bytes of the scratch (one per thread) through which a folding duplex reads the peer's payload.
+DUPLEX_SCRATCH_BYTES = 256 << 10
+_SENT, _IN_STATE, _BEATS = 0, 3, 4  # kernels.duplex's progress words this side reads
 #: Seconds between heartbeats to each peer. A rank silent for several of them is reported as such
 #: by a timeout (a SIGSTOPped or hung process), unlike a live rank that is itself waiting.
 HEARTBEAT_SECONDS = 0.5
@@ -86,6 +95,8 @@ class NetTransport(LinkTransport):
         self._close_lock = threading.Lock()
         self._readers = []
         self._inboxes = {peer: _Inbox(sock) for peer, sock in socks.items()}
+        self._beats = {peer: frame.pack(HEARTBEAT, peer, 0, Meta(), 0, (), 0) for peer in socks}  # as they come
+        self._scratch = threading.local()  # each thread's DUPLEX_SCRATCH_BYTES
         for peer, sock in socks.items():
             sock.settimeout(_POLL)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -167,6 +178,67 @@ class NetTransport(LinkTransport):
             raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
         self.bytes_to[peer] += data.nbytes
         return SWAPPED if status == kernels.SWAP_DONE else SENT
+
+    def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
+                deadline: float, op: ReduceKind | None) -> int:
+        """send_recv() in native calls (kernels.duplex), where this thread can have both connections
+        at once: src's reader thread idle, nothing of this call from src queued, no send to `to`
+        under way. Anything but src's frame first on its socket is left to recv. A frame cut off
+        mid-way (a failure elsewhere ended the wait) leaves src's stream unreadable: it counts as
+        ended."""
+        inbox = self._inboxes.get(src)
+        if inbox is None or to not in self._socks or not inbox.lock.acquire(blocking=False):
+            return NOT_STARTED
+        send_lock = self._send_locks[to]
+        if self._mailbox.has(src, tag) or not send_lock.acquire(blocking=False):
+            inbox.lock.release()
+            return NOT_STARTED
+        progress = np.zeros(5, np.int64)
+        try:
+            inbox.mute_reader(True)
+            self._run_duplex(to, src, inbox, tag, out, into, code, meta, deadline, op, progress)
+        finally:
+            send_lock.release()
+            inbox.lock.release()
+            if progress[_IN_STATE] == kernels.IN_BODY and not inbox.finished:
+                self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
+            inbox.leave(found=progress[_IN_STATE] == kernels.IN_DONE)
+        self.bytes_to[to] += out.nbytes
+        return SWAPPED if progress[_IN_STATE] == kernels.IN_DONE else SENT
+
+    def _run_duplex(self, to: int, src: int, inbox: _Inbox, tag: int, out: np.ndarray, into: np.ndarray, code: int,
+                    meta: Meta, deadline: float, op: ReduceKind | None, progress: np.ndarray) -> None:
+        """kernels.duplex a slice at a time, until done: the group's health and the deadline are
+        checked between slices, heartbeats it read are noted as the reader thread would."""
+        header = frame.pack(DATA, self.rank, tag, meta, code, out.shape, out.nbytes)
+        expect = frame.pack(DATA, src, tag, meta, code, into.shape, into.nbytes)
+        scratch = self._thread_scratch() if op is not None else _NO_SCRATCH
+        while True:
+            if time.monotonic() > deadline:
+                late = (f"rank {to} did not take this rank's data" if progress[_SENT] < len(header) + out.nbytes
+                        else f"rank {src}'s data did not come")
+                raise CollectiveTimeout(f"{late} before the deadline (stopped or overloaded?)")
+            self._check_can_send(to, deadline)
+            wait_s = min(DUPLEX_SLICE_SECONDS, max(0.0, deadline - time.monotonic()))
+            status = kernels.duplex(self._socks[to].fileno(), header, out, inbox.sock.fileno(), expect,
+                                    self._beats[src], into, scratch, code, -1 if op is None else int(op),
+                                    self._swap_spin_ns, int(wait_s * 1e9), progress)
+            if progress[_BEATS]:
+                self._mailbox.touch(src)
+                progress[_BEATS] = 0
+            if status == kernels.DUPLEX_DONE:
+                return
+            if status == kernels.DUPLEX_ENDED:
+                self._connection_ended(src, inbox, "its connection closed (process died?)", graceful=False)
+                raise PeerLost(f"rank {src}'s connection ended (process died?)", src)
+            if status < 0:
+                raise PeerLost(f"sending to rank {to} failed: {os.strerror(-status)}", to)
+
+    def _thread_scratch(self) -> np.ndarray:
+        scratch = getattr(self._scratch, "buffer", None)
+        if scratch is None:
+            scratch = self._scratch.buffer = np.empty(DUPLEX_SCRATCH_BYTES, np.uint8)
+        return scratch
 
     # ---- receiving ----
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
@@ -477,6 +549,9 @@ class _Inbox:
 
     def _bytes_waiting(self) -> int:
         return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
+_NO_SCRATCH = np.empty(0, np.uint8)  # a duplex that copies reads straight into place
 
 
 def _allocate(nbytes: int) -> np.ndarray:

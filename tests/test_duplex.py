@@ -1,0 +1,313 @@
+"""A frame out while a frame comes in, in native calls (kernels.duplex, NetTransport._duplex).
+
+Over real TCP connections on loopback: both ends at once with frames far larger than the sockets'
+buffers, folded (through a scratch that splits elements between reads) or copied into place;
+heartbeats before the peer's frame are read and counted, anything else is left in the socket; a
+frame that stops half-way is resumed by the next call; a connection that ends and a failed send are
+reported. Then in ranks on simulated hosts: ring and halving-doubling steps across hosts take this
+path, and the results and the bytes each rank sends are those of the general path.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shmcoll import kernels
+from shmcoll.errors import CollectiveTimeout
+from shmcoll.transport import frame
+from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
+from shmcoll.transport.tcp import NetTransport
+from shmcoll.types import F16, F32, F64, I64, Collective, ReduceKind
+
+import bounds
+from harness import run_ranks, wait_until
+
+TAG = 9
+WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machine; the tests do not wait it out
+CODES = {t.user: t.code for t in (F16, F32, F64, I64)}
+COPY = -1  # kernels.duplex's op that copies
+SENT, GOT, PENDING, IN_STATE, BEATS = range(5)  # the progress words
+
+
+def _storage(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def _header(src: int, data: np.ndarray, seq: int = 3) -> bytes:
+    meta = Meta(seq=seq, coll=int(Collective.ALL_REDUCE), dtype=CODES[data.dtype], elements=data.size)
+    return frame.pack(DATA, src, TAG, meta, CODES[data.dtype], data.shape, data.nbytes)
+
+
+def _beat(src: int) -> bytes:
+    return frame.pack(HEARTBEAT, src, 0, Meta(), 0, (), 0)
+
+
+def _duplex(out_sock, in_sock, me: int, peer: int, out: np.ndarray, into: np.ndarray, op: int,
+            progress: np.ndarray, scratch: np.ndarray | None = None, wait_ns: int = WAIT_NS) -> int:
+    """One call; the scratch must be the same from one call of a frame to the next (it holds what
+    was read and not folded yet)."""
+    if scratch is None:
+        scratch = np.empty(256 << 10 if op != COPY else 0, np.uint8)
+    return kernels.duplex(out_sock.fileno(), _header(me, out), _storage(out), in_sock.fileno(), _header(peer, into),
+                          _beat(peer), _storage(into), scratch, CODES[into.dtype], op, 0, wait_ns, progress)
+
+
+def _until_done(*args, **kwargs) -> tuple[int, int]:
+    """Call again while the wait runs out; the last status and the number of calls."""
+    calls = 0
+    while True:
+        calls += 1
+        status = _duplex(*args, **kwargs)
+        if status != kernels.DUPLEX_PENDING:
+            return status, calls
+
+
+def _both_ends(pair, arrays: list[np.ndarray], intos: list[np.ndarray], op: int, scratch_bytes: int) -> list:
+    """Rank 0 and rank 1 of one connection duplex at once; each end's status and progress."""
+    results: list = [None, None]
+
+    def end(i: int) -> None:
+        progress = np.zeros(5, np.int64)
+        status, _ = _until_done(pair[i], pair[i], i, 1 - i, arrays[i], intos[i], op, progress,
+                                np.empty(scratch_bytes, np.uint8))
+        results[i] = (status, progress.tolist())
+    other = threading.Thread(target=end, args=(1,))
+    other.start()
+    end(0)
+    other.join(timeout=60)
+    return results
+
+
+@pytest.mark.parametrize("dtype, op, scratch_bytes", [
+    (np.float32, ReduceKind.SUM, 256 << 10), (np.float16, ReduceKind.SUM, 4093),
+    (np.float64, ReduceKind.MIN, 12), (np.int64, ReduceKind.MAX, 1 << 20), (np.float64, ReduceKind.PROD, 65541)])
+def test_both_ends_fold_the_peer_array_into_theirs(pair, dtype, op, scratch_bytes):
+    """4 MiB and more each way at once, far past the sockets' buffers, so both ends must read while
+    they send: each end ends with into = into op theirs, bit for bit as the reduction kernel makes
+    it, also where a scratch of an odd size splits elements between reads."""
+    rng = np.random.default_rng(11)
+    n = (4 << 20) // np.dtype(dtype).itemsize + 3
+    sent = [(rng.normal(size=n) * 50).astype(dtype) for _ in range(2)]
+    intos = [(rng.normal(size=n) * 50).astype(dtype) for _ in range(2)]
+    expected = [into.copy() for into in intos]
+    for i in range(2):
+        kernels.reduce_into(_storage(expected[i]), _storage(sent[1 - i]), CODES[np.dtype(dtype)], int(op))
+    results = _both_ends(pair, sent, intos, int(op), scratch_bytes)
+    for i in range(2):
+        status, progress = results[i]
+        assert status == kernels.DUPLEX_DONE
+        assert progress == [HEADER_SIZE + sent[i].nbytes, intos[i].nbytes, 0, kernels.IN_DONE, 0]
+        assert intos[i].tobytes() == expected[i].tobytes()
+
+
+def test_a_copy_lands_in_place(pair):
+    """op < 0: the peer's payload is copied into `into`, the array sent is untouched."""
+    sent = [np.arange(3 << 20, dtype=np.float32), -np.arange(3 << 20, dtype=np.float32)]
+    intos = [np.zeros(3 << 20, np.float32), np.zeros(3 << 20, np.float32)]
+    results = _both_ends(pair, sent, intos, COPY, 0)
+    assert [status for status, _ in results] == [kernels.DUPLEX_DONE] * 2
+    assert np.array_equal(intos[0], sent[1]) and np.array_equal(intos[1], sent[0])
+    assert np.array_equal(sent[0], np.arange(3 << 20, dtype=np.float32))
+
+
+def test_heartbeats_before_the_frame_are_read_and_counted(pair):
+    a, b = pair
+    theirs, into = np.full(5, 2.0, np.float64), np.ones(5, np.float64)
+    b.sendall(_beat(1) * 2 + _header(1, theirs) + theirs.tobytes())
+    progress = np.zeros(5, np.int64)
+    assert _duplex(a, a, 0, 1, np.zeros(5), into, int(ReduceKind.SUM), progress) == kernels.DUPLEX_DONE
+    assert progress[BEATS] == 2 and np.array_equal(into, np.full(5, 3.0))
+
+
+def test_another_frame_first_is_left_in_the_socket(pair):
+    """The peer's frame of another call (another sequence number): nothing is read, and this end's
+    frame still goes out whole, for the general receive to report the mismatch."""
+    a, b = pair
+    mine, into = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+    other_call = _header(1, into, seq=4) + into.tobytes()
+    b.sendall(other_call)
+    progress = np.zeros(5, np.int64)
+    assert _duplex(a, a, 0, 1, mine, into, int(ReduceKind.SUM), progress) == kernels.DUPLEX_DONE
+    assert progress[IN_STATE] == kernels.IN_ELSEWHERE and progress[SENT] == HEADER_SIZE + mine.nbytes
+    assert a.recv(len(other_call), socket.MSG_PEEK | socket.MSG_WAITALL) == other_call
+    assert _read_exactly(b, HEADER_SIZE + mine.nbytes) == _header(0, mine) + mine.tobytes()
+
+
+def test_a_frame_that_stops_half_way_is_resumed(pair):
+    """The peer sends half its payload and stops: the call returns PENDING once the wait passed,
+    keeping what it read; with the rest sent, the next call finishes the fold."""
+    a, b = pair
+    theirs, into = np.arange(1000, dtype=np.float64), np.ones(1000, np.float64)
+    wire = _header(1, theirs) + theirs.tobytes()
+    half = HEADER_SIZE + 501  # an element split across the two parts
+    b.sendall(wire[:half])
+    progress, scratch = np.zeros(5, np.int64), np.empty(1 << 10, np.uint8)
+    mine = np.zeros(1000, np.float64)
+    status = _duplex(a, a, 0, 1, mine, into, int(ReduceKind.SUM), progress, scratch, wait_ns=50_000_000)
+    assert status == kernels.DUPLEX_PENDING
+    assert progress[IN_STATE] == kernels.IN_BODY and progress[GOT] == 501
+    b.sendall(wire[half:])
+    assert _until_done(a, a, 0, 1, mine, into, int(ReduceKind.SUM), progress, scratch)[0] == kernels.DUPLEX_DONE
+    assert np.array_equal(into, theirs + 1)
+
+
+def test_out_and_in_on_two_connections(pair):
+    """A ring of three: the frame goes to the right-hand peer on one connection while the left-hand
+    peer's comes in on another."""
+    left_end, from_left = socket.socketpair()
+    with left_end, from_left:
+        mine, theirs, into = np.full(7, 5, np.int64), np.full(7, 2, np.int64), np.full(7, 1, np.int64)
+        left_end.sendall(_header(2, theirs) + theirs.tobytes())
+        progress = np.zeros(5, np.int64)
+        assert _duplex(pair[0], from_left, 0, 2, mine, into, int(ReduceKind.SUM), progress) == kernels.DUPLEX_DONE
+        assert np.array_equal(into, np.full(7, 3))
+        assert _read_exactly(pair[1], HEADER_SIZE + mine.nbytes) == _header(0, mine) + mine.tobytes()
+
+
+@pytest.mark.parametrize("cut", [0, HEADER_SIZE + 10])
+def test_a_connection_that_ends_is_reported(pair, cut):
+    """The peer closes before its frame or in the middle of it: DUPLEX_ENDED."""
+    a, b = pair
+    theirs = np.ones(64, np.float32)
+    b.sendall((_header(1, theirs) + theirs.tobytes())[:cut])
+    b.shutdown(socket.SHUT_WR)
+    progress = np.zeros(5, np.int64)
+    assert _duplex(a, a, 0, 1, np.ones(64, np.float32), np.ones(64, np.float32), COPY, progress) == \
+        kernels.DUPLEX_ENDED
+
+
+def test_a_failed_send_is_its_errno(pair):
+    a, _ = pair
+    a.shutdown(socket.SHUT_WR)
+    progress = np.zeros(5, np.int64)
+    assert _duplex(a, a, 0, 1, np.ones(2, np.float32), np.ones(2, np.float32), COPY, progress) == -errno.EPIPE
+
+
+@pytest.mark.parametrize("change", ["progress past the frame", "short progress", "no loop", "tiny scratch",
+                                    "other header length", "negative wait"])
+def test_arguments_that_do_not_describe_a_duplex_are_refused(pair, change):
+    data = np.ones(4, dtype=np.float32)
+    progress = np.zeros(5, np.int64)
+    args = [pair[0].fileno(), _header(0, data), data, pair[0].fileno(), _header(1, data), _beat(1), data.copy(),
+            np.empty(64, np.uint8), F32.code, int(ReduceKind.SUM), 0, WAIT_NS, progress]
+    if change == "progress past the frame":
+        progress[GOT] = data.nbytes + 1
+    index, value = {"short progress": (12, np.zeros(4, np.int64)), "no loop": (8, 99),
+                    "tiny scratch": (7, np.empty(2, np.uint8)), "other header length": (4, _header(1, data)[:-1]),
+                    "negative wait": (11, -1)}.get(change, (12, progress))
+    args[index] = value
+    with pytest.raises(ValueError, match="do not describe a frame each way"):
+        kernels.duplex(*args)
+
+
+def _read_exactly(sock, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        assert chunk, "connection closed early"
+        got += chunk
+    return got
+
+
+@pytest.fixture
+def transports(pair):
+    """Rank 0's and rank 1's NetTransport over one loopback connection."""
+    ends = [NetTransport(0, 2, {1: pair[0]}, timeout=bounds.WAIT_HANG_S),
+            NetTransport(1, 2, {0: pair[1]}, timeout=bounds.WAIT_HANG_S)]
+    yield ends
+    for t in ends:
+        t.close()
+
+
+def _counted_duplex_calls(monkeypatch) -> list[int]:
+    statuses: list[int] = []
+    duplex = kernels.duplex
+
+    def counted(*args):
+        statuses.append(duplex(*args))
+        return statuses[-1]
+    monkeypatch.setattr(kernels, "duplex", counted)
+    return statuses
+
+
+def _send_recv(t: NetTransport, out: np.ndarray, into: np.ndarray, deadline_s: float = bounds.WAIT_HANG_S) -> None:
+    peer = 1 - t.rank
+    t.send_recv(peer, peer, TAG, out, into, F32.code, META, time.monotonic() + deadline_s, ReduceKind.SUM)
+
+
+META = Meta(seq=1, coll=int(Collective.ALL_REDUCE), dtype=F32.code, elements=3 << 20)
+
+
+def test_transports_fold_each_other_at_once_and_count_the_bytes(transports, monkeypatch):
+    statuses = _counted_duplex_calls(monkeypatch)
+    outs = [np.full(3 << 20, r + 1, np.float32) for r in range(2)]
+    intos = [np.full(3 << 20, 10 * (r + 1), np.float32) for r in range(2)]
+    other = threading.Thread(target=_send_recv, args=(transports[1], outs[1], intos[1]))
+    other.start()
+    _send_recv(transports[0], outs[0], intos[0])
+    other.join(timeout=bounds.WAIT_HANG_S)
+    assert np.all(intos[0] == 12) and np.all(intos[1] == 21)
+    assert transports[0].bytes_to == [0, outs[0].nbytes] and transports[1].bytes_to == [outs[1].nbytes, 0]
+    assert statuses.count(kernels.DUPLEX_DONE) == 2
+
+
+def test_a_frame_queued_already_is_taken_from_the_mailbox(transports, monkeypatch):
+    """The peer's frame came before the step began and the reader thread queued it: no native call,
+    the general path sends and takes it from the mailbox."""
+    statuses = _counted_duplex_calls(monkeypatch)
+    theirs = np.full(1000, 2, np.float32)
+    transports[1].send(0, TAG, theirs, F32.code, META, time.monotonic() + bounds.WAIT_HANG_S)
+    wait_until(lambda: transports[0]._mailbox.has(1, TAG), bounds.WAIT_HANG_S, "the reader thread to queue it")
+    into = np.ones(1000, np.float32)
+    _send_recv(transports[0], np.zeros(1000, np.float32), into)
+    assert statuses == [] and np.all(into == 3)
+
+
+def test_a_peer_whose_data_does_not_come_times_out(transports):
+    """The peer takes this rank's frame but sends none: CollectiveTimeout names it, once the
+    deadline passed."""
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="rank 1's data did not come"):
+        _send_recv(transports[0], np.ones(1000, np.float32), np.ones(1000, np.float32), deadline_s=0.1)
+    assert time.monotonic() - start >= 0.1
+
+
+def _large_calls(pg) -> dict:
+    """Large all-reduces and all-gathers, each native duplex status counted; results and bytes sent."""
+    statuses: list[int] = []
+    duplex = kernels.duplex
+
+    def counted(*args):
+        status = duplex(*args)
+        statuses.append(status)
+        return status
+    kernels.duplex = counted
+    sums, gathered = [], []
+    for i in range(3):
+        x = np.arange(300_001, dtype=np.float32) + pg.rank + i
+        pg.all_reduce(x)
+        sums.append(float(x[12345]))
+        out = pg.all_gather(np.full(50_000, pg.rank + i, np.int64))
+        gathered.append(out[::50_000].tolist())
+    return {"statuses": statuses, "sums": sums, "gathered": gathered}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("each", 4), ("each", 3)])
+def test_large_calls_across_hosts_move_both_ways_at_once(layout, n, monkeypatch):
+    """2+2 ranks (a ring of two per column), 4 hosts of one rank (halving-doubling) and 3 (a ring
+    over two connections): their steps across hosts run as native duplex calls, and every rank's
+    results are right."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    out = run_ranks(n, _large_calls)
+    for rank in range(n):
+        assert out[rank]["sums"] == [12345.0 * n + sum(range(n)) + n * i for i in range(3)]
+        assert out[rank]["gathered"] == [[r + i for r in range(n)] for i in range(3)]
+        assert out[rank]["statuses"] and set(out[rank]["statuses"]) <= {kernels.DUPLEX_DONE, kernels.DUPLEX_PENDING}
