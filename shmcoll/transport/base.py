@@ -3,9 +3,10 @@
 A transport moves arrays to and from one peer at a time and knows nothing of collectives. Algorithms
 call `send` and `recv_into`; `recv_into` either copies a message into the destination or reduces it
 into it (op given), so a transport that can read in place (shared memory) needs no extra copy.
-`exchange` and `send_recv` are a step's send and receive together, which TCP runs in native calls. Every
-wait takes an absolute deadline (time.monotonic() seconds). A transport that has a shared-memory
-board (one-step small collectives, algorithms/board.py) also offers the guard its waits run.
+`exchange` and `send_recv` are a step's send and receive together, which TCP runs in native calls.
+Every wait takes an absolute deadline (time.monotonic() seconds). A transport that has a
+shared-memory board (one-step small collectives, algorithms/board.py) also offers the guard its
+waits run.
 
 Implementations: ShmTransport (shm.py, ranks on one host), NetTransport (tcp.py, TCP), the
 HierarchicalTransport over both (hierarchical.py) and SubTransport (sub.py, a split group's view of
