@@ -189,8 +189,9 @@ def tcp_spin_seconds(tuning: Tuning, sharing: int) -> float:
     return TCP_SPIN_US_OWN_CORE * 1e-6 if sharing <= _cores() else 0.0
 
 
-#: How long the native pairwise exchange (kernels.swap_frames: the small all-reduce's step across
-#: hosts) polls its socket, yielding the core between looks, before it sleeps in poll: as
+#: How long the native steps across hosts (kernels.swap_frames: the small all-reduce's exchange;
+#: kernels.duplex: a large call's ring steps, counted from the last byte moved) poll their sockets,
+#: yielding the core between looks, before they sleep in poll: as
 #: TCP_SPIN_US_OWN_CORE where each rank has a core of its own, and also where ranks outnumber cores
 #: but this one has no host peers on a board. Its waits are then all on TCP peers, which need the
 #: core less than its wake-up from sleep costs (4 namespace hosts of one rank on 2 cores, 8-byte
