@@ -20,7 +20,7 @@
 
 /* Fold pending scratch bytes once this many have come (or the payload is whole): each batch is
    folded while the kernel receives the next, and still sits in cache. */
-enum { FOLD_FROM_BYTES = 64 * 1024, MAX_HEADER_BYTES = 256 };
+enum { FOLD_FROM_BYTES = 64 * 1024 };
 
 static size_t at_most(size_t bytes, size_t limit) { return bytes < limit ? bytes : limit; }
 
@@ -48,8 +48,8 @@ int64_t sc_send_some(int fd, const uint8_t *header, size_t header_bytes, const u
     return (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : -errno;
 }
 
-/* A recv that cannot block: the bytes read, 0 when nothing waits, -1 at the connection's end or on
-   an error (the caller's reader thread says which, from the socket). */
+/* A recv that cannot block (room > 0): the bytes read, 0 when nothing waits, -1 at the
+   connection's end or on an error. */
 static ssize_t take(int fd, void *to, size_t room, int flags) {
     ssize_t n = recv(fd, to, room, flags | MSG_DONTWAIT);
     if (n > 0)
@@ -63,7 +63,7 @@ static ssize_t take(int fd, void *to, size_t room, int flags) {
    follows), or give the socket up to the caller for anything else. 1 when it moved, 0 when a
    header is still on its way, -1 at the connection's end. */
 static int take_header(const struct duplex_in *in, struct duplex_progress *p) {
-    uint8_t seen[MAX_HEADER_BYTES];
+    uint8_t seen[DUPLEX_MAX_HEADER_BYTES];
     ssize_t n = take(in->fd, seen, in->header_bytes, MSG_PEEK);
     if (n <= 0)
         return (int)n;

@@ -14,6 +14,9 @@ enum {
     DUPLEX_ENDED = 2,   /* the incoming connection ended or failed (EOF, reset): maybe mid-frame */
 };
 
+/* Frame headers up to this size (transport/frame.py's are 116 bytes). */
+enum { DUPLEX_MAX_HEADER_BYTES = 256 };
+
 /* Where the incoming frame stands (progress->in_state). */
 enum { IN_WAITING = 0, IN_BODY = 1, IN_DONE = 2, IN_ELSEWHERE = 3 };
 

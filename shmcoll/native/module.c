@@ -348,7 +348,7 @@ static int duplex_is_valid(const struct duplex_out *out, const struct duplex_in 
     size_t size = sc_element_size(in->code);
     int folds = in->op >= 0;
     if (out->fd < 0 || in->fd < 0 || out->header_bytes == 0 || in->header_bytes == 0 ||
-        in->header_bytes > 256 || spin_ns < 0 || wait_ns < 0)
+        in->header_bytes > DUPLEX_MAX_HEADER_BYTES || spin_ns < 0 || wait_ns < 0)
         return 0;
     if (folds && (!sc_has_loop(in->code, in->op) || in->nbytes % size || in->scratch_bytes < size))
         return 0;
