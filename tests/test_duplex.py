@@ -126,17 +126,29 @@ def test_heartbeats_before_the_frame_are_read_and_counted(pair):
 
 
 def test_another_frame_first_is_left_in_the_socket(pair):
-    """The peer's frame of another call (another sequence number): nothing is read, and this end's
-    frame still goes out whole, for the general receive to report the mismatch."""
+    """The peer's frame of another call (another sequence number): nothing is read, for the general
+    receive to report the mismatch, and the call says how much of its own frame went out."""
     a, b = pair
     mine, into = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
     other_call = _header(1, into, seq=4) + into.tobytes()
     b.sendall(other_call)
     progress = np.zeros(5, np.int64)
-    assert _duplex(a, a, 0, 1, mine, into, int(ReduceKind.SUM), progress) == kernels.DUPLEX_DONE
+    assert _duplex(a, a, 0, 1, mine, into, int(ReduceKind.SUM), progress) == kernels.DUPLEX_ELSEWHERE
     assert progress[IN_STATE] == kernels.IN_ELSEWHERE and progress[SENT] == HEADER_SIZE + mine.nbytes
     assert a.recv(len(other_call), socket.MSG_PEEK | socket.MSG_WAITALL) == other_call
     assert _read_exactly(b, HEADER_SIZE + mine.nbytes) == _header(0, mine) + mine.tobytes()
+
+
+def test_another_frame_first_stops_a_large_send_at_once(pair):
+    """Another frame first while a frame larger than the sockets' buffers goes out: the call returns
+    with part of it sent, rather than go on sending to a peer that may itself be waiting for this
+    end to read."""
+    a, b = pair
+    mine, into = np.ones(8 << 20, np.float32), np.ones(8 << 20, np.float32)
+    b.sendall(_header(1, into, seq=4))
+    progress = np.zeros(5, np.int64)
+    assert _duplex(a, a, 0, 1, mine, into, int(ReduceKind.SUM), progress) == kernels.DUPLEX_ELSEWHERE
+    assert 0 < progress[SENT] < HEADER_SIZE + mine.nbytes and progress[GOT] == 0
 
 
 def test_a_frame_that_stops_half_way_is_resumed(pair):
@@ -267,6 +279,36 @@ def test_a_frame_queued_already_is_taken_from_the_mailbox(transports, monkeypatc
     into = np.ones(1000, np.float32)
     _send_recv(transports[0], np.zeros(1000, np.float32), into)
     assert statuses == [] and np.all(into == 3)
+
+
+def _both_step(transports, outs: list[np.ndarray], intos: list[np.ndarray], deadline_s: float) -> None:
+    other = threading.Thread(target=_send_recv, args=(transports[1], outs[1], intos[1], deadline_s))
+    other.start()
+    _send_recv(transports[0], outs[0], intos[0], deadline_s)
+    other.join(timeout=bounds.WAIT_HANG_S)
+    assert not other.is_alive()
+
+
+def test_both_ends_with_another_frame_first_still_finish(transports):
+    """Each rank sent the other a small message of another call before the step, while its reader
+    thread naps (as it does for a while after a caller found its frame): each end's native call
+    finds that message first. Both steps still finish, the frames larger than the sockets' buffers
+    going out while the reader threads drain the sockets, and the small messages wait in the
+    mailboxes. (Were the native calls to go on sending without reading, each would wait for the
+    other to read until the deadline.)"""
+    for t in transports:
+        inbox = t._inboxes[1 - t.rank]
+        inbox._quiet_until = time.monotonic() + bounds.WAIT_HANG_S
+        inbox.mute_reader(True)
+    for t in transports:
+        t.send(1 - t.rank, TAG + 1, np.full(3, 7, np.float32), F32.code, META, time.monotonic() + bounds.WAIT_HANG_S)
+    outs = [np.full(24 << 20, r + 1, np.float32) for r in range(2)]  # 96 MiB: past what sockets buffer
+    intos = [np.full(24 << 20, 10 * (r + 1), np.float32) for r in range(2)]
+    _both_step(transports, outs, intos, 10.0)
+    assert np.all(intos[0] == 12) and np.all(intos[1] == 21)
+    for t in transports:
+        assert t.recv(1 - t.rank, TAG + 1, time.monotonic() + bounds.WAIT_HANG_S).payload.view(np.float32).tolist() \
+            == [7.0] * 3
 
 
 def test_a_peer_whose_data_does_not_come_times_out(transports):

@@ -146,6 +146,8 @@ int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct d
         int got = receive_some(in, p);
         if (got < 0)
             return DUPLEX_ENDED;
+        if (p->in_state == IN_ELSEWHERE)
+            return DUPLEX_ELSEWHERE;
         int sending = (size_t)p->sent < total, receiving = p->in_state < IN_DONE;
         if (!sending && !receiving)
             return DUPLEX_DONE;

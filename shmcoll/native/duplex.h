@@ -9,9 +9,10 @@
 
 /* sc_duplex's results; below 0: -errno of a send that failed. */
 enum {
-    DUPLEX_DONE = 0,    /* our frame is sent, and the peer's read (IN_DONE) or left to the caller (IN_ELSEWHERE) */
+    DUPLEX_DONE = 0,    /* our frame is sent, and the peer's read */
     DUPLEX_PENDING = 1, /* the wait ran out first: call again with the same progress */
     DUPLEX_ENDED = 2,   /* the incoming connection ended or failed (EOF, reset): maybe mid-frame */
+    DUPLEX_ELSEWHERE = 3, /* another frame came first (IN_ELSEWHERE): nothing more is read or sent here */
 };
 
 /* Frame headers up to this size (transport/frame.py's are 116 bytes). */
@@ -55,8 +56,11 @@ struct duplex_progress {
 
 /* Move both frames as far as they go within wait_ns: sending whatever the socket takes, reading
    whatever has come; while neither can move it polls, yielding the core between looks, until
-   spin_ns have passed since anything moved, then sleeps in ppoll. Anything but a heartbeat or the expected header first on the incoming socket is left there
-   (IN_ELSEWHERE), and sending goes on. Nothing past the peer's frame is ever read. */
+   spin_ns have passed since anything moved, then sleeps in ppoll. Anything but a heartbeat or the
+   expected header first on the incoming socket is left there, and the call returns at once
+   (DUPLEX_ELSEWHERE): the caller's reader must drain that socket while the rest of the frame goes
+   out, since a peer doing the same would otherwise wait for this end to read, and this end for
+   it. Nothing past the peer's frame is ever read. */
 int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *progress,
               int64_t spin_ns, int64_t wait_ns);
 

@@ -188,7 +188,9 @@ class NetTransport(LinkTransport):
                 deadline: float, op: ReduceKind | None) -> int:
         """send_recv() in native calls (kernels.duplex), where this thread can have both connections
         at once: src's reader thread idle, nothing of this call from src queued, no send to `to`
-        under way. Anything but src's frame first on its socket is left to recv. A frame cut off
+        under way. Anything but src's frame first on its socket is left to recv, and the socket to
+        its reader thread at once, which drains it while the rest of the frame goes out: a peer
+        sending to this rank meanwhile never waits on a socket nobody reads. A frame cut off
         mid-way (a failure elsewhere ended the wait) leaves src's stream unreadable: it counts as
         ended."""
         inbox = self._inboxes.get(src)
@@ -198,24 +200,31 @@ class NetTransport(LinkTransport):
         if self._mailbox.has(src, tag) or not send_lock.acquire(blocking=False):
             inbox.lock.release()
             return NOT_STARTED
+        header = frame.pack(DATA, self.rank, tag, meta, code, out.shape, out.nbytes)
         progress = np.zeros(5, np.int64)
         try:
             inbox.mute_reader(True)
-            self._run_duplex(to, src, inbox, tag, out, into, code, meta, deadline, op, progress)
+            try:
+                self._run_duplex(to, src, inbox, header, out, into, code, meta, tag, deadline, op, progress)
+            finally:
+                inbox.lock.release()
+                if progress[_IN_STATE] == kernels.IN_BODY and not inbox.finished:
+                    self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
+                inbox.leave(found=progress[_IN_STATE] == kernels.IN_DONE)
+            sent = int(progress[_SENT])
+            if sent < len(header) + out.nbytes:  # another frame came first: the rest goes out from here
+                self._send_locked(to, _advance([memoryview(header), out.data.cast("B")], sent), deadline)
         finally:
             send_lock.release()
-            inbox.lock.release()
-            if progress[_IN_STATE] == kernels.IN_BODY and not inbox.finished:
-                self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
-            inbox.leave(found=progress[_IN_STATE] == kernels.IN_DONE)
         self.bytes_to[to] += out.nbytes
         return SWAPPED if progress[_IN_STATE] == kernels.IN_DONE else SENT
 
-    def _run_duplex(self, to: int, src: int, inbox: _Inbox, tag: int, out: np.ndarray, into: np.ndarray, code: int,
-                    meta: Meta, deadline: float, op: ReduceKind | None, progress: np.ndarray) -> None:
-        """kernels.duplex a slice at a time, until done: the group's health and the deadline are
-        checked between slices, heartbeats it read are noted as the reader thread would."""
-        header = frame.pack(DATA, self.rank, tag, meta, code, out.shape, out.nbytes)
+    def _run_duplex(self, to: int, src: int, inbox: _Inbox, header: bytes, out: np.ndarray, into: np.ndarray,
+                    code: int, meta: Meta, tag: int, deadline: float, op: ReduceKind | None,
+                    progress: np.ndarray) -> None:
+        """kernels.duplex a slice at a time, until both frames are whole or another frame comes
+        first: the group's health and the deadline are checked between slices, heartbeats it read
+        are noted as the reader thread would."""
         expect = frame.pack(DATA, src, tag, meta, code, into.shape, into.nbytes)
         scratch = self._thread_scratch() if op is not None else _NO_SCRATCH
         while True:
@@ -231,7 +240,7 @@ class NetTransport(LinkTransport):
             if progress[_BEATS]:
                 self._mailbox.touch(src)
                 progress[_BEATS] = 0
-            if status == kernels.DUPLEX_DONE:
+            if status in (kernels.DUPLEX_DONE, kernels.DUPLEX_ELSEWHERE):
                 return
             if status == kernels.DUPLEX_ENDED:
                 self._connection_ended(src, inbox, "its connection closed (process died?)", graceful=False)
