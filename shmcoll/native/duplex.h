@@ -9,9 +9,9 @@
 
 /* sc_duplex's results; below 0: -errno of a send that failed. */
 enum {
-    DUPLEX_DONE = 0,    /* our frame is sent, and the peer's read */
-    DUPLEX_PENDING = 1, /* the wait ran out first: call again with the same progress */
-    DUPLEX_ENDED = 2,   /* the incoming connection ended or failed (EOF, reset): maybe mid-frame */
+    DUPLEX_DONE = 0,      /* our frame is sent, and the peer's read */
+    DUPLEX_PENDING = 1,   /* the wait ran out first: call again with the same progress */
+    DUPLEX_ENDED = 2,     /* the incoming connection ended or failed (EOF, reset): maybe mid-frame */
     DUPLEX_ELSEWHERE = 3, /* another frame came first (IN_ELSEWHERE): nothing more is read or sent here */
 };
 
