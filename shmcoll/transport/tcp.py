@@ -152,13 +152,10 @@ class NetTransport(LinkTransport):
         under way, nothing of this call queued already. The wait is a caller's (spin, then up to
         CALLER_SLEEP_SECONDS asleep); a peer's frame that is not there by then, or anything else on
         the socket first, is left to recv."""
-        inbox = self._inboxes.get(peer)
-        if inbox is None or data.nbytes > SWAP_MAX_BYTES or not inbox.lock.acquire(blocking=False):
+        inbox = self._claim(peer, peer, tag) if data.nbytes <= SWAP_MAX_BYTES else None
+        if inbox is None:
             return NOT_STARTED
         send_lock = self._send_locks[peer]
-        if self._mailbox.has(peer, tag) or not send_lock.acquire(blocking=False):
-            inbox.lock.release()
-            return NOT_STARTED
         status, sent, header = kernels.SWAP_SENT, 0, b""
         try:
             self._check_can_send(peer, deadline)
@@ -176,7 +173,7 @@ class NetTransport(LinkTransport):
                 send_lock.release()
         if status == kernels.SWAP_PARTIAL:  # the reader thread drains the peer's frame meanwhile
             try:
-                self._send_locked(peer, _advance([memoryview(header), data.data.cast("B")], sent), deadline)
+                self._send_rest(peer, header, data, sent, deadline)
             finally:
                 send_lock.release()
         elif status < 0:
@@ -184,22 +181,36 @@ class NetTransport(LinkTransport):
         self.bytes_to[peer] += data.nbytes
         return SWAPPED if status == kernels.SWAP_DONE else SENT
 
+    def _claim(self, to: int, src: int, tag: int) -> _Inbox | None:
+        """src's inbox with its lock and the send lock to `to`, both taken, where this thread can
+        have them at once: src's reader thread idle, nothing of this call from src queued already,
+        no send to `to` under way. None, holding nothing, where it cannot."""
+        inbox = self._inboxes.get(src)
+        if inbox is None or to not in self._send_locks or not inbox.lock.acquire(blocking=False):
+            return None
+        if self._mailbox.has(src, tag) or not self._send_locks[to].acquire(blocking=False):
+            inbox.lock.release()
+            return None
+        return inbox
+
+    def _send_rest(self, to: int, header: bytes, data: np.ndarray, sent: int, deadline: float) -> None:
+        """What a native call left of the frame (header, then data) after `sent` bytes, sent here
+        (holding the send lock) while the reader thread drains the peer's socket."""
+        if sent < len(header) + data.nbytes:
+            self._send_locked(to, _advance([memoryview(header), data.data.cast("B")], sent), deadline)
+
     def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
                 deadline: float, op: ReduceKind | None) -> int:
         """send_recv() in native calls (kernels.duplex), where this thread can have both connections
-        at once: src's reader thread idle, nothing of this call from src queued, no send to `to`
-        under way. Anything but src's frame first on its socket is left to recv, and the socket to
+        at once (_claim). Anything but src's frame first on its socket is left to recv, and the socket to
         its reader thread at once, which drains it while the rest of the frame goes out: a peer
         sending to this rank meanwhile never waits on a socket nobody reads. A frame cut off
         mid-way (a failure elsewhere ended the wait) leaves src's stream unreadable: it counts as
         ended."""
-        inbox = self._inboxes.get(src)
-        if inbox is None or to not in self._socks or not inbox.lock.acquire(blocking=False):
+        inbox = self._claim(to, src, tag)
+        if inbox is None:
             return NOT_STARTED
         send_lock = self._send_locks[to]
-        if self._mailbox.has(src, tag) or not send_lock.acquire(blocking=False):
-            inbox.lock.release()
-            return NOT_STARTED
         header = frame.pack(DATA, self.rank, tag, meta, code, out.shape, out.nbytes)
         progress = np.zeros(5, np.int64)
         try:
@@ -211,9 +222,7 @@ class NetTransport(LinkTransport):
                 if progress[_IN_STATE] == kernels.IN_BODY and not inbox.finished:
                     self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
                 inbox.leave(found=progress[_IN_STATE] == kernels.IN_DONE)
-            sent = int(progress[_SENT])
-            if sent < len(header) + out.nbytes:  # another frame came first: the rest goes out from here
-                self._send_locked(to, _advance([memoryview(header), out.data.cast("B")], sent), deadline)
+            self._send_rest(to, header, out, int(progress[_SENT]), deadline)  # where another frame came first
         finally:
             send_lock.release()
         self.bytes_to[to] += out.nbytes
