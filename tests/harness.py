@@ -65,6 +65,16 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.005):
             os.sched_yield()
 
 
+def read_exactly(sock: socket.socket, n: int) -> bytes:
+    """The next n bytes from a blocking socket (or one with a timeout); fails if it closes first."""
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        assert chunk, "connection closed early"
+        got += chunk
+    return got
+
+
 # ---------------------------------------------------------------------------------------------
 # the multiprocess marker, enforced
 # ---------------------------------------------------------------------------------------------

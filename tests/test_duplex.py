@@ -26,7 +26,7 @@ from shmcoll.transport.tcp import NetTransport
 from shmcoll.types import F16, F32, F64, I64, Collective, ReduceKind
 
 import bounds
-from harness import run_ranks, wait_until
+from harness import read_exactly, run_ranks, wait_until
 
 TAG = 9
 WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machine; the tests do not wait it out
@@ -136,7 +136,7 @@ def test_another_frame_first_is_left_in_the_socket(pair):
     assert _duplex(a, a, 0, 1, mine, into, int(ReduceKind.SUM), progress) == kernels.DUPLEX_ELSEWHERE
     assert progress[IN_STATE] == kernels.IN_ELSEWHERE and progress[SENT] == HEADER_SIZE + mine.nbytes
     assert a.recv(len(other_call), socket.MSG_PEEK | socket.MSG_WAITALL) == other_call
-    assert _read_exactly(b, HEADER_SIZE + mine.nbytes) == _header(0, mine) + mine.tobytes()
+    assert read_exactly(b, HEADER_SIZE + mine.nbytes) == _header(0, mine) + mine.tobytes()
 
 
 def test_another_frame_first_stops_a_large_send_at_once(pair):
@@ -179,7 +179,7 @@ def test_out_and_in_on_two_connections(pair):
         progress = np.zeros(5, np.int64)
         assert _duplex(pair[0], from_left, 0, 2, mine, into, int(ReduceKind.SUM), progress) == kernels.DUPLEX_DONE
         assert np.array_equal(into, np.full(7, 3))
-        assert _read_exactly(pair[1], HEADER_SIZE + mine.nbytes) == _header(0, mine) + mine.tobytes()
+        assert read_exactly(pair[1], HEADER_SIZE + mine.nbytes) == _header(0, mine) + mine.tobytes()
 
 
 @pytest.mark.parametrize("cut", [0, HEADER_SIZE + 10])
@@ -218,15 +218,6 @@ def test_arguments_that_do_not_describe_a_duplex_are_refused(pair, change):
         kernels.duplex(*args)
 
 
-def _read_exactly(sock, n: int) -> bytes:
-    got = b""
-    while len(got) < n:
-        chunk = sock.recv(n - len(got))
-        assert chunk, "connection closed early"
-        got += chunk
-    return got
-
-
 @pytest.fixture
 def transports(pair):
     """Rank 0's and rank 1's NetTransport over one loopback connection."""
@@ -237,14 +228,19 @@ def transports(pair):
         t.close()
 
 
-def _counted_duplex_calls(monkeypatch) -> list[int]:
-    statuses: list[int] = []
+def _counting(statuses: list[int]):
+    """kernels.duplex as it is now, each call's status appended to statuses."""
     duplex = kernels.duplex
 
     def counted(*args):
         statuses.append(duplex(*args))
         return statuses[-1]
-    monkeypatch.setattr(kernels, "duplex", counted)
+    return counted
+
+
+def _counted_duplex_calls(monkeypatch) -> list[int]:
+    statuses: list[int] = []
+    monkeypatch.setattr(kernels, "duplex", _counting(statuses))
     return statuses
 
 
@@ -323,13 +319,7 @@ def test_a_peer_whose_data_does_not_come_times_out(transports):
 def _large_calls(pg) -> dict:
     """Large all-reduces and all-gathers, each native duplex status counted; results and bytes sent."""
     statuses: list[int] = []
-    duplex = kernels.duplex
-
-    def counted(*args):
-        status = duplex(*args)
-        statuses.append(status)
-        return status
-    kernels.duplex = counted
+    kernels.duplex = _counting(statuses)  # in a rank process of its own
     sums, gathered = [], []
     for i in range(3):
         x = np.arange(300_001, dtype=np.float32) + pg.rank + i

@@ -22,7 +22,7 @@ from shmcoll.transport import frame
 from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
 from shmcoll.types import F16, F32, F64, I64, U8, Collective, ReduceKind
 
-from harness import run_ranks
+from harness import read_exactly, run_ranks
 
 TAG = 7
 WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machine; the tests do not wait it out
@@ -108,7 +108,7 @@ def test_another_frame_first_is_left_in_the_socket(pair):
     assert status == kernels.SWAP_SENT
     assert np.array_equal(mine, np.arange(4, dtype=np.float32))
     waiting = len(heartbeat) + HEADER_SIZE + theirs.nbytes
-    assert _read_exactly(a, waiting) == heartbeat + _header(1, theirs, ReduceKind.SUM) + theirs.tobytes()
+    assert read_exactly(a, waiting) == heartbeat + _header(1, theirs, ReduceKind.SUM) + theirs.tobytes()
 
 
 def test_the_peer_frame_of_another_call_is_not_taken(pair):
@@ -119,7 +119,7 @@ def test_the_peer_frame_of_another_call_is_not_taken(pair):
     other_call = _header(1, mine, ReduceKind.SUM, seq=4) + mine.tobytes()
     b.sendall(other_call)
     assert _swap(a, 0, 1, mine, ReduceKind.SUM, own_first=True)[0] == kernels.SWAP_SENT
-    assert np.array_equal(mine, np.ones(3)) and _read_exactly(a, len(other_call)) == other_call
+    assert np.array_equal(mine, np.ones(3)) and read_exactly(a, len(other_call)) == other_call
 
 
 def test_a_peer_that_does_not_answer_in_time_leaves_the_frame_sent(pair):
@@ -131,7 +131,7 @@ def test_a_peer_that_does_not_answer_in_time_leaves_the_frame_sent(pair):
     status, sent = _swap(a, 0, 1, mine, ReduceKind.SUM, own_first=True, wait_ns=30_000_000)
     assert (status, sent) == (kernels.SWAP_SENT, HEADER_SIZE + mine.nbytes)
     assert time.monotonic() - start >= 0.03
-    assert _read_exactly(b, sent) == _header(0, mine, ReduceKind.SUM) + mine.tobytes()
+    assert read_exactly(b, sent) == _header(0, mine, ReduceKind.SUM) + mine.tobytes()
 
 
 def test_a_socket_that_takes_part_of_the_frame_says_how_much(pair):
@@ -162,15 +162,6 @@ def test_arguments_that_do_not_describe_an_exchange_are_refused(pair, change):
     args[index] = value
     with pytest.raises(ValueError, match="do not describe an exchange"):
         kernels.swap_frames(*args)
-
-
-def _read_exactly(sock, n: int) -> bytes:
-    got = b""
-    while len(got) < n:
-        chunk = sock.recv(n - len(got))
-        assert chunk, "connection closed early"
-        got += chunk
-    return got
 
 
 def _count_statuses() -> list[int]:
