@@ -101,6 +101,11 @@ class Mailbox:
     def aborted(self) -> AbortReason | None:
         return self._abort
 
+    @property
+    def troubled(self) -> bool:
+        """Aborted, or a peer lost: a quick look (no lock) for paths that then look closer."""
+        return self._abort is not None or bool(self._lost)
+
     def lost_peers(self) -> dict[int, str]:
         with self._cond:
             return dict(self._lost)
@@ -111,8 +116,9 @@ class Mailbox:
             return set(self._lost) | self._departed
 
     def has(self, src: int, tag: int) -> bool:
-        with self._cond:
-            return bool(self._queues.get((src, tag)))
+        """Whether a message from src with tag is queued. No lock: a dict lookup is atomic, and a
+        caller that must trust the answer holds src's connection, so nothing is queued meanwhile."""
+        return bool(self._queues.get((src, tag)))
 
     def pop(self, src: int, tag: int) -> Message | None:
         """The next queued message from src with tag, without waiting."""
