@@ -54,14 +54,16 @@ read_peer = _native.read_peer
 #: in own; d >= 1 also divides each finished piece by d where d > 1 (AVG, float codes) and writes
 #: it into every peer's array (process_vm_writev) while it is still in cache.
 reduce_from_peers = _native.reduce_from_peers
-#: swap_frames(fd, header, data, expect, inbound, code, op, own_first, spin_ns, wait_ns) ->
-#: (status, sent): one frame each way with a TCP peer (native/swap.h). Sends header and data on
-#: socket fd, then, once the peer's frame (its header byte for byte `expect`, its payload data's
-#: length) waits whole in the socket, reads it into inbound and folds it into data (data op theirs,
-#: or theirs op data where not own_first). status: SWAP_DONE; SWAP_SENT (the frame went out, the
-#: peer's is not there within wait_ns or another frame comes first: nothing was read);
-#: SWAP_PARTIAL (only `sent` bytes went out); below 0, -errno of a failed send.
-swap_frames = _native.swap_frames
+#: swap_row(fds, srcs, lower_mask, header, data, inbound, code, op, spin_ns, wait_ns, left_ns) ->
+#: (status, done, sent): pairwise exchanges with TCP peers in a row (native/swap.h). Step i sends
+#: header and data on socket fds[i], then, once that peer's frame (its header ours with srcs[i] as
+#: the source, its payload data's length) waits whole in the socket, reads it into inbound and
+#: folds it into data (data op theirs where bit i of lower_mask is set, else theirs op data). Each
+#: wait lasts at most wait_ns, the row at most left_ns. done: the steps finished; status, of the
+#: step that stopped the row: SWAP_SENT (its frame went out, the peer's is not there in time or
+#: another frame comes first: nothing was read); SWAP_PARTIAL (only `sent` bytes went out); below
+#: 0, -errno of a failed send; SWAP_DONE when every step finished.
+swap_row = _native.swap_row
 SWAP_DONE, SWAP_SENT, SWAP_PARTIAL = _native.SWAP_DONE, _native.SWAP_SENT, _native.SWAP_PARTIAL
 #: duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns,
 #: progress) -> status: one frame out on socket out_fd (header, then data) while a peer's comes in

@@ -2,7 +2,6 @@
 transports tests run over, a directory for launched rank programs, and a TCP connection's ends."""
 
 import os
-import socket
 import textwrap
 
 import pytest
@@ -109,13 +108,8 @@ def aftermath():
 
 @pytest.fixture
 def pair():
-    """Two ends of one loopback TCP connection, set up as NetTransport sets up its sockets."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        a = socket.create_connection(listener.getsockname())
-        b, _ = listener.accept()
-    for s in (a, b):
-        s.settimeout(0.25)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    """connected_pair(), closed after the test."""
+    a, b = harness.connected_pair()
     yield a, b
     a.close()
     b.close()

@@ -57,9 +57,10 @@ def close_group(pg) -> dict:
 def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> None:
     """Deliver `sig` to this rank just before its `after_sends`-th frame from now on; stamp the time.
     A frame is a transport send, the send of a pairwise exchange or of a ring's step in native calls
-    over TCP (kernels.swap_frames; kernels.duplex's first call of a frame, before it sent anything)
-    or, over shared memory, an entry published on the board (the small collectives' way: by
-    Board.publish, or by the compiled step that all_reduce and barrier run). With min_items, only
+    over TCP (kernels.swap_row, whose row of exchanges counts as one; kernels.duplex's first call
+    of a frame, before it sent anything) or, over shared memory, an entry published on the board
+    (the small collectives' way: by Board.publish, or by the compiled step that all_reduce and
+    barrier run). With min_items, only
     sends of at least that many elements count (data frames, not the signalling frames of an
     agreement step)."""
     count = itertools.count(1)
@@ -82,7 +83,7 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
 
     transport = pg.transport
     transport.send = armed(transport.send)
-    kernels.swap_frames = armed(kernels.swap_frames)
+    kernels.swap_row = armed(kernels.swap_row)
     kernels.duplex = armed(kernels.duplex)
     board = transport.board or transport.host_board  # across hosts, the in-host steps of small calls
     if board is not None:  # the board's calls: published in Python, or in one compiled step

@@ -434,3 +434,14 @@ class ShmCreations:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def connected_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of one loopback TCP connection, set up as NetTransport sets up its sockets."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    for s in (a, b):
+        s.settimeout(0.25)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return a, b

@@ -1,10 +1,11 @@
-"""The pairwise exchange across hosts in one native call (kernels.swap_frames, NetTransport._swap).
+"""Pairwise exchanges across hosts in one native call (kernels.swap_row, NetTransport._swaps).
 
-Over real TCP connections on loopback: both ends fold in one order; anything but the peer's frame
-of the same call stays in the socket for the reader thread; a peer that is not there in time, a
-socket that takes only part of the frame and a failed send are each reported, never waited out.
-Then in ranks on simulated hosts: the small all-reduce across two hosts and the doubling among
-four take this path, and a late peer falls back to the receive that waits for it.
+Over real TCP connections on loopback: both ends fold in one order; a row of steps (recursive
+doubling among four ends) gives every end the same bits; anything but the peer's frame of the same
+call stays in the socket for the reader thread; a peer that is not there in time stops the row
+there, and a socket that takes only part of the frame and a failed send are each reported, never
+waited out. Then in ranks on simulated hosts: the small all-reduce across two hosts and the
+doubling among four take this path, and a late peer falls back to the receive that waits for it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from shmcoll.transport import frame
 from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
 from shmcoll.types import F16, F32, F64, I64, U8, Collective, ReduceKind
 
-from harness import read_exactly, run_ranks
+from harness import connected_pair, read_exactly, run_ranks
 
 TAG = 7
 WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machine; the tests do not wait it out
@@ -39,12 +40,19 @@ def _header(src: int, data: np.ndarray, op: ReduceKind, seq: int = 3) -> bytes:
 
 
 def _swap(sock, rank: int, peer: int, data: np.ndarray, op: ReduceKind, own_first: bool,
-          wait_ns: int = WAIT_NS, expect: bytes | None = None) -> tuple[int, int]:
+          wait_ns: int = WAIT_NS) -> tuple[int, int]:
+    """A row of one step: (status, bytes sent of its frame)."""
+    status, done, sent = _row([sock], rank, [peer], data, op, int(own_first), wait_ns)
+    assert done == (status == kernels.SWAP_DONE)
+    return status, sent
+
+
+def _row(socks, rank: int, peers: list[int], data: np.ndarray, op: ReduceKind, lower_mask: int,
+         wait_ns: int = WAIT_NS) -> tuple[int, int, int]:
     storage = data.view(np.uint16) if data.dtype == np.float16 else data
-    return kernels.swap_frames(sock.fileno(), _header(rank, data, op), storage,
-                               expect if expect is not None else _header(peer, data, op),
-                               np.empty(HEADER_SIZE + data.nbytes, np.uint8), CODES[data.dtype], int(op),
-                               own_first, 0, wait_ns)
+    return kernels.swap_row([s.fileno() for s in socks], peers, lower_mask, _header(rank, data, op), storage,
+                            np.empty(HEADER_SIZE + data.nbytes, np.uint8), CODES[data.dtype], int(op), 0, wait_ns,
+                            len(peers) * wait_ns)
 
 
 def _both_ends(pair, lower: np.ndarray, higher: np.ndarray, op: ReduceKind) -> list[tuple[int, int]]:
@@ -88,13 +96,13 @@ def test_empty_frames_only_meet(pair):
     statuses: list = [None, None]
 
     def end(i: int) -> None:
-        statuses[i] = kernels.swap_frames(pair[i].fileno(), headers[i], empty, headers[1 - i],
-                                          np.empty(HEADER_SIZE, np.uint8), U8.code, 0, i == 0, 0, WAIT_NS)
+        statuses[i] = kernels.swap_row([pair[i].fileno()], [1 - i], int(i == 0), headers[i], empty,
+                                       np.empty(HEADER_SIZE, np.uint8), U8.code, 0, 0, WAIT_NS, WAIT_NS)
     other = threading.Thread(target=end, args=(1,))
     other.start()
     end(0)
     other.join(timeout=30)
-    assert statuses == [(kernels.SWAP_DONE, HEADER_SIZE)] * 2
+    assert statuses == [(kernels.SWAP_DONE, 1, HEADER_SIZE)] * 2
 
 
 def test_another_frame_first_is_left_in_the_socket(pair):
@@ -151,37 +159,102 @@ def test_a_failed_send_is_its_errno(pair):
     assert status == -errno.EPIPE
 
 
-@pytest.mark.parametrize("change", ["short inbound", "other header length", "no loop", "negative wait"])
-def test_arguments_that_do_not_describe_an_exchange_are_refused(pair, change):
+@pytest.mark.parametrize("change", ["short inbound", "short header", "no loop", "negative wait", "fewer srcs",
+                                    "too many steps"])
+def test_arguments_that_do_not_describe_exchanges_are_refused(pair, change):
     data = np.ones(4, dtype=np.float32)
     header = _header(0, data, ReduceKind.SUM)
-    args = [pair[0].fileno(), header, data, _header(1, data, ReduceKind.SUM),
-            np.empty(HEADER_SIZE + data.nbytes, np.uint8), F32.code, int(ReduceKind.SUM), True, 0, WAIT_NS]
-    index, value = {"short inbound": (4, np.empty(HEADER_SIZE, np.uint8)), "other header length": (3, header[:-1]),
-                    "no loop": (5, 99), "negative wait": (9, -1)}[change]
+    args = [[pair[0].fileno()], [1], 1, header, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8), F32.code,
+            int(ReduceKind.SUM), 0, WAIT_NS, WAIT_NS]
+    index, value = {"short inbound": (5, np.empty(HEADER_SIZE, np.uint8)), "short header": (3, header[:15]),
+                    "no loop": (6, 99), "negative wait": (9, -1), "fewer srcs": (1, []),
+                    "too many steps": (0, [pair[0].fileno()] * 65)}[change]
     args[index] = value
-    with pytest.raises(ValueError, match="do not describe an exchange"):
-        kernels.swap_frames(*args)
+    with pytest.raises(ValueError, match="do not describe exchanges|more than 64 steps"):
+        kernels.swap_row(*args)
 
 
-def _count_statuses() -> list[int]:
-    """From now on in this rank, each swap_frames call's status, appended to the list returned
-    (the real call runs)."""
-    statuses: list[int] = []
-    swap = kernels.swap_frames
+def _four_ends():
+    """Loopback connections for recursive doubling among ends 0-3: socks[i][d] is end i's to i ^ d."""
+    socks = [dict() for _ in range(4)]
+    for i, j in [(0, 1), (2, 3), (0, 2), (1, 3)]:
+        socks[i][i ^ j], socks[j][i ^ j] = connected_pair()
+    return socks
+
+
+def test_a_row_of_doubling_steps_gives_every_end_the_same_bits():
+    """Four ends, two steps each in one call (partners at distance 1, then 2; the lower end's value
+    first): every end holds (x0 + x1) + (x2 + x3), bit for bit the same, and both steps finished."""
+    socks = _four_ends()
+    rng = np.random.default_rng(11)
+    arrays = [(rng.normal(size=37) * 10.0 ** rng.integers(-3, 4, 37)).astype(np.float32) for _ in range(4)]
+    pairs = [arrays[0].copy(), arrays[2].copy()]
+    for low, high in zip(pairs, (arrays[1], arrays[3])):
+        kernels.reduce_into(low, high, F32.code, int(ReduceKind.SUM))
+    expected = pairs[0].copy()
+    kernels.reduce_into(expected, pairs[1], F32.code, int(ReduceKind.SUM))
+    ends = [a.copy() for a in arrays]
+    results: list = [None] * 4
+
+    def end(i: int) -> None:
+        lower = int(not i & 1) | int(not i & 2) << 1
+        results[i] = _row([socks[i][1], socks[i][2]], i, [i ^ 1, i ^ 2], ends[i], ReduceKind.SUM, lower)
+    threads = [threading.Thread(target=end, args=(i,)) for i in range(1, 4)]
+    for t in threads:
+        t.start()
+    end(0)
+    for t in threads:
+        t.join(timeout=30)
+    assert results == [(kernels.SWAP_DONE, 2, HEADER_SIZE + expected.nbytes)] * 4
+    assert all(e.tobytes() == expected.tobytes() for e in ends)
+    for s in (s for d in socks for s in d.values()):
+        s.close()
+
+
+def test_a_row_stops_at_the_step_whose_peer_does_not_answer(pair):
+    """Step 1's peer answers, step 2's does not: the row returns SWAP_SENT with one step done, the
+    first fold in place, and the frame sent to the silent peer."""
+    a, b = pair
+    c, d = connected_pair()
+    mine, theirs = np.arange(4, dtype=np.float32), np.full(4, 10, dtype=np.float32)
+    b.sendall(_header(1, theirs, ReduceKind.SUM) + theirs.tobytes())
+    status, done, sent = _row([a, c], 0, [1, 2], mine, ReduceKind.SUM, 0b11, wait_ns=30_000_000)
+    assert (status, done, sent) == (kernels.SWAP_SENT, 1, HEADER_SIZE + mine.nbytes)
+    assert np.array_equal(mine, np.arange(4) + 10)
+    assert read_exactly(d, sent) == _header(0, mine, ReduceKind.SUM) + mine.tobytes()
+    c.close()
+    d.close()
+
+
+def test_a_frame_from_another_source_is_not_taken(pair):
+    """A frame whose header names another source rank than the step's peer (the same call
+    otherwise) stays in the socket."""
+    a, b = pair
+    mine, theirs = np.ones(2, dtype=np.float32), np.ones(2, dtype=np.float32)
+    wrong = _header(3, theirs, ReduceKind.SUM) + theirs.tobytes()
+    b.sendall(wrong)
+    assert _swap(a, 0, 1, mine, ReduceKind.SUM, own_first=True, wait_ns=30_000_000)[0] == kernels.SWAP_SENT
+    assert np.array_equal(mine, np.ones(2)) and read_exactly(a, len(wrong)) == wrong
+
+
+def _count_rows() -> list[tuple[int, int]]:
+    """From now on in this rank, each swap_row call's status and steps done, appended to the list
+    returned (the real call runs)."""
+    rows: list[tuple[int, int]] = []
+    swap = kernels.swap_row
 
     def counted(*args):
         result = swap(*args)
-        statuses.append(result[0])
+        rows.append(result[:2])
         return result
-    kernels.swap_frames = counted
-    return statuses
+    kernels.swap_row = counted
+    return rows
 
 
 def _count_swaps(pg, late_rank: int | None) -> dict:
-    """Small all-reduces, each swap_frames status counted; late_rank starts its last call 0.2 s
-    after the others, past the native wait, so its partners fall back to the general receive."""
-    statuses = _count_statuses()
+    """Small all-reduces, each swap_row counted; late_rank starts its last call 0.2 s after the
+    others, past the native wait, so its partners fall back to the general receive."""
+    rows = _count_rows()
     results = []
     for i in range(6):
         if i == 5 and pg.rank == late_rank:
@@ -189,29 +262,31 @@ def _count_swaps(pg, late_rank: int | None) -> dict:
         x = np.arange(3, dtype=np.float32) + pg.rank + i
         pg.all_reduce(x)
         results.append(x.tolist())
-    return {"statuses": statuses, "results": results}
+    return {"rows": rows, "results": results}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, n, crossings", [("halves", 4, 1), ("each", 4, 2)])
-def test_small_all_reduces_across_hosts_swap_in_one_call(layout, n, crossings, monkeypatch):
+@pytest.mark.parametrize("layout, n, steps", [("halves", 4, 1), ("each", 4, 2)])
+def test_small_all_reduces_across_hosts_swap_in_one_call(layout, n, steps, monkeypatch):
     """2+2 ranks: local rank j of each host swaps the host's sum with its column peer; 4 hosts of one
-    rank: recursive doubling, two swaps per call. Each such step is one native call (or none, where
-    the peer's frame was read into the mailbox before the call began), and the sums are right."""
+    rank: recursive doubling, two steps per call. A call's steps are one native call (or fewer
+    steps, where a peer's frame was read into the mailbox before the call began), and the sums are
+    right."""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     out = run_ranks(n, _count_swaps, None)
     for rank in range(n):
-        assert 0 < len(out[rank]["statuses"]) <= 6 * crossings
+        assert 0 < len(out[rank]["rows"]) <= 6 * steps
+        assert all(done <= steps for _, done in out[rank]["rows"])
         assert out[rank]["results"] == [(np.arange(3) * n + sum(range(n)) + n * i).tolist() for i in range(6)]
-    assert any(s == kernels.SWAP_DONE for o in out for s in o["statuses"])
+    assert any(row == (kernels.SWAP_DONE, steps) for o in out for row in o["rows"])
 
 
-def _barrier_swaps(pg) -> list[int]:
-    statuses = _count_statuses()
+def _barrier_swaps(pg) -> list[tuple[int, int]]:
+    rows = _count_rows()
     for _ in range(4):
         pg.barrier()
-    return statuses
+    return rows
 
 
 @pytest.mark.multiprocess
@@ -221,8 +296,8 @@ def test_a_barrier_between_two_hosts_meets_in_one_call(monkeypatch):
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
     out = run_ranks(4, _barrier_swaps)
-    assert all(0 < len(statuses) <= 4 for statuses in out)
-    assert any(s == kernels.SWAP_DONE for statuses in out for s in statuses)
+    assert all(0 < len(rows) <= 4 for rows in out)
+    assert any(row == (kernels.SWAP_DONE, 1) for rows in out for row in rows)
 
 
 @pytest.mark.multiprocess
@@ -233,6 +308,6 @@ def test_a_late_peer_is_waited_for_by_the_general_receive(monkeypatch):
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
     out = run_ranks(4, _count_swaps, 2)
-    assert out[0]["statuses"][-1] == kernels.SWAP_SENT
+    assert out[0]["rows"][-1] == (kernels.SWAP_SENT, 0)
     for rank in range(4):
         assert out[rank]["results"][-1] == (np.arange(3) * 4 + 6 + 20).tolist()

@@ -27,13 +27,17 @@ from .ring import scale_if_avg, summed
 def recursive_doubling_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int]) -> None:
     """In place over a 1-D storage array, among `members` (this rank one of them)."""
     def among_core(ranks: list[int], p: int, core: int) -> None:
-        distance = 1
-        while distance < core:
-            _exchange(c, data, summed(op), ranks[p ^ distance], lower=not p & distance)
-            distance <<= 1
+        c.t.exchanges(partner_steps(ranks, p, core), c.tag, data, c.code, c.meta, c.deadline, summed(op))
         scale_if_avg(c, data, op, len(ranks))
 
     on_power_of_two(c, data, op, members, among_core)
+
+
+def partner_steps(ranks: Sequence[int], p: int, core: int) -> tuple[tuple[int, bool], ...]:
+    """The exchanges of position p among the first `core` positions (a power of two) of ranks, in
+    order: (partner, whether p is the lower position, whose value is folded first)."""
+    distances = (1 << k for k in range(core.bit_length() - 1))
+    return tuple((ranks[p ^ d], not p & d) for d in distances)
 
 
 def on_power_of_two(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int],
@@ -55,8 +59,3 @@ def on_power_of_two(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence
     among_core(ranks, p, core)
     if extra is not None:
         c.t.send(extra, c.tag, data, c.code, c.meta, c.deadline)
-
-
-def _exchange(c: Call, data: np.ndarray, op: ReduceKind, partner: int, lower: bool) -> None:
-    """data = (lower position's data) op (higher position's data), on both ends."""
-    c.t.exchange(partner, c.tag, data, c.code, c.meta, c.deadline, op, own_first=lower)

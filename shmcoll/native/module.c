@@ -308,35 +308,60 @@ done:
     return result;
 }
 
-static PyObject *swap_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    held_buffer header = {0}, data = {0}, expect = {0}, inbound = {0};
-    int64_t fd, code, op, own_first, spin_ns, wait_ns;
+/* n ints of a sequence (a tuple of fds or ranks) into out[SWAP_MAX_STEPS]; -1 with an error set. */
+static int int_row(PyObject *seq, int64_t *out, Py_ssize_t *n, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast)
+        return -1;
+    int failed = 0;
+    *n = PySequence_Fast_GET_SIZE(fast);
+    if (*n > SWAP_MAX_STEPS) {
+        PyErr_Format(PyExc_ValueError, "%s: more than %d steps", what, SWAP_MAX_STEPS);
+        failed = -1;
+    }
+    for (Py_ssize_t i = 0; !failed && i < *n; ++i)
+        failed = as_i64(PySequence_Fast_GET_ITEM(fast, i), &out[i]);
+    Py_DECREF(fast);
+    return failed;
+}
+
+static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer header = {0}, data = {0}, inbound = {0};
+    int64_t fd_list[SWAP_MAX_STEPS], src_list[SWAP_MAX_STEPS], code, op, lower_mask, spin_ns, wait_ns, left_ns;
+    Py_ssize_t steps = 0, srcs = 0;
     PyObject *result = NULL;
-    if (check_count(nargs, 10, "swap_frames") || as_i64(args[0], &fd) || as_i64(args[5], &code) ||
-        as_i64(args[6], &op) || as_i64(args[7], &own_first) || as_i64(args[8], &spin_ns) ||
-        as_i64(args[9], &wait_ns) || hold(args[1], &header, 0, "swap_frames header") ||
-        hold(args[2], &data, 1, "swap_frames data") || hold(args[3], &expect, 0, "swap_frames expect") ||
-        hold(args[4], &inbound, 1, "swap_frames inbound"))
+    if (check_count(nargs, 11, "swap_row") || int_row(args[0], fd_list, &steps, "swap_row fds") ||
+        int_row(args[1], src_list, &srcs, "swap_row srcs") || as_i64(args[2], &lower_mask) ||
+        as_i64(args[6], &code) || as_i64(args[7], &op) || as_i64(args[8], &spin_ns) || as_i64(args[9], &wait_ns) ||
+        as_i64(args[10], &left_ns) || hold(args[3], &header, 0, "swap_row header") ||
+        hold(args[4], &data, 1, "swap_row data") || hold(args[5], &inbound, 1, "swap_row inbound"))
         goto done;
     size_t size = sc_element_size((int)code);
-    if (fd < 0 || (data.view.len > 0 && (!sc_has_loop(code, op) || data.view.len % size)) || header.view.len == 0 ||
-        expect.view.len != header.view.len || inbound.view.len != header.view.len + data.view.len ||
-        spin_ns < 0 || wait_ns < 0) {
-        PyErr_SetString(PyExc_ValueError, "swap_frames: arguments do not describe an exchange");
+    int fds[SWAP_MAX_STEPS];
+    uint32_t peers[SWAP_MAX_STEPS];
+    int valid = steps == srcs && (data.view.len == 0 || (sc_has_loop(code, op) && data.view.len % size == 0)) &&
+                header.view.len >= SWAP_SRC_AT + 4 && header.view.len <= SWAP_MAX_HEADER_BYTES &&
+                inbound.view.len == header.view.len + data.view.len && spin_ns >= 0 && wait_ns >= 0 && left_ns >= 0;
+    for (Py_ssize_t i = 0; valid && i < steps; ++i) {
+        valid = fd_list[i] >= 0 && fd_list[i] <= INT32_MAX && src_list[i] >= 0 && src_list[i] <= UINT32_MAX;
+        fds[i] = (int)fd_list[i];
+        peers[i] = (uint32_t)src_list[i];
+    }
+    if (!valid) {
+        PyErr_SetString(PyExc_ValueError, "swap_row: arguments do not describe exchanges");
         goto done;
     }
     size_t sent = 0;
-    int status;
+    int status, finished;
     Py_BEGIN_ALLOW_THREADS
-    status = sc_swap_frames((int)fd, header.view.buf, (size_t)header.view.len, data.view.buf,
-                            (size_t)data.view.len, expect.view.buf, inbound.view.buf, (int)code, (int)op,
-                            own_first != 0, spin_ns, wait_ns, &sent);
+    status = sc_swap_row(fds, peers, (int)steps, (uint64_t)lower_mask, header.view.buf, (size_t)header.view.len,
+                         data.view.buf, (size_t)data.view.len, inbound.view.buf, (int)code, (int)op, spin_ns, wait_ns,
+                         left_ns, &finished, &sent);
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("(in)", status, (Py_ssize_t)sent);
+    result = Py_BuildValue("(iin)", status, finished, (Py_ssize_t)sent);
 done:
     release(&header);
     release(&data);
-    release(&expect);
     release(&inbound);
     return result;
 }
@@ -434,8 +459,9 @@ static PyMethodDef methods[] = {
      "failed read or write: bytes [lo, hi) of every rank's array (peers: int64 pairs pid, address) folded in "
      "rank order into own; deliver 0 keeps the result there, d >= 1 also divides each piece by d (where d > 1) "
      "and writes it into every peer's array"},
-    {"swap_frames", (PyCFunction)(void (*)(void))swap_frames, METH_FASTCALL,
-     "swap_frames(fd, header, data, expect, inbound, code, op, own_first, spin_ns, wait_ns) -> (status, sent)"},
+    {"swap_row", (PyCFunction)(void (*)(void))swap_row, METH_FASTCALL,
+     "swap_row(fds, srcs, lower_mask, header, data, inbound, code, op, spin_ns, wait_ns, left_ns) -> (status, done, "
+     "sent): pairwise exchanges with TCP peers in a row (native/swap.h)"},
     {"duplex", (PyCFunction)(void (*)(void))duplex, METH_FASTCALL,
      "duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns, progress) -> "
      "status: one frame out while one comes in (native/duplex.h); op < 0 copies; progress: int64[5], kept "

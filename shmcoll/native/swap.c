@@ -1,4 +1,4 @@
-/* The small all-reduce's step between two hosts, in C (swap.h). In Python the same exchange runs
+/* The small all-reduce's steps between hosts, in C (swap.h). In Python the same exchange runs
    through about a hundred function calls per message (framing, locks, the mailbox, the fold): tens
    of microseconds of one core for an 8-byte message that the kernel carries in a few, and where
    ranks outnumber cores that time is taken from the peer being waited for. The frame is the one
@@ -59,9 +59,10 @@ static void fold(uint8_t *data, uint8_t *theirs, size_t nbytes, int code, int op
     memcpy(data, theirs, nbytes);
 }
 
-int sc_swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8_t *data, size_t nbytes,
-                   const uint8_t *expect, uint8_t *inbound, int code, int op, int own_first, int64_t spin_ns,
-                   int64_t wait_ns, size_t *sent) {
+/* One step of the row (swap.h): send, wait for the peer's frame, read, fold. */
+static int swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8_t *data, size_t nbytes,
+                       const uint8_t *expect, uint8_t *inbound, int code, int op, int own_first, int64_t spin_ns,
+                       int64_t wait_ns, size_t *sent) {
     int64_t start = sc_now_ns(), end = start + wait_ns;
     int64_t n = send_frame(fd, header, header_bytes, data, nbytes, end);
     if (n < 0)
@@ -86,4 +87,24 @@ int sc_swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8_t *
         else if (sc_wait_ready(fd, POLLIN, end - now) > 0)
             sched_yield(); /* readable, but maybe only part of the frame: let its sender go on */
     }
+}
+
+int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, uint64_t lower_mask, const uint8_t *header,
+                size_t header_bytes, uint8_t *data, size_t nbytes, uint8_t *inbound, int code, int op,
+                int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent) {
+    uint8_t expect[SWAP_MAX_HEADER_BYTES];
+    memcpy(expect, header, header_bytes);
+    int64_t end = sc_now_ns() + left_ns;
+    for (*done = 0; *done < steps; ++*done) {
+        int i = *done;
+        for (int k = 0; k < 4; ++k)
+            expect[SWAP_SRC_AT + k] = (uint8_t)(srcs[i] >> (8 * k));
+        int64_t left = end - sc_now_ns();
+        int64_t wait = left < 0 ? 0 : left < wait_ns ? left : wait_ns;
+        int status = swap_frames(fds[i], header, header_bytes, data, nbytes, expect, inbound, code, op,
+                                 (int)((lower_mask >> i) & 1), spin_ns, wait, sent);
+        if (status != SWAP_DONE)
+            return status;
+    }
+    return SWAP_DONE;
 }

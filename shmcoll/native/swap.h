@@ -6,22 +6,31 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* sc_swap_frames' results; below 0: -errno of a send that failed. */
+/* sc_swap_row's results; below 0: -errno of a send that failed. */
 enum {
-    SWAP_DONE = 0,    /* sent, and the peer's frame read and folded into data */
-    SWAP_SENT = 1,    /* sent; the peer's frame is not (whole) in the socket yet, or another frame is first */
-    SWAP_PARTIAL = 2, /* the socket took only *sent bytes within the wait: the caller sends the rest */
+    SWAP_DONE = 0,    /* every step: sent, and the peer's frame read and folded into data */
+    SWAP_SENT = 1,    /* the step stopped at sent; the peer's frame is not (whole) in the socket yet, or another frame is first */
+    SWAP_PARTIAL = 2, /* the socket took only *sent bytes of the stopped step's frame within the wait: the caller sends the rest */
 };
 
-/* Send header then data on connected socket fd (non-blocking), then wait for the peer's frame:
-   its header must equal `expect` byte for byte (the same call, from the peer) and its payload be
-   data's length. Once the whole frame waits in the socket it is read into `inbound` (header then
-   payload) and folded: data = data op theirs, or theirs op data where !own_first (float
-   operations in one order on both ends: bitwise the same result); empty frames only meet. The
-   wait polls for spin_ns, yielding the core between looks, then sleeps in ppoll; wait_ns bounds
-   the whole call. Nothing but that frame is ever read. */
-int sc_swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8_t *data, size_t nbytes,
-                   const uint8_t *expect, uint8_t *inbound, int code, int op, int own_first, int64_t spin_ns,
-                   int64_t wait_ns, size_t *sent);
+enum {
+    SWAP_SRC_AT = 12,             /* a frame header's source rank (4 bytes, little-endian; transport/frame.py) */
+    SWAP_MAX_HEADER_BYTES = 256,  /* a header longer than this is refused */
+    SWAP_MAX_STEPS = 64,          /* steps in one row (bits of lower_mask) */
+};
+
+/* Pairwise exchanges with TCP peers in a row (recursive doubling's steps), step i with the peer
+   on connected socket fds[i] (non-blocking). Each step sends header then data, then waits for the
+   peer's frame: its header must equal ours with srcs[i] as the source, byte for byte (the same
+   call, from that peer), and its payload be data's length. Once the whole frame waits in the
+   socket it is read into `inbound` (header then payload) and folded: data = data op theirs where
+   bit i of lower_mask is set, else theirs op data (float operations in one order on both ends:
+   bitwise the same result); empty frames only meet. Each wait polls for spin_ns, yielding the
+   core between looks, then sleeps in ppoll, for at most wait_ns and within left_ns of the row's
+   start. Nothing but those frames is ever read. *done: the steps finished; the row stops at the
+   first step that does not finish, which is the status's. */
+int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, uint64_t lower_mask, const uint8_t *header,
+                size_t header_bytes, uint8_t *data, size_t nbytes, uint8_t *inbound, int code, int op,
+                int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent);
 
 #endif

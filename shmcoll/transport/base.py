@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .shm_board import Board
 
 
-#: What Transport._swap and _duplex did: nothing, sent the array only, or both ways.
+#: What a step of Transport._swaps or _duplex did: nothing, sent the array only, or both ways.
 NOT_STARTED, SENT, SWAPPED = range(3)
 
 
@@ -81,13 +81,26 @@ class Transport(ABC):
         """One pairwise step of an all-reduce: send data (a 1-D storage array) to peer and fold in
         the array peer sends in the same call, data = own op theirs where own_first, else theirs
         op own (both ends then hold bitwise the same result); with an empty array the two only
-        meet (a barrier's step). A transport may do it in one step (`_swap`); else a send, then a
-        receive."""
-        done = self._swap(peer, tag, data, code, meta, deadline, op, own_first)
-        if done == NOT_STARTED:
-            self.send(peer, tag, data, code, meta, deadline)
-        if done == SWAPPED:
-            return
+        meet (a barrier's step)."""
+        self.exchanges(((peer, own_first),), tag, data, code, meta, deadline, op)
+
+    def exchanges(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
+                  deadline: float, op: ReduceKind) -> None:
+        """exchange() with each (peer, own_first) of steps in turn: recursive doubling's steps. A
+        transport may run them in a row at once (`_swaps`); a step it cannot is a send, then a receive."""
+        while steps:
+            swapped, done = self._swaps(steps, tag, data, code, meta, deadline, op)
+            if swapped == len(steps):
+                return
+            peer, own_first = steps[swapped]
+            if done == NOT_STARTED:
+                self.send(peer, tag, data, code, meta, deadline)
+            self._fold_theirs(peer, tag, data, code, meta, deadline, op, own_first)
+            steps = steps[swapped + 1:]
+
+    def _fold_theirs(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+                     op: ReduceKind, own_first: bool) -> None:
+        """An exchange's receive: peer's array folded into data in the order both ends use."""
         if own_first or not data.nbytes:
             self.recv_into(peer, tag, data, code, deadline, meta, op if data.nbytes else None)
             return
@@ -96,11 +109,12 @@ class Transport(ABC):
         kernels.reduce_into(theirs, data, code, op)
         data[:] = theirs
 
-    def _swap(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
-              op: ReduceKind, own_first: bool) -> int:
-        """exchange() in one step where this transport can: SWAPPED; SENT (data went out, peer's
-        array is still to be received); NOT_STARTED (nothing was done: the default)."""
-        return NOT_STARTED
+    def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
+               deadline: float, op: ReduceKind) -> tuple[int, int]:
+        """The first steps of exchanges() where this transport can run them at once: how many it
+        ran whole, and what it did of the next one: SENT (data went out, the peer's array is still
+        to be received) or NOT_STARTED (nothing: the default, for every step)."""
+        return 0, NOT_STARTED
 
     def send_recv(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
                   deadline: float, op: ReduceKind | None = None) -> None:

@@ -9,7 +9,7 @@ abort flag), so a failure on either side reaches every wait within a slice.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -58,13 +58,14 @@ class HierarchicalTransport(Transport):
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
         self._route(to).send(to, tag, buf, code, meta, deadline)
 
-    def _swap(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
-              op: ReduceKind, own_first: bool) -> int:
-        """The TCP side's one-step exchange with a remote peer; the rest of exchange() runs here
-        (its receive in slices that look at this host's shared memory)."""
-        if peer in self._local:
-            return NOT_STARTED
-        return self.net._swap(peer, tag, data, code, meta, deadline, op, own_first)
+    def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
+               deadline: float, op: ReduceKind) -> tuple[int, int]:
+        """The TCP side's exchanges in a row, as far as the peers are remote; the rest of exchanges()
+        runs here (its receives in slices that look at this host's shared memory)."""
+        for i, (peer, _) in enumerate(steps):
+            if peer in self._local:
+                return self.net._swaps(steps[:i], tag, data, code, meta, deadline, op) if i else (0, NOT_STARTED)
+        return self.net._swaps(steps, tag, data, code, meta, deadline, op)
 
     def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
                 deadline: float, op: ReduceKind | None) -> int:

@@ -31,7 +31,7 @@ import numbers
 import re
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -132,15 +132,16 @@ class SubTransport(Transport):
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
         self.root.send(self.ranks[to], tag, buf, code, self._out(meta), deadline)
 
-    def _swap(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
-              op: ReduceKind, own_first: bool) -> int:
-        """The root's one-step exchange, in its numbering (exchange() carries collective tags only,
+    def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
+               deadline: float, op: ReduceKind) -> tuple[int, int]:
+        """The root's exchanges in a row, in its numbering (exchanges() carries collective tags only,
         which the root's mailbox queues unchanged)."""
-        return self.root._swap(self.ranks[peer], tag, data, code, self._out(meta), deadline, op, own_first)
+        steps = tuple((self.ranks[peer], own_first) for peer, own_first in steps)
+        return self.root._swaps(steps, tag, data, code, self._out(meta), deadline, op)
 
     def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
                 deadline: float, op: ReduceKind | None) -> int:
-        """The root's send_recv() at once, in its numbering (collective tags only, as _swap)."""
+        """The root's send_recv() at once, in its numbering (collective tags only, as _swaps)."""
         return self.root._duplex(self.ranks[to], self.ranks[src], tag, out, into, code, self._out(meta), deadline, op)
 
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:

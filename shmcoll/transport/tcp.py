@@ -16,12 +16,13 @@ waiting thread reads alone. Only frames already whole in the socket are read thi
 (large ones, a peer stopped mid-send, the connection's end) are the reader thread's.
 
 A pairwise exchange (Transport.exchange: the small all-reduce's step across hosts, a two-rank
-barrier) goes further where it can have the connection at once: one native call sends its frame,
-waits as a caller does, reads the peer's frame of the same call and folds it in
-(kernels.swap_frames). So does a ring's or halving-doubling's step (Transport.send_recv), where it
-can have both connections: native calls send its frame while they read the peer's straight into
-place, or through a small scratch folded as it comes (kernels.duplex), with a look at the group's
-health between calls. Anything else on the socket first is left there for the paths above.
+barrier; exchanges: recursive doubling's steps in a row) goes further where it can have the
+connections at once: one native call runs the steps, each sending its frame, waiting as a caller
+does, reading the peer's frame of the same call and folding it in (kernels.swap_row). So does a
+ring's or halving-doubling's step (Transport.send_recv), where it can have both connections: native
+calls send its frame while they read the peer's straight into place, or through a small scratch
+folded as it comes (kernels.duplex), with a look at the group's health between calls. Anything
+else on the socket first is left there for the paths above.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import struct
 import termios
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -62,7 +64,7 @@ QUIET_SECONDS = CALLER_SLEEP_SECONDS
 _GOODBYE_SECONDS = 2.0
 #: Bytes a caller peeks at to find a whole frame: a small frame's header and payload in one look.
 PEEK_BYTES = 4096
-#: Largest array a pairwise exchange sends and receives in one native call (NetTransport._swap):
+#: Largest array a pairwise exchange sends and receives in one native call (NetTransport._swaps):
 #: the small all-reduce's, whose time is mostly the calls around the kernel's.
 SWAP_MAX_BYTES = 256 << 10
 #: Seconds one native duplex call (NetTransport._duplex) runs before it returns for a look at the
@@ -144,42 +146,77 @@ class NetTransport(LinkTransport):
         if deadline is not None and time.monotonic() > deadline:
             raise CollectiveTimeout(f"rank {to} did not accept data before the deadline (stopped or overloaded?)")
 
+    def _check_can_send_to(self, peers: list[int], deadline: float) -> None:
+        """_check_can_send for several peers at once: the group's health looked at once."""
+        self._check_can_send(peers[0], deadline)
+        lost = self._mailbox.lost_peers()
+        for peer in peers[1:]:
+            if peer in lost:
+                raise PeerLost(f"rank {peer} was lost: {lost[peer]}", peer)
+
     # ---- both ways at once ----
-    def _swap(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
-              op: ReduceKind, own_first: bool) -> int:
-        """exchange() as one native call (kernels.swap_frames: send, wait, read, fold, with no Python
-        between), where this thread can have the connection at once: its reader thread idle, no send
-        under way, nothing of this call queued already. The wait is a caller's (spin, then up to
-        CALLER_SLEEP_SECONDS asleep); a peer's frame that is not there by then, or anything else on
-        the socket first, is left to recv."""
-        inbox = self._claim(peer, peer, tag) if data.nbytes <= SWAP_MAX_BYTES else None
-        if inbox is None:
-            return NOT_STARTED
-        send_lock = self._send_locks[peer]
-        status, sent, header = kernels.SWAP_SENT, 0, b""
+    def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
+               deadline: float, op: ReduceKind) -> tuple[int, int]:
+        """exchanges() in a row, in one native call (kernels.swap_row: each step sends, waits,
+        reads and folds, with no Python between), as far as this thread can have the steps'
+        connections at once (_claim): all are claimed first, so no reader thread takes a later
+        step's frame meanwhile. Each wait is a caller's (spin, then up to CALLER_SLEEP_SECONDS
+        asleep); a peer's frame that is not there by then, or anything else on the socket first,
+        stops the row, and that step's receive is left to recv. The group's health is looked at
+        closely only where the mailbox shows trouble: a fault elsewhere (this host's abort) shows
+        in the receive of the first step that does not finish."""
+        inboxes = self._claim_steps(steps, tag) if data.nbytes <= SWAP_MAX_BYTES else []
+        if not inboxes:
+            return 0, NOT_STARTED
+        peers = [peer for peer, _ in steps[:len(inboxes)]]
+        status, swapped, sent, header = kernels.SWAP_SENT, 0, 0, b""
         try:
-            self._check_can_send(peer, deadline)
+            if self._mailbox.troubled or time.monotonic() > deadline:  # as a send's checks fail
+                self._check_can_send_to(peers, deadline)
             header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
-            expect = frame.pack(DATA, peer, tag, meta, code, data.shape, data.nbytes)
-            wait_s = max(0.0, min(CALLER_SLEEP_SECONDS, deadline - time.monotonic()))
-            inbox.mute_reader(True)
-            status, sent = kernels.swap_frames(inbox.sock.fileno(), header, data, expect,
-                                               np.empty(HEADER_SIZE + data.nbytes, np.uint8), code, int(op),
-                                               own_first, self._swap_spin_ns, int(wait_s * 1e9))
+            for inbox in inboxes:
+                inbox.quiet_reader()
+            left_s = max(0.0, deadline - time.monotonic())
+            status, swapped, sent = kernels.swap_row(
+                [inbox.sock.fileno() for inbox in inboxes], peers, _lower_mask(steps), header, data,
+                np.empty(HEADER_SIZE + data.nbytes, np.uint8), code, int(op), self._swap_spin_ns,
+                int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
         finally:
-            inbox.lock.release()
-            inbox.leave(found=status == kernels.SWAP_DONE)
-            if status != kernels.SWAP_PARTIAL:
-                send_lock.release()
+            self._release_steps(peers, inboxes, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
+        for peer in peers[:swapped]:
+            self.bytes_to[peer] += data.nbytes
+        if swapped == len(inboxes):
+            return swapped, NOT_STARTED
+        peer = peers[swapped]
         if status == kernels.SWAP_PARTIAL:  # the reader thread drains the peer's frame meanwhile
             try:
                 self._send_rest(peer, header, data, sent, deadline)
             finally:
-                send_lock.release()
+                self._send_locks[peer].release()
         elif status < 0:
             raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
         self.bytes_to[peer] += data.nbytes
-        return SWAPPED if status == kernels.SWAP_DONE else SENT
+        return swapped, SENT
+
+    def _claim_steps(self, steps: Sequence[tuple[int, bool]], tag: int) -> list[_Inbox]:
+        """The inboxes of the first steps' peers whose connections _claim gives."""
+        claimed = []
+        for peer, _ in steps:
+            inbox = self._claim(peer, peer, tag)
+            if inbox is None:
+                break
+            claimed.append(inbox)
+        return claimed
+
+    def _release_steps(self, peers: list[int], inboxes: list[_Inbox], swapped: int, keep_send_lock: bool) -> None:
+        """Give back what _claim_steps took: the socket stays the caller's for a while (the reader
+        thread napping) where its peer's frame was found; keep_send_lock: that of the step that
+        stopped (`swapped`), whose frame is still to be sent."""
+        for i, inbox in enumerate(inboxes):
+            inbox.lock.release()
+            inbox.leave(found=i < swapped)
+            if not (keep_send_lock and i == swapped):
+                self._send_locks[peers[i]].release()
 
     def _claim(self, to: int, src: int, tag: int) -> _Inbox | None:
         """src's inbox with its lock and the send lock to `to`, both taken, where this thread can
@@ -483,6 +520,11 @@ class NetTransport(LinkTransport):
             inbox.close()
 
 
+def _lower_mask(steps: Sequence[tuple[int, bool]]) -> int:
+    """kernels.swap_row's lower_mask: bit i set where step i folds our value first."""
+    return sum(own_first << i for i, (_, own_first) in enumerate(steps))
+
+
 class _Inbox:
     """The reading side of one connection: whoever holds `lock` reads whole frames from `sock`;
     `finished` once the connection ended (nothing more will be read from it).
@@ -544,6 +586,11 @@ class _Inbox:
     def close(self) -> None:
         """Release the epoll descriptor (once the reader thread is done with it)."""
         self._reader_wakes.close()
+
+    def quiet_reader(self) -> None:
+        """mute_reader(True) for a caller about to read, unless the reader thread naps, muted already."""
+        if not self._napping:
+            self.mute_reader(True)
 
     def mute_reader(self, muted: bool) -> None:
         """Keep the reader thread asleep while a caller reads (or wake it for what waits): a thread
