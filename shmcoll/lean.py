@@ -9,9 +9,11 @@ element count, op) and kept. A call then takes a sequence number and runs the bo
 (kernels.board_all_reduce; a barrier is an all-reduce of nothing); only a wait that outlasts a
 slice comes back to Python for the failure checks.
 
-A group across hosts (LeanAcrossHosts) runs its small all-reduce and barrier the same way as far as
-the host's board goes: what is worked out once is the call's description, its board header, whom
-the rank crosses hosts with and how; the steps across hosts and back are two_level.py's own.
+A group across hosts (LeanAcrossHosts) runs its small all-reduce and barrier the same way as far
+as the host's board goes: what is worked out once is the call's description, its board header, whom
+the rank crosses hosts with and how. An all-reduce's exchanges across hosts then run in a row
+(Transport.exchanges: one native call over TCP) where two hosts' one-shot or recursive doubling is
+all its column does; otherwise the steps across hosts and back are two_level.py's own.
 
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
@@ -176,13 +178,15 @@ class LeanPath:
 class LeanAcrossHosts(LeanPath):
     """The same calls in a group that spans hosts (two_level.py's small all-reduce and barrier):
     the step on this host's board runs from the prepared header as above, then the exchange
-    across hosts (by column, or among the leaders) and the leader's hand-on are two_level.py's
-    own, so ranks may take either path."""
+    across hosts (by column, or among the leaders) and the leader's hand-on send the frames
+    two_level.py's would, so ranks may take either path."""
 
     def __init__(self, runner: Runner, transport: Transport, setting: Setting, topology: Topology):
         self._host = topology.local_ranks(transport.rank)
         self._column, self._first_handed = two_level.small_crossing(topology, transport.rank)
         self._reduce_across = two_level.column_all_reduce(topology.n_hosts)
+        self._steps = two_level.column_steps(self._column, transport.rank) if self._column is not None else None
+        self._handing = self._first_handed < len(self._host)  # some rank of this host hears from its leader
         self._host_board = two_level.host_board(transport, self._host)
         super().__init__(runner, transport, setting, self._host_board)
 
@@ -194,13 +198,27 @@ class LeanAcrossHosts(LeanPath):
                 and (board is None or data.nbytes <= board.capacity))
 
     def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
-        c = Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code, start + self._t.timeout)
+        tag, meta, deadline = self._t.tag_of(seq), p.meta._replace(seq=seq), start + self._t.timeout
         if self._host_board is not None:
-            self._host_board.all_reduce(seq, flat, p.header, p.code, p.op, c.deadline,
-                                        lambda: self._t.host_board_guard(c.tag, c.meta), c.meta)
+            status = self._host_board.all_reduce_step(seq, flat, p.header, p.code, p.op)
+            if status != kernels.BOARD_DONE:
+                self._host_board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, deadline,
+                                                 self._t.host_board_guard(tag, meta), meta)
         if self._column is not None:
-            if p.meta.coll == Collective.BARRIER:
-                dissemination_barrier(c, self._column)
-            else:
-                self._reduce_across(c, flat, p.fold, self._column)
-        two_level.from_leader(c, self._host, self._host_board, flat, self._first_handed)
+            self._across(self._column, flat, p, tag, meta, deadline)
+        if self._handing:
+            two_level.from_leader(Call(self._t, tag, meta, p.code, deadline), self._host, self._host_board, flat,
+                                  self._first_handed)
+
+    def _across(self, column: tuple[int, ...], flat: np.ndarray, p: _Prepared, tag: int, meta: Meta,
+                deadline: float) -> None:
+        """The column's step across hosts: an all-reduce's exchanges in a row (native calls, over
+        TCP) where they are all its algorithm does, else two_level.py's own."""
+        if self._steps is not None and meta.coll == Collective.ALL_REDUCE:
+            self._t.exchanges(self._steps, tag, flat, p.code, meta, deadline, p.fold)
+            return
+        c = Call(self._t, tag, meta, p.code, deadline)
+        if meta.coll == Collective.BARRIER:
+            dissemination_barrier(c, column)
+        else:
+            self._reduce_across(c, flat, p.fold, column)

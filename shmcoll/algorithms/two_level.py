@@ -38,7 +38,7 @@ from .broadcast import chain_broadcast
 from .bruck import bruck_all_gather
 from .call import Call, segment_bounds
 from .direct import INT64_CODE, SIGNAL_CODE, recv_stream, send_stream, shape_header, shapes_to_lengths
-from .doubling import recursive_doubling_all_reduce
+from .doubling import partner_steps, recursive_doubling_all_reduce
 from .doubling_broadcast import doubling_broadcast, give, take
 from .halving import halving_doubling_all_reduce
 from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
@@ -123,6 +123,16 @@ def small_crossing(topo: Topology, rank: int) -> tuple[tuple[int, ...] | None, i
 def column_all_reduce(hosts: int) -> AcrossHosts:
     """The small all-reduce's step among one rank per host (a column): f(c, data, op, column)."""
     return _ALL_REDUCE_ACROSS[small_across_hosts(hosts)]
+
+
+def column_steps(column: Sequence[int], rank: int) -> tuple[tuple[int, bool], ...] | None:
+    """The small all-reduce's steps in `rank`'s column as exchanges in a row (Transport.exchanges),
+    where column_all_reduce runs nothing else: two hosts' one-shot, or recursive doubling among a
+    power of two of hosts; else None."""
+    n = len(column)
+    if n & (n - 1) or (n > 2 and small_across_hosts(n) is not Algorithm.RECURSIVE_DOUBLING):
+        return None
+    return partner_steps(column, column.index(rank), n)
 
 
 def _in_host_step(c: Call, host: tuple[int, ...], data: np.ndarray, op: ReduceKind) -> Board | None:
