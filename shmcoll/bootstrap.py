@@ -242,8 +242,7 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
     try:
         host = topology.local_ranks(cfg.rank)
         net = _tcp_transport(cfg, client, deadline, spans_hosts=True, sharing=sharing,
-                             peers=set(range(cfg.world_size)) - set(host), mailbox=mailbox, local=shm,
-                             board_peers=len(host) > 1)
+                             peers=set(range(cfg.world_size)) - set(host), mailbox=mailbox, local=shm)
     except BaseException:
         shm.close()
         raise
@@ -252,10 +251,9 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
 
 def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool, sharing: int,
                    peers: set[int] | None = None, mailbox: Mailbox | None = None,
-                   local: ShmTransport | None = None, board_peers: bool = False) -> NetTransport:
+                   local: ShmTransport | None = None) -> NetTransport:
     """TCP to `peers` (default every other rank); under a hierarchy, `local` is this host's
-    shared-memory transport and the mailbox the one both share, and board_peers whether this rank
-    shares it with host peers. sharing: _sharing_cores.
+    shared-memory transport and the mailbox the one both share. sharing: _sharing_cores.
 
     Each rank listens where it reached the store from and publishes that address. A rank that
     reached it over loopback runs on rank 0's host; in a job across hosts (where the rendezvous
@@ -275,7 +273,7 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spa
                          check=lambda: _raise_if_aborted(client, deadline))
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local,
                         spin_s=tcp_spin_seconds(cfg.tuning, sharing),
-                        swap_spin_s=swap_spin_seconds(cfg.tuning, sharing, board_peers))
+                        swap_spin_s=swap_spin_seconds(cfg.tuning))
 
 
 def _reachable(published: list, client: RendezvousStore) -> tuple[str, int]:

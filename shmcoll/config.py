@@ -189,21 +189,18 @@ def tcp_spin_seconds(tuning: Tuning, sharing: int) -> float:
     return TCP_SPIN_US_OWN_CORE * 1e-6 if sharing <= _cores() else 0.0
 
 
-#: How long the native steps across hosts (kernels.swap_frames: the small all-reduce's exchange;
+#: How long the native steps across hosts (kernels.swap_row: the small all-reduce's exchanges;
 #: kernels.duplex: a large call's ring steps, counted from the last byte moved) poll their sockets,
-#: yielding the core between looks, before they sleep in poll: as
-#: TCP_SPIN_US_OWN_CORE where each rank has a core of its own, and also where ranks outnumber cores
-#: but this one has no host peers on a board. Its waits are then all on TCP peers, which need the
-#: core less than its wake-up from sleep costs (4 namespace hosts of one rank on 2 cores, 8-byte
-#: all-reduce: 101-123 us against 194). Host peers on a board need it more (2 + 2 ranks: 61 us
-#: sleeping at once, 77 spinning). Python's waits do not spin there: they would hold the GIL
-#: against the reader thread (1 MiB across hosts took 10% longer).
-def swap_spin_seconds(tuning: Tuning, sharing: int, board_peers: bool) -> float:
-    """How long this rank's native exchanges with TCP peers poll first: as its TCP waits
-    (tcp_spin_seconds), except that a rank without board peers polls even where ranks outnumber cores."""
-    if board_peers or tuning.spin_us is not None:
-        return tcp_spin_seconds(tuning, sharing)
-    return TCP_SPIN_US_OWN_CORE * 1e-6
+#: yielding the core between looks, before they sleep in poll: TCP_SPIN_US_OWN_CORE, even where
+#: ranks outnumber cores. Their waits are short, and a wake-up from sleep costs more than the core
+#: a yielding poll takes from others (4 namespace hosts of one rank on 2 cores, 8-byte all-reduce:
+#: 101-123 us against 194; 2 + 2 ranks, whose host peers on a board need the core too: 8 B 41 us
+#: against 44.5, 64 KiB 85-90 against 90-94, 1 MiB 1334-1355 against 1374-1403). Python's waits
+#: do not spin there: they would hold the GIL against the reader thread (1 MiB across hosts took
+#: 10% longer).
+def swap_spin_seconds(tuning: Tuning) -> float:
+    """How long this rank's native exchanges with TCP peers poll first: SHMCOLL_SPIN_US if set."""
+    return TCP_SPIN_US_OWN_CORE * 1e-6 if tuning.spin_us is None else tuning.spin_us * 1e-6
 
 
 def _cores() -> int:

@@ -726,13 +726,13 @@ def _spins(pg):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n, cores, tcp_s, swap_s, shm_s", [
-    ("each", 3, 2, 0.0, 200e-6, 200e-6), ("each", 3, 3, 200e-6, 200e-6, 2000e-6), ("halves", 4, 2, 0.0, 0.0, 200e-6)])
+    ("each", 3, 2, 0.0, 200e-6, 200e-6), ("each", 3, 3, 200e-6, 200e-6, 2000e-6),
+    ("halves", 4, 2, 0.0, 200e-6, 200e-6)])
 def test_hosts_on_one_kernel_weigh_all_their_ranks_against_its_cores(layout, n, cores, tcp_s, swap_s, shm_s,
                                                                      monkeypatch):
     """Simulated hosts run on one kernel (as network namespaces do): each rank weighs all the job's
     ranks there against the cores (patched here), not its host's, so on 2 cores nobody's Python
-    polls its socket and shared-memory waits spin briefly. The native exchange still polls where
-    a rank has no host peers on its board (hosts of one rank), whose waits are all on TCP."""
+    polls its socket and shared-memory waits spin briefly. The native exchanges still poll."""
     import shmcoll.config
 
     monkeypatch.delenv("SHMCOLL_SPIN_US", raising=False)
