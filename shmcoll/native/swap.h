@@ -1,16 +1,17 @@
-/* One small frame each way with a TCP peer in one call: the pairwise step of the small all-reduce
-   across hosts, without Python between the send, the wait and the fold. */
+/* Small frames each way with TCP peers, a row of pairwise steps in one call: the small all-reduce's
+   steps across hosts, without Python between the sends, the waits and the folds. */
 #ifndef SHMCOLL_SWAP_H
 #define SHMCOLL_SWAP_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-/* sc_swap_row's results; below 0: -errno of a send that failed. */
+/* sc_swap_row's results; below 0: -errno of a send that failed. SWAP_SENT and SWAP_PARTIAL are
+   the step's that stopped the row. */
 enum {
     SWAP_DONE = 0,    /* every step: sent, and the peer's frame read and folded into data */
-    SWAP_SENT = 1,    /* the step stopped at sent; the peer's frame is not (whole) in the socket yet, or another frame is first */
-    SWAP_PARTIAL = 2, /* the socket took only *sent bytes of the stopped step's frame within the wait: the caller sends the rest */
+    SWAP_SENT = 1,    /* sent; the peer's frame is not (whole) in the socket yet, or another frame is first */
+    SWAP_PARTIAL = 2, /* the socket took only *sent bytes within the wait: the caller sends the rest */
 };
 
 enum {
