@@ -165,22 +165,24 @@ class NetTransport(LinkTransport):
         stops the row, and that step's receive is left to recv. The group's health is looked at
         closely only where the mailbox shows trouble: a fault elsewhere (this host's abort) shows
         in the receive of the first step that does not finish."""
-        inboxes = self._claim_steps(steps, tag) if data.nbytes <= SWAP_MAX_BYTES else []
-        if not inboxes:
+        if data.nbytes > SWAP_MAX_BYTES:
             return 0, NOT_STARTED
-        peers = [peer for peer, _ in steps[:len(inboxes)]]
+        peers, inboxes, lower = self._claim_steps(steps, tag)
+        if not peers:
+            return 0, NOT_STARTED
         status, swapped, sent, header = kernels.SWAP_SENT, 0, 0, b""
         try:
             if self._mailbox.troubled or time.monotonic() > deadline:  # as a send's checks fail
                 self._check_can_send_to(peers, deadline)
             header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
+            fds = []
             for inbox in inboxes:
                 inbox.quiet_reader()
+                fds.append(inbox.sock.fileno())
             left_s = max(0.0, deadline - time.monotonic())
             status, swapped, sent = kernels.swap_row(
-                [inbox.sock.fileno() for inbox in inboxes], peers, _lower_mask(steps), header, data,
-                np.empty(HEADER_SIZE + data.nbytes, np.uint8), code, int(op), self._swap_spin_ns,
-                int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
+                fds, peers, lower, header, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8), code, int(op),
+                self._swap_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
         finally:
             self._release_steps(peers, inboxes, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
         for peer in peers[:swapped]:
@@ -198,15 +200,20 @@ class NetTransport(LinkTransport):
         self.bytes_to[peer] += data.nbytes
         return swapped, SENT
 
-    def _claim_steps(self, steps: Sequence[tuple[int, bool]], tag: int) -> list[_Inbox]:
-        """The inboxes of the first steps' peers whose connections _claim gives."""
-        claimed = []
-        for peer, _ in steps:
+    def _claim_steps(self, steps: Sequence[tuple[int, bool]], tag: int) -> tuple[list[int], list[_Inbox], int]:
+        """The peers and inboxes of the first steps whose connections _claim gives, and their
+        kernels.swap_row lower_mask (bit i: step i folds our value first)."""
+        peers: list[int] = []
+        inboxes: list[_Inbox] = []
+        lower = 0
+        for peer, own_first in steps:
             inbox = self._claim(peer, peer, tag)
             if inbox is None:
                 break
-            claimed.append(inbox)
-        return claimed
+            lower |= own_first << len(peers)
+            peers.append(peer)
+            inboxes.append(inbox)
+        return peers, inboxes, lower
 
     def _release_steps(self, peers: list[int], inboxes: list[_Inbox], swapped: int, keep_send_lock: bool) -> None:
         """Give back what _claim_steps took: the socket stays the caller's for a while (the reader
@@ -518,11 +525,6 @@ class NetTransport(LinkTransport):
             sock.close()
         for inbox in self._inboxes.values():
             inbox.close()
-
-
-def _lower_mask(steps: Sequence[tuple[int, bool]]) -> int:
-    """kernels.swap_row's lower_mask: bit i set where step i folds our value first."""
-    return sum(own_first << i for i, (_, own_first) in enumerate(steps))
 
 
 class _Inbox:
