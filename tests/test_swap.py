@@ -290,14 +290,16 @@ def _barrier_swaps(pg) -> list[tuple[int, int]]:
 
 
 @pytest.mark.multiprocess
-def test_a_barrier_between_two_hosts_meets_in_one_call(monkeypatch):
+@pytest.mark.parametrize("layout, steps", [("halves", 1), ("each", 2)])
+def test_a_barrier_across_hosts_meets_in_one_call(layout, steps, monkeypatch):
     """2+2 ranks: after the host's board, each column's two ranks meet in one native call per
-    barrier (or none, where the peer's frame was in the mailbox first)."""
+    barrier; 4 hosts of one rank: both pairwise rounds in one call. (Or fewer steps, where a peer's
+    frame was in the mailbox first.)"""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
-    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     out = run_ranks(4, _barrier_swaps)
-    assert all(0 < len(rows) <= 4 for rows in out)
-    assert any(row == (kernels.SWAP_DONE, 1) for rows in out for row in rows)
+    assert all(0 < len(rows) <= 4 * steps and all(done <= steps for _, done in rows) for rows in out)
+    assert any(row == (kernels.SWAP_DONE, steps) for rows in out for row in rows)
 
 
 @pytest.mark.multiprocess

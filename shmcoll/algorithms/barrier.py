@@ -1,6 +1,6 @@
 """Dissemination barrier: ceil(log2 n) rounds; in round k rank r signals r + 2^k and hears from r - 2^k.
 Among a power of two of ranks the rounds pair up instead: r and r ^ 2^k meet, which a transport
-may do in one call each (Transport.exchange).
+may do in one call for all rounds (Transport.exchanges).
 
 After the last round every rank has (transitively) heard from every other, so nobody leaves before
 everybody arrived.
@@ -14,6 +14,7 @@ import numpy as np
 
 from ..types import ReduceKind
 from .call import Call
+from .doubling import partner_steps
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 
@@ -22,12 +23,8 @@ def dissemination_barrier(c: Call, members: Sequence[int] | None = None) -> None
     """members: the ranks taking part (default every rank); the hierarchy runs it per host and across hosts."""
     ranks = range(c.size) if members is None else members
     n, p, distance = len(ranks), ranks.index(c.rank), 1
-    if n & (n - 1) == 0:  # a power of two: pairs meet (r and r ^ 2^k), each meeting one call where it can be
-        while distance < n:
-            partner = p ^ distance
-            c.t.exchange(ranks[partner], c.tag, _EMPTY, c.code, c.meta, c.deadline, ReduceKind.SUM,
-                         own_first=p < partner)
-            distance *= 2
+    if n & (n - 1) == 0:  # a power of two: pairs meet (r and r ^ 2^k), all in one call where they can
+        c.t.exchanges(partner_steps(ranks, p, n), c.tag, _EMPTY, c.code, c.meta, c.deadline, ReduceKind.SUM)
         return
     while distance < n:
         c.t.send(ranks[(p + distance) % n], c.tag, _EMPTY, c.code, c.meta, c.deadline)
