@@ -282,6 +282,33 @@ def test_small_all_reduces_across_hosts_swap_in_one_call(layout, n, steps, monke
     assert any(row == (kernels.SWAP_DONE, steps) for o in out for row in o["rows"])
 
 
+def _subgroup_swaps(pg) -> dict:
+    """Small all-reduces in a sub-group over every rank, numbered in reverse, each swap_row counted."""
+    sub = pg.split([3, 2, 1, 0])
+    rows = _count_rows()
+    results = []
+    for i in range(6):
+        x = np.arange(3, dtype=np.float32) + sub.rank + i
+        sub.all_reduce(x)
+        results.append(x.tolist())
+    counted = list(rows)
+    sub.close()
+    return {"rows": counted, "results": results}
+
+
+@pytest.mark.multiprocess
+def test_a_subgroup_across_hosts_runs_its_rows_in_the_parents_numbering(monkeypatch):
+    """4 hosts of one rank, a sub-group numbered in reverse: its doubling steps go to the parent's
+    connections under the parent's numbers, so the peers' frames match and both steps finish in
+    one native call; the sums are right."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    out = run_ranks(4, _subgroup_swaps)
+    for o in out:
+        assert o["results"] == [(np.arange(3) * 4 + 6 + 4 * i).tolist() for i in range(6)]
+    assert any(row == (kernels.SWAP_DONE, 2) for o in out for row in o["rows"])
+
+
 def _barrier_swaps(pg) -> list[tuple[int, int]]:
     rows = _count_rows()
     for _ in range(4):
