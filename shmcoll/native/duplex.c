@@ -63,7 +63,7 @@ static ssize_t take(int fd, void *to, size_t room, int flags) {
    follows), or give the socket up to the caller for anything else. 1 when it moved, 0 when a
    header is still on its way, -1 at the connection's end. */
 static int take_header(const struct duplex_in *in, struct duplex_progress *p) {
-    uint8_t seen[DUPLEX_MAX_HEADER_BYTES];
+    uint8_t seen[MAX_HEADER_BYTES];
     ssize_t n = take(in->fd, seen, in->header_bytes, MSG_PEEK);
     if (n <= 0)
         return (int)n;

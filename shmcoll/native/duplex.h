@@ -15,8 +15,9 @@ enum {
     DUPLEX_ELSEWHERE = 3, /* another frame came first (IN_ELSEWHERE): nothing more is read or sent here */
 };
 
-/* Frame headers up to this size (transport/frame.py's are 116 bytes). */
-enum { DUPLEX_MAX_HEADER_BYTES = 256 };
+/* Frame headers up to this size (transport/frame.py's are 116 bytes): the native exchanges with
+   TCP peers (sc_duplex, and sc_swap_row in swap.c) refuse longer ones. */
+enum { MAX_HEADER_BYTES = 256 };
 
 /* Where the incoming frame stands (progress->in_state). */
 enum { IN_WAITING = 0, IN_BODY = 1, IN_DONE = 2, IN_ELSEWHERE = 3 };

@@ -340,7 +340,7 @@ static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int fds[SWAP_MAX_STEPS];
     uint32_t peers[SWAP_MAX_STEPS];
     int valid = steps == srcs && (data.view.len == 0 || (sc_has_loop(code, op) && data.view.len % size == 0)) &&
-                header.view.len >= SWAP_SRC_AT + 4 && header.view.len <= SWAP_MAX_HEADER_BYTES &&
+                header.view.len >= SWAP_SRC_AT + 4 && header.view.len <= MAX_HEADER_BYTES &&
                 inbound.view.len == header.view.len + data.view.len && spin_ns >= 0 && wait_ns >= 0 && left_ns >= 0;
     for (Py_ssize_t i = 0; valid && i < steps; ++i) {
         valid = fd_list[i] >= 0 && fd_list[i] <= INT32_MAX && src_list[i] >= 0 && src_list[i] <= UINT32_MAX;
@@ -373,7 +373,7 @@ static int duplex_is_valid(const struct duplex_out *out, const struct duplex_in 
     size_t size = sc_element_size(in->code);
     int folds = in->op >= 0;
     if (out->fd < 0 || in->fd < 0 || out->header_bytes == 0 || in->header_bytes == 0 ||
-        in->header_bytes > DUPLEX_MAX_HEADER_BYTES || spin_ns < 0 || wait_ns < 0)
+        in->header_bytes > MAX_HEADER_BYTES || spin_ns < 0 || wait_ns < 0)
         return 0;
     if (folds && (!sc_has_loop(in->code, in->op) || in->nbytes % size || in->scratch_bytes < size))
         return 0;

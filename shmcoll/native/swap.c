@@ -92,7 +92,7 @@ static int swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8
 int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, uint64_t lower_mask, const uint8_t *header,
                 size_t header_bytes, uint8_t *data, size_t nbytes, uint8_t *inbound, int code, int op,
                 int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent) {
-    uint8_t expect[SWAP_MAX_HEADER_BYTES];
+    uint8_t expect[MAX_HEADER_BYTES];
     memcpy(expect, header, header_bytes);
     int64_t end = sc_now_ns() + left_ns;
     for (*done = 0; *done < steps; ++*done) {

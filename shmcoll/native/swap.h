@@ -15,21 +15,21 @@ enum {
 };
 
 enum {
-    SWAP_SRC_AT = 12,             /* a frame header's source rank (4 bytes, little-endian; transport/frame.py) */
-    SWAP_MAX_HEADER_BYTES = 256,  /* a header longer than this is refused */
-    SWAP_MAX_STEPS = 64,          /* steps in one row (bits of lower_mask) */
+    SWAP_SRC_AT = 12,    /* a frame header's source rank (4 bytes, little-endian; transport/frame.py) */
+    SWAP_MAX_STEPS = 64, /* steps in one row (bits of lower_mask) */
 };
 
 /* Pairwise exchanges with TCP peers in a row (recursive doubling's steps), step i with the peer
-   on connected socket fds[i] (non-blocking). Each step sends header then data, then waits for the
-   peer's frame: its header must equal ours with srcs[i] as the source, byte for byte (the same
-   call, from that peer), and its payload be data's length. Once the whole frame waits in the
-   socket it is read into `inbound` (header then payload) and folded: data = data op theirs where
-   bit i of lower_mask is set, else theirs op data (float operations in one order on both ends:
-   bitwise the same result); empty frames only meet. Each wait polls for spin_ns, yielding the
-   core between looks, then sleeps in ppoll, for at most wait_ns and within left_ns of the row's
-   start. Nothing but those frames is ever read. *done: the steps finished; the row stops at the
-   first step that does not finish, which is the status's. */
+   on connected socket fds[i] (non-blocking). Each step sends header (at most MAX_HEADER_BYTES,
+   duplex.h) then data, then waits for the peer's frame: its header must equal ours with srcs[i]
+   as the source, byte for byte (the same call, from that peer), and its payload be data's length.
+   Once the whole frame waits in the socket it is read into `inbound` (header then payload) and
+   folded: data = data op theirs where bit i of lower_mask is set, else theirs op data (float
+   operations in one order on both ends: bitwise the same result); empty frames only meet. Each
+   wait polls for spin_ns, yielding the core between looks, then sleeps in ppoll, for at most
+   wait_ns and within left_ns of the row's start. Nothing but those frames is ever read. *done:
+   the steps finished; the row stops at the first step that does not finish, which is the
+   status's. */
 int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, uint64_t lower_mask, const uint8_t *header,
                 size_t header_bytes, uint8_t *data, size_t nbytes, uint8_t *inbound, int code, int op,
                 int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent);
