@@ -146,14 +146,6 @@ class NetTransport(LinkTransport):
         if deadline is not None and time.monotonic() > deadline:
             raise CollectiveTimeout(f"rank {to} did not accept data before the deadline (stopped or overloaded?)")
 
-    def _check_can_send_to(self, peers: list[int], deadline: float) -> None:
-        """_check_can_send for several peers at once: the group's health looked at once."""
-        self._check_can_send(peers[0], deadline)
-        lost = self._mailbox.lost_peers()
-        for peer in peers[1:]:
-            if peer in lost:
-                raise PeerLost(f"rank {peer} was lost: {lost[peer]}", peer)
-
     # ---- both ways at once ----
     def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
                deadline: float, op: ReduceKind) -> tuple[int, int]:
@@ -172,8 +164,9 @@ class NetTransport(LinkTransport):
             return 0, NOT_STARTED
         status, swapped, sent, header = kernels.SWAP_SENT, 0, 0, b""
         try:
-            if self._mailbox.troubled or time.monotonic() > deadline:  # as a send's checks fail
-                self._check_can_send_to(peers, deadline)
+            if self._mailbox.troubled or time.monotonic() > deadline:  # where a send's checks fail
+                for peer in peers:
+                    self._check_can_send(peer, deadline)
             header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
             fds = []
             for inbox in inboxes:
