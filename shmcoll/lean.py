@@ -200,10 +200,8 @@ class LeanAcrossHosts(LeanPath):
     def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
         tag, meta, deadline = self._t.tag_of(seq), p.meta._replace(seq=seq), start + self._t.timeout
         if self._host_board is not None:
-            status = self._host_board.all_reduce_step(seq, flat, p.header, p.code, p.op)
-            if status != kernels.BOARD_DONE:
-                self._host_board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, deadline,
-                                                 self._t.host_board_guard(tag, meta), meta)
+            self._host_board.all_reduce(seq, flat, p.header, p.code, p.op, deadline,
+                                        lambda: self._t.host_board_guard(tag, meta), meta)
         if self._column is not None:
             self._across(self._column, flat, p, tag, meta, deadline)
         if self._handing:
