@@ -4,7 +4,8 @@ Over real TCP connections on loopback: both ends at once with frames far larger 
 buffers, folded (through a scratch that splits elements between reads) or copied into place;
 heartbeats before the peer's frame are read and counted, anything else is left in the socket; a
 frame that stops half-way is resumed by the next call; a connection that ends and a failed send are
-reported. Then in ranks on simulated hosts: ring and halving-doubling steps across hosts take this
+reported; no end sends more than a lead past what came of its peer's frame, and unequal frames, also
+around a ring, still finish. Then in ranks on simulated hosts: ring and halving-doubling steps across hosts take this
 path, and the results and the bytes each rank sends are those of the general path.
 """
 
@@ -114,6 +115,65 @@ def test_a_copy_lands_in_place(pair):
     assert [status for status, _ in results] == [kernels.DUPLEX_DONE] * 2
     assert np.array_equal(intos[0], sent[1]) and np.array_equal(intos[1], sent[0])
     assert np.array_equal(sent[0], np.arange(3 << 20, dtype=np.float32))
+
+
+def test_a_large_frame_goes_out_no_further_ahead_than_the_lead(pair):
+    """Sockets with room for megabytes, a peer that sends nothing: DUPLEX_LEAD_BYTES of payload go
+    out and no more; as the peer's payload comes, as much more again; once it is whole, the rest."""
+    a, b = pair
+    for end in pair:
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    mine, theirs = np.ones(2 << 20, np.float32), np.full(1 << 18, 2.0, np.float32)
+    into, progress = np.zeros_like(theirs), np.zeros(5, np.int64)
+    lead = kernels.DUPLEX_LEAD_BYTES
+    assert _duplex(a, a, 0, 1, mine, into, COPY, progress, wait_ns=20_000_000) == kernels.DUPLEX_PENDING
+    assert progress[SENT] == HEADER_SIZE + lead
+    first = 200_000
+    b.sendall(_header(1, theirs) + theirs.tobytes()[:first])
+    assert _duplex(a, a, 0, 1, mine, into, COPY, progress, wait_ns=20_000_000) == kernels.DUPLEX_PENDING
+    assert progress[GOT] == first and progress[SENT] == HEADER_SIZE + first + lead
+    reader = threading.Thread(target=read_exactly, args=(b, HEADER_SIZE + mine.nbytes))
+    reader.start()
+    b.sendall(theirs.tobytes()[first:])
+    assert _until_done(a, a, 0, 1, mine, into, COPY, progress)[0] == kernels.DUPLEX_DONE
+    reader.join(timeout=60)
+    assert progress[SENT] == HEADER_SIZE + mine.nbytes and np.array_equal(into, theirs)
+
+
+def test_frames_of_very_different_sizes_both_finish(pair):
+    """4 MiB one way, 8 bytes the other: the end that gets the small frame whole sends the rest of
+    its own without a lead, the other reads it all."""
+    sent = [np.arange(1 << 20, dtype=np.float32), np.array([5.0, 6.0], np.float32)]
+    intos = [np.zeros(2, np.float32), np.zeros(1 << 20, np.float32)]
+    results = _both_ends(pair, sent, intos, COPY, 0)
+    assert [status for status, _ in results] == [kernels.DUPLEX_DONE] * 2
+    assert np.array_equal(intos[0], sent[1]) and np.array_equal(intos[1], sent[0])
+
+
+def test_a_ring_of_three_with_unequal_frames_finishes():
+    """Three ends in a ring, each sending to the next while the previous one's frame comes in
+    (4 MiB, 8 bytes, 2 MiB): every end waits only on the one before it, and every frame arrives."""
+    links = [socket.socketpair() for _ in range(3)]  # links[i]: end i's out, end i + 1's in
+    sent = [np.full(1 << 20, 1.0, np.float32), np.full(2, 2.0, np.float32), np.full(1 << 19, 3.0, np.float32)]
+    intos = [np.zeros_like(sent[(i - 1) % 3]) for i in range(3)]
+    statuses: list = [None] * 3
+
+    def end(i: int) -> None:
+        out, into_sock = links[i][0], links[(i - 1) % 3][1]
+        statuses[i] = _until_done(out, into_sock, i, (i - 1) % 3, sent[i], intos[i], COPY, np.zeros(5, np.int64))[0]
+    threads = [threading.Thread(target=end, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert statuses == [kernels.DUPLEX_DONE] * 3
+        assert all(np.array_equal(intos[i], sent[(i - 1) % 3]) for i in range(3))
+    finally:
+        for link in links:
+            for s in link:
+                s.close()
 
 
 def test_heartbeats_before_the_frame_are_read_and_counted(pair):

@@ -131,15 +131,25 @@ static void wait_either(const struct duplex_out *out, int sending, const struct 
     ppoll(fds, count, &t, NULL);
 }
 
+/* Bytes of our frame (header and payload) that may be out by now: DUPLEX_LEAD_BYTES of payload
+   past what came of the peer's, all of it once the peer's frame is whole. */
+static size_t may_send(const struct duplex_out *out, const struct duplex_in *in, const struct duplex_progress *p) {
+    size_t total = out->header_bytes + out->nbytes;
+    if (p->in_state >= IN_DONE)
+        return total;
+    return at_most(total, out->header_bytes + (size_t)p->got + DUPLEX_LEAD_BYTES);
+}
+
 int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *p, int64_t spin_ns,
               int64_t wait_ns) {
     int64_t moved_at = sc_now_ns(), end = moved_at + wait_ns;
     size_t total = out->header_bytes + out->nbytes;
     int woke_idle = 0; /* the last wait ended with nothing to move: a header still on its way */
     for (;;) {
-        int64_t sent = (size_t)p->sent < total
-                           ? sc_send_some(out->fd, out->header, out->header_bytes, out->data, out->nbytes, (size_t)p->sent)
-                           : 0;
+        size_t allowed = may_send(out, in, p);
+        int64_t sent = (size_t)p->sent < allowed ? sc_send_some(out->fd, out->header, out->header_bytes, out->data,
+                                                                allowed - out->header_bytes, (size_t)p->sent)
+                                                  : 0;
         if (sent < 0)
             return (int)sent;
         p->sent += sent;
@@ -163,7 +173,7 @@ int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct d
             sched_yield();
             woke_idle = 0;
         } else {
-            wait_either(out, sending, in, receiving, end - now);
+            wait_either(out, (size_t)p->sent < may_send(out, in, p), in, receiving, end - now);
             woke_idle = 1;
         }
     }
