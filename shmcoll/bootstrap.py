@@ -31,6 +31,7 @@ from .errors import (
     error_of_kind,
 )
 from .group import ProcessGroup
+from .net.congestion import check_congestion, set_congestion
 from .net.mesh import connect_mesh, open_listener
 from .net.sockets import Deadline
 from .rendezvous.host_id import kernel_id
@@ -260,6 +261,7 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spa
     name may resolve to loopback on rank 0's host only: Debian maps the hostname to 127.0.1.1) it
     listens on every interface and publishes no address, and each peer reaches it where the peer
     itself reached the store."""
+    check_congestion(cfg.tuning.tcp_congestion)
     here = client.local_address
     unnamed = spans_hosts and ipaddress.ip_address(here).is_loopback
     listener = open_listener("" if unnamed else here)
@@ -271,6 +273,8 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spa
         raise
     socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers,
                          check=lambda: _raise_if_aborted(client, deadline))
+    for sock in socks.values():
+        set_congestion(sock, cfg.tuning.tcp_congestion)
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local,
                         spin_s=tcp_spin_seconds(cfg.tuning, sharing),
                         swap_spin_s=swap_spin_seconds(cfg.tuning))

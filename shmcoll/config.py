@@ -43,6 +43,7 @@ SPIN_US_VAR = "SHMCOLL_SPIN_US"
 BOARD_BYTES_VAR = "SHMCOLL_SHM_BOARD_BYTES"
 TRANSPORT_VAR = "SHMCOLL_TRANSPORT"
 SINGLE_COPY_VAR = "SHMCOLL_SINGLE_COPY"
+TCP_CONGESTION_VAR = "SHMCOLL_TCP_CONGESTION"
 TRANSPORTS = ("auto", "hier", "tcp", "shm")
 
 DEFAULT_TIMEOUT = 300.0
@@ -71,6 +72,9 @@ class Tuning:
     #: SHMCOLL_SINGLE_COPY: whether large all-reduces on one host read peers' arrays directly where
     #: the host allows it (algorithms/single_copy.py)
     single_copy: bool = True
+    #: SHMCOLL_TCP_CONGESTION: the TCP connections' congestion control: "auto", "system" or an
+    #: algorithm's name (net/congestion.py)
+    tcp_congestion: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,19 @@ def _resolve_flag(environ, name: str, default: bool) -> bool:
     if value in _TRUE or value in _FALSE:
         return value in _TRUE
     raise InvalidArgument(f"{name} must be 1 or 0, got {found[1]!r}")
+
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,14}$")  # a kernel congestion control's name
+
+
+def _resolve_name(environ, name: str, default: str) -> str:
+    found = lookup(environ, (name,))
+    if found is None:
+        return default
+    value = found[1].strip().lower()
+    if not _NAME_RE.match(value):
+        raise InvalidArgument(f"{name} must be auto, system or an algorithm's name (as cubic), got {found[1]!r}")
+    return value
 
 
 def _resolve_int_setting(environ, name: str, default: int, low: int) -> int:
@@ -221,6 +238,7 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
         shm_board_bytes=(_resolve_int_setting(env, BOARD_BYTES_VAR, 0, 0) // 64 * 64
                          if lookup(env, (BOARD_BYTES_VAR,)) else None),
         single_copy=_resolve_flag(env, SINGLE_COPY_VAR, True),
+        tcp_congestion=_resolve_name(env, TCP_CONGESTION_VAR, Tuning.tcp_congestion),
     )
 
 

@@ -610,3 +610,12 @@ def test_native_exchanges_spin_unless_told_otherwise():
     assert cfg.swap_spin_seconds(unset) == cfg.TCP_SPIN_US_OWN_CORE * 1e-6 > 0
     assert cfg.tcp_spin_seconds(unset, len(os.sched_getaffinity(0)) + 1) == 0.0
     assert cfg.swap_spin_seconds(cfg.load_tuning({"SHMCOLL_SPIN_US": "30"})) == pytest.approx(30e-6)
+
+
+def test_the_tcp_congestion_control_is_a_choice_or_a_name():
+    assert cfg.load_tuning({}).tcp_congestion == "auto"
+    assert cfg.load_tuning({"SHMCOLL_TCP_CONGESTION": " System "}).tcp_congestion == "system"
+    assert cfg.load_tuning({"SHMCOLL_TCP_CONGESTION": "dctcp"}).tcp_congestion == "dctcp"
+    for bad in ("two words", "x" * 16, "../reno"):
+        with pytest.raises(cfg.InvalidArgument, match="SHMCOLL_TCP_CONGESTION must be"):
+            cfg.load_tuning({"SHMCOLL_TCP_CONGESTION": bad})
