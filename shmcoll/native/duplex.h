@@ -21,11 +21,12 @@ enum { MAX_HEADER_BYTES = 256 };
 
 /* Payload bytes a duplex sends ahead of what it has read of the peer's frame, until that frame is
    whole. Two ends that each pour a whole frame into the connection fill both sockets' queues and
-   then move at about half the speed (measured between network namespaces: a 1 MiB exchange took
-   610 us, with this lead 290 us; 4 MiB 2.2 ms, then 1.15 ms). Each end keeps sending while it
-   reads, so the lead only paces two busy ends; it caps one connection at about 2 * lead per round
-   trip (1 GB/s on a 250 us round trip). No exchange waits on itself: in a ring, the end whose
-   left peer's frame is whole sends the rest. */
+   then move at about half the speed. Between network namespaces, under BBR a 1 MiB exchange took
+   610 us, with this lead 290 us (4 MiB: 2.2 ms, then 1.15 ms); under reno 16 MiB took 4.8 to
+   13.4 ms from one connection to the next, with the lead 4.3 to 4.4 ms (bench/link_exchange.py).
+   Each end keeps sending while it reads, so the lead only paces two busy ends; it caps one
+   connection at about 2 * lead per round trip (1 GB/s on a 250 us round trip). No exchange waits
+   on itself: in a ring, the end whose left peer's frame is whole sends the rest. */
 enum { DUPLEX_LEAD_BYTES = 128 * 1024 };
 
 /* Where the incoming frame stands (progress->in_state). */
@@ -65,12 +66,13 @@ struct duplex_progress {
 };
 
 /* Move both frames as far as they go within wait_ns: sending whatever the socket takes (up to
-   DUPLEX_LEAD_BYTES past what came of the peer's payload), reading whatever has come; while neither can move it polls, yielding the core between looks, until
-   spin_ns have passed since anything moved, then sleeps in ppoll. Anything but a heartbeat or the
-   expected header first on the incoming socket is left there, and the call returns at once
-   (DUPLEX_ELSEWHERE): the caller's reader must drain that socket while the rest of the frame goes
-   out, since a peer doing the same would otherwise wait for this end to read, and this end for
-   it. Nothing past the peer's frame is ever read. */
+   DUPLEX_LEAD_BYTES past what came of the peer's payload), reading whatever has come; while
+   neither can move it polls, yielding the core between looks, until spin_ns have passed since
+   anything moved, then sleeps in ppoll. Anything but a heartbeat or the expected header first on
+   the incoming socket is left there, and the call returns at once (DUPLEX_ELSEWHERE): the
+   caller's reader must drain that socket while the rest of the frame goes out, since a peer doing
+   the same would otherwise wait for this end to read, and this end for it. Nothing past the
+   peer's frame is ever read. */
 int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *progress,
               int64_t spin_ns, int64_t wait_ns);
 
