@@ -20,10 +20,10 @@ with the loop shmcoll-bench uses (so the columns differ only in the library):
 
 --rounds R runs every column R times, alternating, and keeps each size's best time. Then "the link":
 one Python socket stream from host 1 to host 2, and then one each way at once (GB/s per direction),
-the most any single TCP connection between two of these hosts carries here. A library that is not
-installed is a column of n/a with the reason below the table. Every job is killed after --timeout
-seconds, and whatever it left in the namespaces with it. Exit status 0; 1 when a job failed; 2 on a
-usage error.
+under the congestion control shmcoll's connections take: the most one such connection carries here.
+A library that is not installed is a column of n/a with the reason below the table. Every job is
+killed after --timeout seconds, and whatever it left in the namespaces with it. Exit status 0; 1
+when a job failed; 2 on a usage error.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ from shmcoll.bench.adapters import GLOO, OPENMPI, SHMCOLL, open_group
 from shmcoll.bench.collectives import COLLECTIVES
 from shmcoll.bench.measure import Spec, measure
 from shmcoll.bench.results import write_json
-from shmcoll.config import ONE_SHOT_BYTES_VAR
+from shmcoll.config import ONE_SHOT_BYTES_VAR, load_tuning
+from shmcoll.net.congestion import set_congestion
 
 WARMUP_BYTES = 64 << 20  # warm-up calls per size: at most this many bytes' worth (at least 2 calls)
 CHUNK = 1 << 20          # one send or receive of the link
@@ -148,7 +149,8 @@ def recv(port: int) -> int:
 
 
 def send(host: str, port: int, seconds: float) -> int:
-    """Connect to host:port (retrying while the receiver starts), send zeros for `seconds`, close."""
+    """Connect to host:port (retrying while the receiver starts), send zeros for `seconds`, close;
+    under the congestion control shmcoll's own connections take (SHMCOLL_TCP_CONGESTION)."""
     deadline = time.monotonic() + CONNECT_S
     while True:
         try:
@@ -158,6 +160,7 @@ def send(host: str, port: int, seconds: float) -> int:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+    set_congestion(sock, load_tuning().tcp_congestion)  # the sender's algorithm is the stream's
     data = memoryview(bytes(CHUNK))
     with sock:
         end = time.monotonic() + seconds
