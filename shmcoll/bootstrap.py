@@ -19,6 +19,7 @@ import json
 import os
 import time
 import weakref
+from functools import partial
 
 from .config import Config, load_config, spin_seconds, swap_spin_seconds, tcp_spin_seconds
 from .errors import (
@@ -265,16 +266,16 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spa
     here = client.local_address
     unnamed = spans_hosts and ipaddress.ip_address(here).is_loopback
     listener = open_listener("" if unnamed else here)
+    congestion = partial(set_congestion, choice=cfg.tuning.tcp_congestion)
     try:
+        congestion(listener)  # before any connection: accepted ones are born with it
         me = json.dumps(["" if unnamed else here, listener.getsockname()[1]])
         addrs = {r: _reachable(json.loads(v), client) for r, v in _gather(cfg, client, "tcp", me, deadline).items()}
     except BaseException:
         listener.close()
         raise
     socks = connect_mesh(cfg.rank, cfg.world_size, listener, addrs, cfg.secret, cfg.job_id, deadline, peers,
-                         check=lambda: _raise_if_aborted(client, deadline))
-    for sock in socks.values():
-        set_congestion(sock, cfg.tuning.tcp_congestion)
+                         check=lambda: _raise_if_aborted(client, deadline), prepare=congestion)
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local,
                         spin_s=tcp_spin_seconds(cfg.tuning, sharing),
                         swap_spin_s=swap_spin_seconds(cfg.tuning))

@@ -39,10 +39,13 @@ def _purpose(job_id: str, acceptor: int) -> str:
 
 def connect_mesh(rank: int, world_size: int, listener: socket.socket, addrs: dict[int, tuple[str, int]],
                  secret: bytes | None, job_id: str, deadline: float,
-                 peers: set[int] | None = None, check: Callable[[], None] | None = None) -> dict[int, socket.socket]:
+                 peers: set[int] | None = None, check: Callable[[], None] | None = None,
+                 prepare: Callable[[socket.socket], object] | None = None) -> dict[int, socket.socket]:
     """Connections to `peers` (default: every other rank; a hierarchy passes the remote ones).
     The listener is closed on return, and with it every connection that was not a wanted rank.
-    check() runs while waiting on a peer and raises when the job failed meanwhile (a rank died)."""
+    check() runs while waiting on a peer and raises when the job failed meanwhile (a rank died).
+    prepare(sock) runs on each outgoing socket before it connects (accepted ones take the
+    listener's settings)."""
     peers = set(range(world_size)) - {rank} if peers is None else set(peers)
     arrivals = _Arrivals({p for p in peers if p > rank})
     gate = None
@@ -57,7 +60,7 @@ def connect_mesh(rank: int, world_size: int, listener: socket.socket, addrs: dic
     done = False
     try:
         for peer in sorted(p for p in peers if p < rank):
-            socks[peer] = _connect(peer, addrs[peer], rank, secret, job_id, deadline, check)
+            socks[peer] = _connect(peer, addrs[peer], rank, secret, job_id, deadline, check, prepare)
         socks.update(arrivals.wait(rank, deadline, check))
         done = True
     finally:
@@ -107,11 +110,12 @@ class _Arrivals:
 
 
 def _connect(peer: int, addr: tuple[str, int], rank: int, secret, job_id: str, deadline: float,
-             check: Callable[[], None] | None = None) -> socket.socket:
+             check: Callable[[], None] | None = None,
+             prepare: Callable[[socket.socket], object] | None = None) -> socket.socket:
     """A proven connection to a lower rank; reconnects if its listener shed us under a flood."""
     for attempt in range(1, _CONNECT_TRIES + 1):
         try:
-            sock = connect_with_retry(addr[0], addr[1], deadline, check)
+            sock = connect_with_retry(addr[0], addr[1], deadline, check, prepare)
         except Deadline as exc:
             raise CollectiveTimeout(f"could not connect to rank {peer} at {addr[0]}:{addr[1]} "
                                     f"before the deadline") from exc

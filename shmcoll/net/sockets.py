@@ -47,15 +47,16 @@ def send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
         raise Deadline("deadline passed while sending") from exc
 
 
-def connect_with_retry(addr: str, port: int, deadline: float,
-                       check: Callable[[], None] | None = None) -> socket.socket:
+def connect_with_retry(addr: str, port: int, deadline: float, check: Callable[[], None] | None = None,
+                       prepare: Callable[[socket.socket], object] | None = None) -> socket.socket:
     """Connect, retrying with backoff while the listener is not up yet (ranks start in any order);
-    check() runs between tries and raises when waiting is pointless (the job already failed)."""
+    check() runs between tries and raises when waiting is pointless (the job already failed);
+    prepare(sock) sets what must be set before the connection exists."""
     delay = 0.01
     while True:
         timeout = min(5.0, remaining(deadline))
         try:
-            sock = socket.create_connection((addr, port), timeout=timeout)
+            sock = _connect(addr, port, timeout, prepare)
         except OSError:
             if check is not None:
                 check()
@@ -64,3 +65,20 @@ def connect_with_retry(addr: str, port: int, deadline: float,
             continue
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
+
+
+def _connect(addr: str, port: int, timeout: float, prepare: Callable[[socket.socket], object] | None) -> socket.socket:
+    """socket.create_connection, with prepare(sock) before each try to connect."""
+    error: OSError = OSError(f"no address for {addr}")
+    for family, kind, proto, _, where in socket.getaddrinfo(addr, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if prepare is not None:
+                prepare(sock)
+            sock.settimeout(timeout)
+            sock.connect(where)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error
