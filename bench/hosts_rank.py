@@ -37,6 +37,7 @@ from shmcoll.bench.measure import Spec, measure
 from shmcoll.bench.results import write_json
 from shmcoll.config import ONE_SHOT_BYTES_VAR, load_tuning
 from shmcoll.net.congestion import set_congestion
+from shmcoll.net.sockets import connect_with_retry
 
 WARMUP_BYTES = 64 << 20  # warm-up calls per size: at most this many bytes' worth (at least 2 calls)
 CHUNK = 1 << 20          # one send or receive of the link
@@ -151,18 +152,12 @@ def recv(port: int) -> int:
 def send(host: str, port: int, seconds: float) -> int:
     """Connect to host:port (retrying while the receiver starts), send zeros for `seconds`, close;
     under the congestion control shmcoll's own connections take (SHMCOLL_TCP_CONGESTION)."""
-    deadline = time.monotonic() + CONNECT_S
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=CONNECT_S)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    set_congestion(sock, load_tuning().tcp_congestion)  # the sender's algorithm is the stream's
+    choice = load_tuning().tcp_congestion
+    sock = connect_with_retry(host, port, time.monotonic() + CONNECT_S,
+                              prepare=lambda s: set_congestion(s, choice))  # the sender's algorithm is the stream's
     data = memoryview(bytes(CHUNK))
     with sock:
+        sock.settimeout(CONNECT_S)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             sock.sendall(data)

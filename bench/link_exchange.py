@@ -36,24 +36,31 @@ BYTES_PER_SIZE = 1 << 30  # timed exchanges at each size: this many bytes each w
 
 
 def connect(role: str, host: str, congestion: str) -> socket.socket:
-    """The connection, with `congestion` set on this end ('system': the kernel's default)."""
+    """The connection, born with `congestion` on this end ('system': the kernel's default): set on
+    the listener and on the connecting socket, since a connection that starts under BBR keeps its
+    timer pacing after a switch."""
+    def prepared(sock: socket.socket) -> socket.socket:
+        if congestion != "system":
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+        return sock
     if role == "listen":
-        with socket.create_server(("", PORT)) as server:
+        with prepared(socket.create_server(("", PORT))) as server:
             server.settimeout(CONNECT_S)
             sock, _ = server.accept()
     else:
         deadline = time.monotonic() + CONNECT_S
         while True:
             try:
-                sock = socket.create_connection((host, PORT), timeout=CONNECT_S)
+                sock = prepared(socket.socket())
+                sock.settimeout(CONNECT_S)
+                sock.connect((host, PORT))
                 break
             except OSError:
+                sock.close()
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if congestion != "system":
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
     sock.setblocking(False)
     return sock
 
