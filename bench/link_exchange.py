@@ -50,8 +50,8 @@ def connect(role: str, host: str, congestion: str) -> socket.socket:
     else:
         deadline = time.monotonic() + CONNECT_S
         while True:
+            sock = prepared(socket.socket())  # an algorithm the kernel refuses stops here
             try:
-                sock = prepared(socket.socket())
                 sock.settimeout(CONNECT_S)
                 sock.connect((host, PORT))
                 break
