@@ -313,6 +313,11 @@ META = Meta(seq=1, coll=int(Collective.ALL_REDUCE), dtype=F32.code, elements=3 <
 
 
 def test_transports_fold_each_other_at_once_and_count_the_bytes(transports, monkeypatch):
+    """At least one end runs the native exchange. An end takes the general path where its reader
+    thread took the peer's frame before its own step began (or a heartbeat held the connection:
+    the first comes half a second after the transports start, past this exchange), and the peer
+    sends only once its own step has begun, so both ends cannot. Which end, or both, is the
+    threads' timing."""
     statuses = _counted_duplex_calls(monkeypatch)
     outs = [np.full(3 << 20, r + 1, np.float32) for r in range(2)]
     intos = [np.full(3 << 20, 10 * (r + 1), np.float32) for r in range(2)]
@@ -322,7 +327,7 @@ def test_transports_fold_each_other_at_once_and_count_the_bytes(transports, monk
     other.join(timeout=bounds.WAIT_HANG_S)
     assert np.all(intos[0] == 12) and np.all(intos[1] == 21)
     assert transports[0].bytes_to == [0, outs[0].nbytes] and transports[1].bytes_to == [outs[1].nbytes, 0]
-    assert statuses.count(kernels.DUPLEX_DONE) == 2
+    assert 1 <= statuses.count(kernels.DUPLEX_DONE) <= 2
 
 
 def test_a_frame_queued_already_is_taken_from_the_mailbox(transports, monkeypatch):
