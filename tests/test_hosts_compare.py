@@ -9,14 +9,13 @@ makes that a failure).
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 
 import pytest
-from test_netns_hosts import leftovers, netns_unavailable
+from test_netns_hosts import leftovers, require_netns
 
 from shmcoll.bench.adapters import GLOO, OPENMPI
 from shmcoll.bench.peer_jobs import missing_reason
@@ -44,11 +43,7 @@ def run(tmp_path_factory):
 
 def _run(tmp_path_factory, args: list[str]):
     """The script's stdout and its JSON document; SIGTERM past the bound, so it still takes its hosts down."""
-    reason = netns_unavailable()
-    if reason is not None:
-        if os.environ.get("SHMCOLL_REQUIRE_NETNS") == "1":
-            pytest.fail(f"SHMCOLL_REQUIRE_NETNS=1 but {reason}")
-        pytest.skip(reason)
+    require_netns()
     path = tmp_path_factory.mktemp("hosts") / "out.json"
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args, "--json", str(path)], cwd=REPO, text=True,
                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)

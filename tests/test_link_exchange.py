@@ -6,13 +6,12 @@ makes that a failure)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-from test_netns_hosts import leftovers, netns_unavailable
+from test_netns_hosts import leftovers, require_netns
 
 from bounds import RUN_HANG_S
 from harness import REPO, subprocess_env
@@ -23,11 +22,7 @@ ROW = re.compile(r"^\| (\w+) \| (\d+) KiB \| ([\d ]+) \| (\d+) \| (\d+\.\d\d) \|
 
 
 def test_each_congestion_control_and_size_gets_a_time_per_run():
-    reason = netns_unavailable()
-    if reason is not None:
-        if os.environ.get("SHMCOLL_REQUIRE_NETNS") == "1":
-            pytest.fail(f"SHMCOLL_REQUIRE_NETNS=1 but {reason}")
-        pytest.skip(reason)
+    require_netns()
     args = ["--sizes", "64K,256K", "--runs", "2", "--congestion", "system,reno", "--timeout", "60"]
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "link_exchange.py"), *args], cwd=REPO, text=True,
                           env=subprocess_env(), capture_output=True, timeout=RUN_HANG_S)

@@ -48,6 +48,16 @@ def netns_unavailable() -> str | None:
     return None
 
 
+def require_netns() -> None:
+    """Skip where namespaces cannot be made here; fail instead under SHMCOLL_REQUIRE_NETNS=1
+    (CI runs as root, where a skip would only hide a broken setup)."""
+    reason = netns_unavailable()
+    if reason is not None:
+        if os.environ.get("SHMCOLL_REQUIRE_NETNS") == "1":
+            pytest.fail(f"SHMCOLL_REQUIRE_NETNS=1 but {reason}")
+        pytest.skip(reason)
+
+
 def leftovers(prefix: str) -> list[str]:
     """Anything tools/netns.sh made for prefix that is still there."""
     found = [f"namespace {n}" for n in _sh("ip", "netns", "list").stdout.split() if n.startswith(prefix)]
@@ -64,11 +74,7 @@ def leftovers(prefix: str) -> list[str]:
 @pytest.fixture(scope="module")
 def hosts():
     """The prefix of two fresh namespace hosts, PREFIX1 and PREFIX2; everything removed afterwards."""
-    reason = netns_unavailable()
-    if reason is not None:
-        if os.environ.get("SHMCOLL_REQUIRE_NETNS") == "1":
-            pytest.fail(f"SHMCOLL_REQUIRE_NETNS=1 but {reason}")
-        pytest.skip(reason)
+    require_netns()
     prefix = "sc" + secrets.token_hex(3)  # unique per session: parallel runs never share names
     try:
         up = _sh("bash", str(NETNS), "up", "2", prefix)
