@@ -173,7 +173,7 @@ int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct d
             sched_yield();
             woke_idle = 0;
         } else {
-            wait_either(out, (size_t)p->sent < may_send(out, in, p), in, receiving, end - now);
+            wait_either(out, (size_t)p->sent < allowed, in, receiving, end - now); /* nothing moved since */
             woke_idle = 1;
         }
     }
