@@ -24,6 +24,8 @@ from hosts_compare import namespaces, reap, run_together
 
 from shmcoll import kernels
 from shmcoll.bench.inputs import parse_float32_sizes
+from shmcoll.net.congestion import check_congestion, set_congestion
+from shmcoll.net.sockets import connect_with_retry
 from shmcoll.transport import frame
 from shmcoll.transport.frame import DATA, HEARTBEAT, Meta
 from shmcoll.types import F32, ReduceKind
@@ -38,29 +40,17 @@ BYTES_PER_SIZE = 1 << 30  # timed exchanges at each size: this many bytes each w
 def connect(role: str, host: str, congestion: str) -> socket.socket:
     """The connection, born with `congestion` on this end ('system': the kernel's default): set on
     the listener and on the connecting socket, since a connection that starts under BBR keeps its
-    timer pacing after a switch."""
-    def prepared(sock: socket.socket) -> socket.socket:
-        if congestion != "system":
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
-        return sock
+    timer pacing after a switch. An algorithm the kernel refuses stops the run at once."""
+    check_congestion(congestion)
     if role == "listen":
-        with prepared(socket.create_server(("", PORT))) as server:
+        with socket.create_server(("", PORT)) as server:
+            set_congestion(server, congestion)
             server.settimeout(CONNECT_S)
             sock, _ = server.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     else:
-        deadline = time.monotonic() + CONNECT_S
-        while True:
-            sock = prepared(socket.socket())  # an algorithm the kernel refuses stops here
-            try:
-                sock.settimeout(CONNECT_S)
-                sock.connect((host, PORT))
-                break
-            except OSError:
-                sock.close()
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = connect_with_retry(host, PORT, time.monotonic() + CONNECT_S,
+                                  prepare=lambda s: set_congestion(s, congestion))
     sock.setblocking(False)
     return sock
 
