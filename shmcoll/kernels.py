@@ -54,9 +54,10 @@ read_peer = _native.read_peer
 #: in own; d >= 1 also divides each finished piece by d where d > 1 (AVG, float codes) and writes
 #: it into every peer's array (process_vm_writev) while it is still in cache.
 reduce_from_peers = _native.reduce_from_peers
-#: swap_row(fds, srcs, lower_mask, header, data, inbound, code, op, spin_ns, wait_ns, left_ns) ->
-#: (status, done, sent): pairwise exchanges with TCP peers in a row (native/swap.h). Step i sends
-#: header and data on socket fds[i], then, once that peer's frame (its header ours with srcs[i] as
+#: swap_row(fds, srcs, lower_mask, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns,
+#: left_ns) -> (status, done, sent): pairwise exchanges with TCP peers in a row (native/swap.h).
+#: Step i sends header, with the call's tag and sequence number written in (frame.for_call), and
+#: data on socket fds[i], then, once that peer's frame (its header ours with srcs[i] as
 #: the source, its payload data's length) waits whole in the socket, reads it into inbound and
 #: folds it into data (data op theirs where bit i of lower_mask is set, else theirs op data). Each
 #: wait lasts at most wait_ns, the row at most left_ns. done: the steps finished; status, of the

@@ -66,13 +66,13 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
     count = itertools.count(1)
 
     def counts(args) -> bool:
-        if len(args) == 13 and args[12][0]:  # kernels.duplex resuming a frame it began
-            return False
         return not min_items or (len(args) > 2 and getattr(args[2], "size", 0) >= min_items)
 
-    def armed(real):
+    def armed(real, resumed=lambda args: False):
+        """real, firing first at the frame it sends; resumed(args): a call that goes on with a frame
+        an earlier one began, which is not another frame."""
         def fire_then_call(*args, **kwargs):
-            if counts(args) and next(count) == after_sends:
+            if not resumed(args) and counts(args) and next(count) == after_sends:
                 stamps[pg.rank] = time.monotonic()
                 # To this thread, not the process: a process-directed SIGSTOP is taken by the main
                 # thread (asleep in join() for spawn_*), and until it gets a core and stops the
@@ -84,7 +84,7 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
     transport = pg.transport
     transport.send = armed(transport.send)
     kernels.swap_row = armed(kernels.swap_row)
-    kernels.duplex = armed(kernels.duplex)
+    kernels.duplex = armed(kernels.duplex, resumed=lambda args: bool(args[12][0]))  # its progress: bytes sent
     board = transport.board or transport.host_board  # across hosts, the in-host steps of small calls
     if board is not None:  # the board's calls: published in Python, or in one compiled step
         board.publish = armed(board.publish)

@@ -78,6 +78,15 @@ def test_pack_unpack_round_trip(code, shape):
     assert frame.unpack(memoryview(bytearray(raw)), 6).shape == shape  # any bytes-like input
 
 
+def test_a_header_kept_per_kind_of_call_takes_each_calls_tag_and_number():
+    """for_call writes what kernels.swap_row writes into a header packed with tag and seq 0."""
+    kept = frame.pack(DATA, 6, 0, Meta(seq=0, coll=3, dtype=7, elements=5, op=1, root=2), 7, (5,), 20)
+    meta = Meta(seq=2**63 + 9, coll=3, dtype=7, elements=5, op=1, root=2)
+    assert frame.for_call(kept, 2**32 - 1, meta.seq) == frame.pack(DATA, 6, 2**32 - 1, meta, 7, (5,), 20)
+    assert frame.for_call(np.frombuffer(kept, np.uint8), 9, 1) == frame.pack(DATA, 6, 9, meta._replace(seq=1), 7,
+                                                                              (5,), 20)
+
+
 def test_control_frames_round_trip():
     for kind, n in [(ABORT, 0), (ABORT, MAX_CONTROL_PAYLOAD), (GOODBYE, 0)] + [(k, 0) for k in KNOWN_KINDS - {DATA}]:
         h = frame.unpack(frame.pack(kind, 0, 0, Meta(), 0, (), n), 0)

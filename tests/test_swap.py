@@ -1,11 +1,12 @@
-"""Pairwise exchanges across hosts in one native call (kernels.swap_row, NetTransport._swaps).
+"""Pairwise exchanges across hosts in one native call (kernels.swap_row, NetTransport.swap_row).
 
 Over real TCP connections on loopback: both ends fold in one order; a row of steps (recursive
 doubling among four ends) gives every end the same bits; anything but the peer's frame of the same
 call stays in the socket for the reader thread; a peer that is not there in time stops the row
 there, and a socket that takes only part of the frame and a failed send are each reported, never
-waited out. Then in ranks on simulated hosts: the small all-reduce across two hosts and the
-doubling among four take this path, and a late peer falls back to the receive that waits for it.
+waited out; a row sent from a header kept per kind of call sends the call's own frame. Then in
+ranks on simulated hosts: the small all-reduce across two hosts and the doubling among four take
+this path, and a late peer falls back to the receive that waits for it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import pytest
 
 from shmcoll import kernels
 from shmcoll.transport import frame
+from shmcoll.transport.base import NOT_STARTED
 from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
+from shmcoll.transport.tcp import NetTransport
 from shmcoll.types import F16, F32, F64, I64, U8, Collective, ReduceKind
 
+import bounds
 from harness import connected_pair, read_exactly, run_ranks
 
 TAG = 7
@@ -35,8 +39,8 @@ def _meta(data: np.ndarray, op: ReduceKind, seq: int = 3) -> Meta:
                 op=int(op))
 
 
-def _header(src: int, data: np.ndarray, op: ReduceKind, seq: int = 3) -> bytes:
-    return frame.pack(DATA, src, TAG, _meta(data, op, seq), CODES[data.dtype], data.shape, data.nbytes)
+def _header(src: int, data: np.ndarray, op: ReduceKind, seq: int = 3, tag: int = TAG) -> bytes:
+    return frame.pack(DATA, src, tag, _meta(data, op, seq), CODES[data.dtype], data.shape, data.nbytes)
 
 
 def _swap(sock, rank: int, peer: int, data: np.ndarray, op: ReduceKind, own_first: bool,
@@ -49,10 +53,12 @@ def _swap(sock, rank: int, peer: int, data: np.ndarray, op: ReduceKind, own_firs
 
 def _row(socks, rank: int, peers: list[int], data: np.ndarray, op: ReduceKind, lower_mask: int,
          wait_ns: int = WAIT_NS) -> tuple[int, int, int]:
+    """The row from a header kept per kind of call (tag and sequence number 0: the row writes in TAG
+    and 3, and its peers here send and expect what frame.pack makes of those)."""
     storage = data.view(np.uint16) if data.dtype == np.float16 else data
-    return kernels.swap_row([s.fileno() for s in socks], peers, lower_mask, _header(rank, data, op), storage,
-                            np.empty(HEADER_SIZE + data.nbytes, np.uint8), CODES[data.dtype], int(op), 0, wait_ns,
-                            len(peers) * wait_ns)
+    return kernels.swap_row([s.fileno() for s in socks], peers, lower_mask, _header(rank, data, op, seq=0, tag=0),
+                            TAG, 3, storage, np.empty(HEADER_SIZE + data.nbytes, np.uint8), CODES[data.dtype], int(op),
+                            0, wait_ns, len(peers) * wait_ns)
 
 
 def _both_ends(pair, lower: np.ndarray, higher: np.ndarray, op: ReduceKind) -> list[tuple[int, int]]:
@@ -96,7 +102,7 @@ def test_empty_frames_only_meet(pair):
     statuses: list = [None, None]
 
     def end(i: int) -> None:
-        statuses[i] = kernels.swap_row([pair[i].fileno()], [1 - i], int(i == 0), headers[i], empty,
+        statuses[i] = kernels.swap_row([pair[i].fileno()], [1 - i], int(i == 0), headers[i], TAG, 1, empty,
                                        np.empty(HEADER_SIZE, np.uint8), U8.code, 0, 0, WAIT_NS, WAIT_NS)
     other = threading.Thread(target=end, args=(1,))
     other.start()
@@ -160,15 +166,16 @@ def test_a_failed_send_is_its_errno(pair):
 
 
 @pytest.mark.parametrize("change", ["short inbound", "short header", "no loop", "negative wait", "fewer srcs",
-                                    "too many steps"])
+                                    "too many steps", "tag past 32 bits", "negative seq"])
 def test_arguments_that_do_not_describe_exchanges_are_refused(pair, change):
     data = np.ones(4, dtype=np.float32)
     header = _header(0, data, ReduceKind.SUM)
-    args = [[pair[0].fileno()], [1], 1, header, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8), F32.code,
-            int(ReduceKind.SUM), 0, WAIT_NS, WAIT_NS]
-    index, value = {"short inbound": (5, np.empty(HEADER_SIZE, np.uint8)), "short header": (3, header[:15]),
-                    "no loop": (6, 99), "negative wait": (9, -1), "fewer srcs": (1, []),
-                    "too many steps": (0, [pair[0].fileno()] * 65)}[change]
+    args = [[pair[0].fileno()], [1], 1, header, TAG, 3, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8),
+            F32.code, int(ReduceKind.SUM), 0, WAIT_NS, WAIT_NS]
+    index, value = {"short inbound": (7, np.empty(HEADER_SIZE, np.uint8)), "short header": (3, header[:35]),
+                    "no loop": (8, 99), "negative wait": (11, -1), "fewer srcs": (1, []),
+                    "too many steps": (0, [pair[0].fileno()] * 65), "tag past 32 bits": (4, 1 << 32),
+                    "negative seq": (5, -1)}[change]
     args[index] = value
     with pytest.raises(ValueError, match="do not describe exchanges|more than 64 steps"):
         kernels.swap_row(*args)
@@ -235,6 +242,48 @@ def test_a_frame_from_another_source_is_not_taken(pair):
     b.sendall(wrong)
     assert _swap(a, 0, 1, mine, ReduceKind.SUM, own_first=True, wait_ns=30_000_000)[0] == kernels.SWAP_SENT
     assert np.array_equal(mine, np.ones(2)) and read_exactly(a, len(wrong)) == wrong
+
+
+def test_a_prepared_row_is_the_steps_up_to_the_first_peer_out_of_reach():
+    """NetTransport.prepare_row: the first steps whose peers it has a connection to, each step's
+    own_first as its bit of lower_mask; None where the first step's peer is out of reach."""
+    pairs = [connected_pair() for _ in range(2)]
+    t = NetTransport(0, 4, {1: pairs[0][0], 3: pairs[1][0]}, timeout=bounds.WAIT_HANG_S)
+    try:
+        row = t.prepare_row(((1, True), (3, False), (2, True), (1, True)))
+        assert row is not None and (row.peers, row.lower) == ([1, 3], 0b01)
+        assert t.prepare_row(((2, True), (1, True))) is None
+    finally:
+        t.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_a_row_from_a_kept_header_sends_the_calls_frame(pair):
+    """NetTransport.swap_row from a header packed once with tag and sequence number 0 (as lean.py
+    keeps it) sends the frame frame.pack makes for the call, as the general path would, then reads
+    and folds the peer's frame of that call and counts the bytes it sent."""
+    t = NetTransport(0, 2, {1: pair[0]}, timeout=bounds.WAIT_HANG_S)
+    mine, theirs = np.array([1.5, 2.0, 3.25], np.float32), np.array([0.25, 8.0, 1.0], np.float32)
+    sent_by_row: list[bytes] = []
+
+    def peer() -> None:
+        sent_by_row.append(read_exactly(pair[1], HEADER_SIZE + mine.nbytes))
+        pair[1].sendall(_header(1, theirs, ReduceKind.SUM, seq=9) + theirs.tobytes())
+    expected = _header(0, mine, ReduceKind.SUM, seq=9) + mine.tobytes()
+    other = threading.Thread(target=peer)
+    other.start()
+    try:
+        row = t.prepare_row(((1, True),))
+        assert row is not None
+        result = t.swap_row(row, _header(0, mine, ReduceKind.SUM, seq=0, tag=0), TAG, 9, mine, F32.code,
+                            ReduceKind.SUM, time.monotonic() + bounds.WAIT_HANG_S)
+    finally:
+        other.join(timeout=bounds.WAIT_HANG_S)
+        t.close()
+    assert sent_by_row == [expected]
+    assert result == (1, NOT_STARTED) and mine.tolist() == [1.75, 10.0, 4.25] and t.bytes_to == [0, 12]
 
 
 def _count_rows() -> list[tuple[int, int]]:

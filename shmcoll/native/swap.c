@@ -89,19 +89,27 @@ static int swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8
     }
 }
 
+/* n bytes of v at field, little-endian. */
+static void put_le(uint8_t *field, uint64_t v, int n) {
+    for (int k = 0; k < n; ++k)
+        field[k] = (uint8_t)(v >> (8 * k));
+}
+
 int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, uint64_t lower_mask, const uint8_t *header,
-                size_t header_bytes, uint8_t *data, size_t nbytes, uint8_t *inbound, int code, int op,
-                int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent) {
-    uint8_t expect[MAX_HEADER_BYTES];
-    memcpy(expect, header, header_bytes);
+                size_t header_bytes, uint32_t tag, uint64_t seq, uint8_t *data, size_t nbytes, uint8_t *inbound,
+                int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent) {
+    uint8_t ours[MAX_HEADER_BYTES], expect[MAX_HEADER_BYTES];
+    memcpy(ours, header, header_bytes);
+    put_le(ours + SWAP_TAG_AT, tag, 4);
+    put_le(ours + SWAP_SEQ_AT, seq, 8);
+    memcpy(expect, ours, header_bytes);
     int64_t end = sc_now_ns() + left_ns;
     for (*done = 0; *done < steps; ++*done) {
         int i = *done;
-        for (int k = 0; k < 4; ++k)
-            expect[SWAP_SRC_AT + k] = (uint8_t)(srcs[i] >> (8 * k));
+        put_le(expect + SWAP_SRC_AT, srcs[i], 4);
         int64_t left = end - sc_now_ns();
         int64_t wait = left < 0 ? 0 : left < wait_ns ? left : wait_ns;
-        int status = swap_frames(fds[i], header, header_bytes, data, nbytes, expect, inbound, code, op,
+        int status = swap_frames(fds[i], ours, header_bytes, data, nbytes, expect, inbound, code, op,
                                  (int)((lower_mask >> i) & 1), spin_ns, wait, sent);
         if (status != SWAP_DONE)
             return status;

@@ -33,6 +33,7 @@ from .topology import Topology
 
 if TYPE_CHECKING:
     from .shm_board import Board
+    from .tcp import SwapRow
 
 
 #: What a step of Transport._swaps or _duplex did: nothing, sent the array only, or both ways.
@@ -90,13 +91,20 @@ class Transport(ABC):
         transport may run them in a row at once (`_swaps`); a step it cannot is a send, then a receive."""
         while steps:
             swapped, done = self._swaps(steps, tag, data, code, meta, deadline, op)
-            if swapped == len(steps):
-                return
-            peer, own_first = steps[swapped]
-            if done == NOT_STARTED:
-                self.send(peer, tag, data, code, meta, deadline)
-            self._fold_theirs(peer, tag, data, code, meta, deadline, op, own_first)
-            steps = steps[swapped + 1:]
+            steps = self.exchanges_after(steps, swapped, done, tag, data, code, meta, deadline, op)
+
+    def exchanges_after(self, steps: Sequence[tuple[int, bool]], swapped: int, done: int, tag: int,
+                        data: np.ndarray, code: int, meta: Meta, deadline: float,
+                        op: ReduceKind) -> Sequence[tuple[int, bool]]:
+        """Where a row of exchanges (_swaps, swap_row) stopped after `swapped` whole steps and
+        `done` of the next: that step finished here, a send and a receive. The steps after it."""
+        if swapped == len(steps):
+            return ()
+        peer, own_first = steps[swapped]
+        if done == NOT_STARTED:
+            self.send(peer, tag, data, code, meta, deadline)
+        self._fold_theirs(peer, tag, data, code, meta, deadline, op, own_first)
+        return steps[swapped + 1:]
 
     def _fold_theirs(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
                      op: ReduceKind, own_first: bool) -> None:
@@ -115,6 +123,17 @@ class Transport(ABC):
         ran whole, and what it did of the next one: SENT (data went out, the peer's array is still
         to be received) or NOT_STARTED (nothing: the default, for every step)."""
         return 0, NOT_STARTED
+
+    def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
+        """The first steps of exchanges() that swap_row can run in one native call, worked out once
+        for a caller that runs them call after call (lean.py); None where this transport runs none."""
+        return None
+
+    def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
+                 op: ReduceKind, deadline: float) -> tuple[int, int]:
+        """A prepared row's exchanges at once, as _swaps, from a frame header packed once for calls
+        like this one (the native call writes in their tag and sequence number)."""
+        raise NotImplementedError(f"the {self.name} transport runs no rows of exchanges")
 
     def send_recv(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
                   deadline: float, op: ReduceKind | None = None) -> None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..types import WIRE_TYPES, Collective, ReduceKind
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAGIC = b"SHMC"
 VERSION = 1
@@ -28,6 +31,10 @@ HEARTBEAT = 4  # "still alive": lets a timeout name the ranks that really went s
 _STRUCT = struct.Struct("<4s6BH4I3Q8Q")
 HEADER_SIZE = _STRUCT.size
 SRC_FIELD = (12, 16)  # byte range of the source rank in a packed header
+_TAG = struct.Struct("<I")  # the tag, at TAG_AT
+TAG_AT = 16
+_SEQ = struct.Struct("<Q")  # meta.seq, at SEQ_AT
+SEQ_AT = 28
 
 #: Meta.dtype of calls whose dtype only one rank knows (scatter: the root's data decides).
 ROOTS_DTYPE = 0
@@ -75,6 +82,15 @@ def pack(kind: int, src: int, tag: int, meta: Meta, dtype: int, shape: tuple[int
         MAGIC, VERSION, kind, dtype, len(shape), meta.coll, meta.op, 0,
         src, tag, meta.root, meta.dtype, meta.seq, meta.elements, nbytes, *dims,
     )
+
+
+def for_call(header: bytes | np.ndarray, tag: int, seq: int) -> bytes:
+    """A packed header with another call's tag and sequence number written in: what
+    kernels.swap_row sends from a header kept per kind of call."""
+    out = bytearray(header)
+    _TAG.pack_into(out, TAG_AT, tag)
+    _SEQ.pack_into(out, SEQ_AT, seq)
+    return bytes(out)
 
 
 def unpack(raw: bytes | bytearray | memoryview, expected_src: int, max_payload: int = MAX_PAYLOAD) -> Header:

@@ -21,7 +21,7 @@ from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
 from .shm_channel import WAIT_SLICE
-from .tcp import NetTransport
+from .tcp import NetTransport, SwapRow
 from .topology import Topology
 
 _T = TypeVar("_T")
@@ -62,10 +62,24 @@ class HierarchicalTransport(Transport):
                deadline: float, op: ReduceKind) -> tuple[int, int]:
         """The TCP side's exchanges in a row, as far as the peers are remote; the rest of exchanges()
         runs here (its receives in slices that look at this host's shared memory)."""
+        remote = self._remote_steps(steps)
+        return self.net._swaps(steps[:remote], tag, data, code, meta, deadline, op) if remote else (0, NOT_STARTED)
+
+    def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
+        """The TCP side's row, as far as the peers are remote (as _swaps)."""
+        remote = self._remote_steps(steps)
+        return self.net.prepare_row(steps[:remote]) if remote else None
+
+    def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
+                 op: ReduceKind, deadline: float) -> tuple[int, int]:
+        return self.net.swap_row(row, header, tag, seq, data, code, op, deadline)
+
+    def _remote_steps(self, steps: Sequence[tuple[int, bool]]) -> int:
+        """How many of the first steps have remote peers."""
         for i, (peer, _) in enumerate(steps):
             if peer in self._local:
-                return self.net._swaps(steps[:i], tag, data, code, meta, deadline, op) if i else (0, NOT_STARTED)
-        return self.net._swaps(steps, tag, data, code, meta, deadline, op)
+                return i
+        return len(steps)
 
     def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
                 deadline: float, op: ReduceKind | None) -> int:

@@ -36,6 +36,7 @@ import termios
 import threading
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -149,9 +150,31 @@ class NetTransport(LinkTransport):
     # ---- both ways at once ----
     def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
                deadline: float, op: ReduceKind) -> tuple[int, int]:
-        """exchanges() in a row, in one native call (kernels.swap_row: each step sends, waits,
+        """exchanges() in a row: swap_row with the call's frame header."""
+        row = self.prepare_row(steps)
+        if row is None or data.nbytes > SWAP_MAX_BYTES:
+            return 0, NOT_STARTED
+        header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
+        return self.swap_row(row, header, tag, meta.seq, data, code, op, deadline)
+
+    def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
+        """The first steps whose peers this transport reaches, with their connections looked up."""
+        reached: list[tuple[int, bool]] = []
+        for step in steps:
+            if step[0] not in self._inboxes:
+                break
+            reached.append(step)
+        if not reached:
+            return None
+        peers = [peer for peer, _ in reached]
+        return SwapRow(peers, sum(int(own_first) << i for i, (_, own_first) in enumerate(reached)),
+                       [self._inboxes[peer] for peer in peers], [self._send_locks[peer] for peer in peers])
+
+    def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
+                 op: ReduceKind, deadline: float) -> tuple[int, int]:
+        """Exchanges in a row, in one native call (kernels.swap_row: each step sends, waits,
         reads and folds, with no Python between), as far as this thread can have the steps'
-        connections at once (_claim): all are claimed first, so no reader thread takes a later
+        connections at once (_claim_row): all are claimed first, so no reader thread takes a later
         step's frame meanwhile. Each wait is a caller's (spin, then up to CALLER_SLEEP_SECONDS
         asleep); a peer's frame that is not there by then, or anything else on the socket first,
         stops the row, and that step's receive is left to recv. The group's health is looked at
@@ -159,64 +182,61 @@ class NetTransport(LinkTransport):
         in the receive of the first step that does not finish."""
         if data.nbytes > SWAP_MAX_BYTES:
             return 0, NOT_STARTED
-        peers, inboxes, lower = self._claim_steps(steps, tag)
-        if not peers:
+        claimed = self._claim_row(row, tag)
+        if not claimed:
             return 0, NOT_STARTED
-        status, swapped, sent, header = kernels.SWAP_SENT, 0, 0, b""
+        peers = row.peers if claimed == len(row.peers) else row.peers[:claimed]
+        status, swapped, sent = kernels.SWAP_SENT, 0, 0
         try:
             if self._mailbox.troubled or time.monotonic() > deadline:  # where a send's checks fail
                 for peer in peers:
                     self._check_can_send(peer, deadline)
-            header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
             fds = []
-            for inbox in inboxes:
+            for inbox in row.inboxes[:claimed]:
                 inbox.quiet_reader()
                 fds.append(inbox.sock.fileno())
             left_s = max(0.0, deadline - time.monotonic())
             status, swapped, sent = kernels.swap_row(
-                fds, peers, lower, header, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8), code, int(op),
-                self._swap_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
+                fds, peers, row.lower, header, tag, seq, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8), code,
+                int(op), self._swap_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
         finally:
-            self._release_steps(peers, inboxes, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
+            self._release_row(row, claimed, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
         for peer in peers[:swapped]:
             self.bytes_to[peer] += data.nbytes
-        if swapped == len(inboxes):
+        if swapped == claimed:
             return swapped, NOT_STARTED
         peer = peers[swapped]
         if status == kernels.SWAP_PARTIAL:  # the reader thread drains the peer's frame meanwhile
             try:
-                self._send_rest(peer, header, data, sent, deadline)
+                self._send_rest(peer, frame.for_call(header, tag, seq), data, sent, deadline)
             finally:
-                self._send_locks[peer].release()
+                row.send_locks[swapped].release()
         elif status < 0:
             raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
         self.bytes_to[peer] += data.nbytes
         return swapped, SENT
 
-    def _claim_steps(self, steps: Sequence[tuple[int, bool]], tag: int) -> tuple[list[int], list[_Inbox], int]:
-        """The peers and inboxes of the first steps whose connections _claim gives, and their
-        kernels.swap_row lower_mask (bit i: step i folds our value first)."""
-        peers: list[int] = []
-        inboxes: list[_Inbox] = []
-        lower = 0
-        for peer, own_first in steps:
-            inbox = self._claim(peer, peer, tag)
-            if inbox is None:
-                break
-            lower |= own_first << len(peers)
-            peers.append(peer)
-            inboxes.append(inbox)
-        return peers, inboxes, lower
+    def _claim_row(self, row: SwapRow, tag: int) -> int:
+        """How many of row's first steps this thread now holds both connections of, as _claim
+        takes them, in order until one it cannot have."""
+        for i, inbox in enumerate(row.inboxes):
+            if not inbox.lock.acquire(blocking=False):
+                return i
+            if self._mailbox.has(row.peers[i], tag) or not row.send_locks[i].acquire(blocking=False):
+                inbox.lock.release()
+                return i
+        return len(row.inboxes)
 
-    def _release_steps(self, peers: list[int], inboxes: list[_Inbox], swapped: int, keep_send_lock: bool) -> None:
-        """Give back what _claim_steps took: the socket stays the caller's for a while (the reader
+    def _release_row(self, row: SwapRow, claimed: int, swapped: int, keep_send_lock: bool) -> None:
+        """Give back what _claim_row took: the socket stays the caller's for a while (the reader
         thread napping) where its peer's frame was found; keep_send_lock: that of the step that
         stopped (`swapped`), whose frame is still to be sent."""
-        for i, inbox in enumerate(inboxes):
+        for i in range(claimed):
+            inbox = row.inboxes[i]
             inbox.lock.release()
             inbox.leave(found=i < swapped)
             if not (keep_send_lock and i == swapped):
-                self._send_locks[peers[i]].release()
+                row.send_locks[i].release()
 
     def _claim(self, to: int, src: int, tag: int) -> _Inbox | None:
         """src's inbox with its lock and the send lock to `to`, both taken, where this thread can
@@ -518,6 +538,16 @@ class NetTransport(LinkTransport):
             sock.close()
         for inbox in self._inboxes.values():
             inbox.close()
+
+
+class SwapRow(NamedTuple):
+    """The connections of a row of exchanges (NetTransport.prepare_row), looked up once for a
+    caller that runs the same steps call after call (lean.py's column across hosts)."""
+
+    peers: list[int]
+    lower: int  # kernels.swap_row's lower_mask: bit i, step i folds our value first
+    inboxes: list[_Inbox]
+    send_locks: list[threading.Lock]
 
 
 class _Inbox:
