@@ -11,9 +11,10 @@ slice comes back to Python for the failure checks.
 
 A group across hosts (LeanAcrossHosts) runs its small all-reduce and barrier the same way as far
 as the host's board goes: what is worked out once is the call's description, its board header, whom
-the rank crosses hosts with and how. An all-reduce's exchanges across hosts then run in a row
-(Transport.exchanges: one native call over TCP) where two hosts' one-shot or recursive doubling is
-all its column does; otherwise the steps across hosts and back are two_level.py's own.
+the rank crosses hosts with and how, and those peers' connections. An all-reduce's exchanges across
+hosts then run in a row (Transport.swap_row: one native call over TCP, sending the board's header
+with the call's tag and sequence number written in) where two hosts' one-shot or recursive doubling
+is all its column does; otherwise the steps across hosts and back are two_level.py's own.
 
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
@@ -24,6 +25,7 @@ path builds the same guard and reports through the same Runner.fail.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -32,14 +34,16 @@ from . import kernels
 from .algorithms import two_level
 from .algorithms.barrier import dissemination_barrier
 from .algorithms.call import Call
+from .algorithms.doubling import partner_steps
 from .algorithms.ring import summed
 from .algorithms.select import Algorithm, Setting, select
 from .errors import InvalidArgument
 from .plans import Where
 from .runner import Runner
-from .transport.base import Transport
+from .transport.base import BoardGuard, Transport
 from .transport.frame import Meta
 from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS, Board, entry_header
+from .transport.tcp import SwapRow
 from .transport.topology import Topology
 from .types import U8, Collective, ReduceKind
 from .validate import reducible_wire
@@ -73,6 +77,7 @@ class LeanPath:
         self._alone = transport.world_size == 1  # nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
+            self._board_rank = board.host_ranks.index(transport.rank)  # this rank's row of _where
         self._barrier = self._prepare_call(Collective.BARRIER, U8.code, _NOTHING, ReduceKind.SUM, 0)
 
     @classmethod
@@ -163,16 +168,23 @@ class LeanPath:
 
     def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
         """The call's exchange (flat summed over the group, in place), failures raised."""
-        status = kernels.board_all_reduce(self._mem, flat, p.header, self._where, self._t.rank, seq, p.code, p.op, 0,
-                                          self._spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+        self._on_board(flat, p, seq, start)
+
+    def _on_board(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+        """The all-reduce among the board's ranks (flat reduced in place), failures raised."""
+        status = kernels.board_all_reduce(self._mem, flat, p.header, self._where, self._board_rank, seq, p.code,
+                                          p.op, 0, self._spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
         if status != kernels.BOARD_DONE:
             self._rest(status, seq, flat, p, start)
 
     def _rest(self, status: int, seq: int, flat: np.ndarray, p: _Prepared, start: float) -> None:
         """A wait outlasted the first slice: go on with the failure checks between slices."""
         meta = p.meta._replace(seq=seq)
-        guard = self._t.board_guard(self._t.tag_of(seq), meta)
+        guard = self._board_guard(self._t.tag_of(seq), meta)
         self._board.all_reduce_rest(status, seq, flat, p.header, p.code, p.op, start + self._t.timeout, guard, meta)
+
+    def _board_guard(self, tag: int, meta: Meta) -> BoardGuard:
+        return self._t.board_guard(tag, meta)
 
 
 class LeanAcrossHosts(LeanPath):
@@ -186,9 +198,25 @@ class LeanAcrossHosts(LeanPath):
         self._column, self._first_handed = two_level.small_crossing(topology, transport.rank)
         self._reduce_across = two_level.column_all_reduce(topology.n_hosts)
         self._steps = two_level.column_steps(self._column, transport.rank) if self._column is not None else None
+        self._rows = self._prepare_rows(transport)
         self._handing = self._first_handed < len(self._host)  # some rank of this host hears from its leader
         self._host_board = two_level.host_board(transport, self._host)
         super().__init__(runner, transport, setting, self._host_board)
+
+    def _prepare_rows(self, transport: Transport) -> dict[int, tuple[Sequence[tuple[int, bool]], SwapRow]]:
+        """Per collective, the column's exchanges across hosts where they run as one native call
+        (Transport.prepare_row), with their steps: the all-reduce's (column_steps) and, among a
+        power of two of hosts, the barrier's (the pairs dissemination_barrier meets in)."""
+        if self._column is None:
+            return {}
+        n = len(self._column)
+        rows: dict[int, tuple[Sequence[tuple[int, bool]], SwapRow]] = {}
+        paired = partner_steps(self._column, self._column.index(transport.rank), n) if n & (n - 1) == 0 else None
+        for coll, steps in ((Collective.ALL_REDUCE, self._steps), (Collective.BARRIER, paired)):
+            row = transport.prepare_row(steps) if steps else None
+            if steps and row is not None:
+                rows[int(coll)] = (steps, row)
+        return rows
 
     def _runs(self, data: np.ndarray) -> bool:
         """The small two-level all-reduce, its host's step on the board (two_level._in_host_step: where
@@ -198,25 +226,43 @@ class LeanAcrossHosts(LeanPath):
                 and (board is None or data.nbytes <= board.capacity))
 
     def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
-        tag, meta, deadline = self._t.tag_of(seq), p.meta._replace(seq=seq), start + self._t.timeout
         if self._host_board is not None:
-            self._host_board.all_reduce(seq, flat, p.header, p.code, p.op, deadline,
-                                        lambda: self._t.host_board_guard(tag, meta), meta)
-        if self._column is not None:
-            self._across(self._column, flat, p, tag, meta, deadline)
+            self._on_board(flat, p, seq, start)
+        tag, deadline = self._t.tag_of(seq), start + self._t.timeout
+        row = self._rows.get(p.meta.coll)
+        if row is not None:
+            self._row_across(*row, flat, p, tag, seq, deadline)
+        elif self._column is not None:
+            self._across(self._column, flat, p, tag, seq, deadline)
         if self._handing:
-            two_level.from_leader(Call(self._t, tag, meta, p.code, deadline), self._host, self._host_board, flat,
-                                  self._first_handed)
+            two_level.from_leader(Call(self._t, tag, p.meta._replace(seq=seq), p.code, deadline), self._host,
+                                  self._host_board, flat, self._first_handed)
 
-    def _across(self, column: tuple[int, ...], flat: np.ndarray, p: _Prepared, tag: int, meta: Meta,
+    def _board_guard(self, tag: int, meta: Meta) -> BoardGuard:
+        return self._t.host_board_guard(tag, meta)
+
+    def _row_across(self, steps: Sequence[tuple[int, bool]], row: SwapRow, flat: np.ndarray, p: _Prepared, tag: int,
+                    seq: int, deadline: float) -> None:
+        """The column's exchanges across hosts in one native call, from the board's header (the
+        call's tag and sequence number written in); where the row stops, exchanges() goes on."""
+        swapped, done = self._t.swap_row(row, p.header, tag, seq, flat, p.code, p.fold, deadline)
+        if swapped == len(steps):
+            return
+        meta = p.meta._replace(seq=seq)
+        steps = self._t.exchanges_after(steps, swapped, done, tag, flat, p.code, meta, deadline, p.fold)
+        self._t.exchanges(steps, tag, flat, p.code, meta, deadline, p.fold)
+
+    def _across(self, column: tuple[int, ...], flat: np.ndarray, p: _Prepared, tag: int, seq: int,
                 deadline: float) -> None:
-        """The column's step across hosts: an all-reduce's exchanges in a row (native calls, over
-        TCP) where they are all its algorithm does, else two_level.py's own."""
+        """The column's step across hosts where no prepared row runs it: an all-reduce's exchanges
+        in a row where they are all its algorithm does (a sub-group's transport runs its own native
+        calls), else a barrier's or two_level.py's own."""
+        meta = p.meta._replace(seq=seq)
         if self._steps is not None and meta.coll == Collective.ALL_REDUCE:
             self._t.exchanges(self._steps, tag, flat, p.code, meta, deadline, p.fold)
             return
         c = Call(self._t, tag, meta, p.code, deadline)
-        if meta.coll == Collective.BARRIER:
+        if p.meta.coll == Collective.BARRIER:
             dissemination_barrier(c, column)
         else:
             self._reduce_across(c, flat, p.fold, column)
