@@ -271,7 +271,7 @@ class NetTransport(LinkTransport):
         header = frame.pack(DATA, self.rank, tag, meta, code, out.shape, out.nbytes)
         progress = np.zeros(5, np.int64)
         try:
-            inbox.mute_reader(True)
+            inbox.quiet_reader()
             try:
                 self._run_duplex(to, src, inbox, header, out, into, code, meta, tag, deadline, op, progress)
             finally:
@@ -289,16 +289,14 @@ class NetTransport(LinkTransport):
                     code: int, meta: Meta, tag: int, deadline: float, op: ReduceKind | None,
                     progress: np.ndarray) -> None:
         """kernels.duplex a slice at a time, until both frames are whole or another frame comes
-        first: the group's health and the deadline are checked between slices, heartbeats it read
-        are noted as the reader thread would."""
+        first: the group's health and the deadline are checked between slices (before the first
+        only where the mailbox shows trouble or the deadline passed, as in swap_row), heartbeats it
+        read are noted as the reader thread would."""
         expect = frame.pack(DATA, src, tag, meta, code, into.shape, into.nbytes)
         scratch = self._thread_scratch() if op is not None else _NO_SCRATCH
+        if self._mailbox.troubled or time.monotonic() > deadline:
+            self._check_between_slices(to, src, len(header) + out.nbytes, progress, deadline)
         while True:
-            if time.monotonic() > deadline:
-                late = (f"rank {to} did not take this rank's data" if progress[_SENT] < len(header) + out.nbytes
-                        else f"rank {src}'s data did not come")
-                raise CollectiveTimeout(f"{late} before the deadline (stopped or overloaded?)")
-            self._check_can_send(to, deadline)
             wait_s = min(DUPLEX_SLICE_SECONDS, max(0.0, deadline - time.monotonic()))
             status = kernels.duplex(self._socks[to].fileno(), header, out, inbox.sock.fileno(), expect,
                                     self._beats[src], into, scratch, code, -1 if op is None else int(op),
@@ -313,6 +311,16 @@ class NetTransport(LinkTransport):
                 raise PeerLost(f"rank {src}'s connection ended (process died?)", src)
             if status < 0:
                 raise PeerLost(f"sending to rank {to} failed: {os.strerror(-status)}", to)
+            self._check_between_slices(to, src, len(header) + out.nbytes, progress, deadline)
+
+    def _check_between_slices(self, to: int, src: int, frame_bytes: int, progress: np.ndarray,
+                              deadline: float) -> None:
+        """What a duplex looks at before it goes on after a slice: the deadline, then the group's health."""
+        if time.monotonic() > deadline:
+            late = (f"rank {to} did not take this rank's data" if progress[_SENT] < frame_bytes
+                    else f"rank {src}'s data did not come")
+            raise CollectiveTimeout(f"{late} before the deadline (stopped or overloaded?)")
+        self._check_can_send(to, deadline)
 
     def _thread_scratch(self) -> np.ndarray:
         scratch = getattr(self._scratch, "buffer", None)
