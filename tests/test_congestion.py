@@ -105,6 +105,20 @@ def test_a_connection_is_prepared_before_it_exists():
                 assert seen == ["reno"] and congestion_of(out) == "reno" == congestion_of(accepted)
 
 
+def test_a_socket_option_the_kernel_refuses_fails_the_connect_at_once():
+    """An OSError from prepare is raised by the first try, not retried until the deadline as a
+    listener that is not up yet would be."""
+    tries = []
+
+    def prepare(sock):
+        tries.append(sock.fileno())
+        raise PermissionError(1, "not allowed to choose this algorithm")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with pytest.raises(PermissionError, match="not allowed"):
+            connect_with_retry(*listener.getsockname(), time.monotonic() + 60, prepare=prepare)
+    assert len(tries) == 1
+
+
 def _connections(pg) -> list[str]:
     return [congestion_of(sock) for sock in pg.transport._socks.values()]
 

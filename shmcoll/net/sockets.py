@@ -51,12 +51,15 @@ def connect_with_retry(addr: str, port: int, deadline: float, check: Callable[[]
                        prepare: Callable[[socket.socket], object] | None = None) -> socket.socket:
     """Connect, retrying with backoff while the listener is not up yet (ranks start in any order);
     check() runs between tries and raises when waiting is pointless (the job already failed);
-    prepare(sock) sets what must be set before the connection exists."""
+    prepare(sock) sets what must be set before the connection exists. An OSError from prepare
+    (an option the kernel refuses) is raised at once: no later try would go otherwise."""
     delay = 0.01
     while True:
         timeout = min(5.0, remaining(deadline))
         try:
             sock = _connect(addr, port, timeout, prepare)
+        except _PrepareFailed as failed:
+            raise failed.error from None
         except OSError:
             if check is not None:
                 check()
@@ -67,6 +70,14 @@ def connect_with_retry(addr: str, port: int, deadline: float, check: Callable[[]
         return sock
 
 
+class _PrepareFailed(Exception):
+    """What _connect raises where prepare(sock) raised `error`: not a connection to try again."""
+
+    def __init__(self, error: OSError):
+        super().__init__(error)
+        self.error = error
+
+
 def _connect(addr: str, port: int, timeout: float, prepare: Callable[[socket.socket], object] | None) -> socket.socket:
     """socket.create_connection, with prepare(sock) before each try to connect."""
     error: OSError = OSError(f"no address for {addr}")
@@ -75,6 +86,10 @@ def _connect(addr: str, port: int, timeout: float, prepare: Callable[[socket.soc
         try:
             if prepare is not None:
                 prepare(sock)
+        except OSError as exc:
+            sock.close()
+            raise _PrepareFailed(exc) from exc
+        try:
             sock.settimeout(timeout)
             sock.connect(where)
             return sock
