@@ -67,11 +67,11 @@ reduce_from_peers = _native.reduce_from_peers
 swap_row = _native.swap_row
 SWAP_DONE, SWAP_SENT, SWAP_PARTIAL = _native.SWAP_DONE, _native.SWAP_SENT, _native.SWAP_PARTIAL
 #: duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns,
-#: progress) -> status: one frame out on socket out_fd (header, then data) while a peer's comes in
-#: on in_fd (native/duplex.h): its header byte for byte `expect`, the heartbeats (`beat`) before
-#: it read and counted, its payload copied into `into` (op < 0) or read through scratch and folded
-#: (into = into op theirs). Until the peer's frame is whole, at most DUPLEX_LEAD_BYTES of payload
-#: go out past what came of it. progress (int64[5]: sent, got, pending, in_state, beats) carries one
+#: progress, lead_bytes) -> status: one frame out on socket out_fd (header, then data) while a
+#: peer's comes in on in_fd (native/duplex.h): its header byte for byte `expect`, the heartbeats
+#: (`beat`) before it read and counted, its payload copied into `into` (op < 0) or read through
+#: scratch and folded (into = into op theirs). Until the peer's frame is whole, at most lead_bytes
+#: (> 0) of payload go out past what came of it. progress (int64[5]: sent, got, pending, in_state, beats) carries one
 #: call over to the next. status: DUPLEX_DONE (both frames whole); DUPLEX_PENDING (wait_ns ran
 #: out first); DUPLEX_ENDED (the incoming connection ended, maybe mid-frame); DUPLEX_ELSEWHERE
 #: (another frame came first and is left in the socket, in_state IN_ELSEWHERE: the caller drains
@@ -79,7 +79,7 @@ SWAP_DONE, SWAP_SENT, SWAP_PARTIAL = _native.SWAP_DONE, _native.SWAP_SENT, _nati
 #: failed send.
 duplex = _native.duplex
 DUPLEX_DONE, DUPLEX_PENDING, DUPLEX_ENDED = _native.DUPLEX_DONE, _native.DUPLEX_PENDING, _native.DUPLEX_ENDED
-DUPLEX_ELSEWHERE, DUPLEX_LEAD_BYTES = _native.DUPLEX_ELSEWHERE, _native.DUPLEX_LEAD_BYTES
+DUPLEX_ELSEWHERE = _native.DUPLEX_ELSEWHERE
 IN_BODY, IN_DONE, IN_ELSEWHERE = _native.IN_BODY, _native.IN_DONE, _native.IN_ELSEWHERE
 #: collapse_to_huge_pages(buffer) -> 0, or the errno: the whole 2 MiB pages inside a buffer
 #: backed by huge pages now (MADV_COLLAPSE, Linux 6.1+), so a peer's read of it pins one

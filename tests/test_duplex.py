@@ -4,7 +4,8 @@ Over real TCP connections on loopback: both ends at once with frames far larger 
 buffers, folded (through a scratch that splits elements between reads) or copied into place;
 heartbeats before the peer's frame are read and counted, anything else is left in the socket; a
 frame that stops half-way is resumed by the next call; a connection that ends and a failed send are
-reported; no end sends more than a lead past what came of its peer's frame, and unequal frames, also
+reported; no end sends more than the lead it is given past what came of its peer's frame (a
+transport gives each connection its own, smaller where BBR paces it), and unequal frames, also
 around a ring, still finish. Then in ranks on simulated hosts: ring and halving-doubling steps across hosts take this
 path, and the results and the bytes each rank sends are those of the general path.
 """
@@ -21,9 +22,10 @@ import pytest
 
 from shmcoll import kernels
 from shmcoll.errors import CollectiveTimeout
+from shmcoll.net.congestion import congestion_of, set_congestion
 from shmcoll.transport import frame
 from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
-from shmcoll.transport.tcp import NetTransport
+from shmcoll.transport.tcp import DUPLEX_LEAD_BYTES, DUPLEX_LEAD_BYTES_PACED, NetTransport
 from shmcoll.types import F16, F32, F64, I64, Collective, ReduceKind
 
 import bounds
@@ -50,13 +52,14 @@ def _beat(src: int) -> bytes:
 
 
 def _duplex(out_sock, in_sock, me: int, peer: int, out: np.ndarray, into: np.ndarray, op: int,
-            progress: np.ndarray, scratch: np.ndarray | None = None, wait_ns: int = WAIT_NS) -> int:
+            progress: np.ndarray, scratch: np.ndarray | None = None, wait_ns: int = WAIT_NS,
+            lead: int = DUPLEX_LEAD_BYTES) -> int:
     """One call; the scratch must be the same from one call of a frame to the next (it holds what
     was read and not folded yet)."""
     if scratch is None:
         scratch = np.empty(256 << 10 if op != COPY else 0, np.uint8)
     return kernels.duplex(out_sock.fileno(), _header(me, out), _storage(out), in_sock.fileno(), _header(peer, into),
-                          _beat(peer), _storage(into), scratch, CODES[into.dtype], op, 0, wait_ns, progress)
+                          _beat(peer), _storage(into), scratch, CODES[into.dtype], op, 0, wait_ns, progress, lead)
 
 
 def _until_done(*args, **kwargs) -> tuple[int, int]:
@@ -118,25 +121,26 @@ def test_a_copy_lands_in_place(pair):
 
 
 def test_a_large_frame_goes_out_no_further_ahead_than_the_lead(pair):
-    """Sockets with room for megabytes, a peer that sends nothing: DUPLEX_LEAD_BYTES of payload go
-    out and no more; as the peer's payload comes, as much more again; once it is whole, the rest."""
+    """Sockets with room for megabytes, a peer that sends nothing: the lead asked for, of payload,
+    goes out and no more; as the peer's payload comes, as much more again; once it is whole, the
+    rest."""
     a, b = pair
     for end in pair:
         end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     mine, theirs = np.ones(2 << 20, np.float32), np.full(1 << 18, 2.0, np.float32)
     into, progress = np.zeros_like(theirs), np.zeros(5, np.int64)
-    lead = kernels.DUPLEX_LEAD_BYTES
-    assert _duplex(a, a, 0, 1, mine, into, COPY, progress, wait_ns=20_000_000) == kernels.DUPLEX_PENDING
+    lead = 96 << 10
+    assert _duplex(a, a, 0, 1, mine, into, COPY, progress, wait_ns=20_000_000, lead=lead) == kernels.DUPLEX_PENDING
     assert progress[SENT] == HEADER_SIZE + lead
     first = 200_000
     b.sendall(_header(1, theirs) + theirs.tobytes()[:first])
-    assert _duplex(a, a, 0, 1, mine, into, COPY, progress, wait_ns=20_000_000) == kernels.DUPLEX_PENDING
+    assert _duplex(a, a, 0, 1, mine, into, COPY, progress, wait_ns=20_000_000, lead=lead) == kernels.DUPLEX_PENDING
     assert progress[GOT] == first and progress[SENT] == HEADER_SIZE + first + lead
     reader = threading.Thread(target=read_exactly, args=(b, HEADER_SIZE + mine.nbytes))
     reader.start()
     b.sendall(theirs.tobytes()[first:])
-    assert _until_done(a, a, 0, 1, mine, into, COPY, progress)[0] == kernels.DUPLEX_DONE
+    assert _until_done(a, a, 0, 1, mine, into, COPY, progress, lead=lead)[0] == kernels.DUPLEX_DONE
     reader.join(timeout=60)
     assert progress[SENT] == HEADER_SIZE + mine.nbytes and np.array_equal(into, theirs)
 
@@ -262,17 +266,18 @@ def test_a_failed_send_is_its_errno(pair):
 
 
 @pytest.mark.parametrize("change", ["progress past the frame", "short progress", "no loop", "tiny scratch",
-                                    "other header length", "negative wait"])
+                                    "other header length", "negative wait", "no lead", "negative lead"])
 def test_arguments_that_do_not_describe_a_duplex_are_refused(pair, change):
     data = np.ones(4, dtype=np.float32)
     progress = np.zeros(5, np.int64)
     args = [pair[0].fileno(), _header(0, data), data, pair[0].fileno(), _header(1, data), _beat(1), data.copy(),
-            np.empty(64, np.uint8), F32.code, int(ReduceKind.SUM), 0, WAIT_NS, progress]
+            np.empty(64, np.uint8), F32.code, int(ReduceKind.SUM), 0, WAIT_NS, progress, DUPLEX_LEAD_BYTES]
     if change == "progress past the frame":
         progress[GOT] = data.nbytes + 1
     index, value = {"short progress": (12, np.zeros(4, np.int64)), "no loop": (8, 99),
                     "tiny scratch": (7, np.empty(2, np.uint8)), "other header length": (4, _header(1, data)[:-1]),
-                    "negative wait": (11, -1)}.get(change, (12, progress))
+                    "negative wait": (11, -1), "no lead": (13, 0),
+                    "negative lead": (13, -1)}.get(change, (12, progress))
     args[index] = value
     with pytest.raises(ValueError, match="do not describe a frame each way"):
         kernels.duplex(*args)
@@ -286,6 +291,46 @@ def transports(pair):
     yield ends
     for t in ends:
         t.close()
+
+
+def _born_under(algorithm: str) -> tuple[socket.socket, socket.socket]:
+    """Two ends of a loopback connection born under `algorithm` (set on the listener and before
+    connecting, as bootstrap sets SHMCOLL_TCP_CONGESTION's choice)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        set_congestion(listener, algorithm)
+        a = socket.socket()
+        set_congestion(a, algorithm)
+        a.connect(listener.getsockname())
+        b, _ = listener.accept()
+    for end in (a, b):
+        end.settimeout(0.25)
+    return a, b
+
+
+@pytest.mark.parametrize("algorithm", ["reno", "system"])
+def test_a_transport_leads_by_how_its_connection_is_paced(algorithm, monkeypatch):
+    """Each duplex of a NetTransport gets its connection's lead: DUPLEX_LEAD_BYTES_PACED where BBR
+    paces it (this kernel's own algorithm may be BBR), else DUPLEX_LEAD_BYTES."""
+    pair = _born_under(algorithm)
+    expected = DUPLEX_LEAD_BYTES_PACED if congestion_of(pair[0]).startswith("bbr") else DUPLEX_LEAD_BYTES
+    ends = [NetTransport(i, 2, {1 - i: pair[i]}, timeout=bounds.WAIT_HANG_S) for i in (0, 1)]
+    leads: list[int] = []
+    duplex = kernels.duplex
+    monkeypatch.setattr(kernels, "duplex", lambda *args: (leads.append(args[13]), duplex(*args))[1])
+    outs = [np.full(1 << 16, i + 1.0, np.float32) for i in (0, 1)]
+    intos = [np.zeros(1 << 16, np.float32) for _ in (0, 1)]
+    try:
+        other = threading.Thread(target=_send_recv, args=(ends[1], outs[1], intos[1]))
+        other.start()
+        _send_recv(ends[0], outs[0], intos[0])
+        other.join(timeout=bounds.WAIT_HANG_S)
+    finally:
+        for t in ends:
+            t.close()
+        for end in pair:
+            end.close()
+    assert leads and set(leads) == {expected} and DUPLEX_LEAD_BYTES_PACED < DUPLEX_LEAD_BYTES
+    assert intos[0].tolist() == outs[1].tolist() and intos[1].tolist() == outs[0].tolist()
 
 
 def _counting(statuses: list[int]):

@@ -131,13 +131,13 @@ static void wait_either(const struct duplex_out *out, int sending, const struct 
     ppoll(fds, count, &t, NULL);
 }
 
-/* Bytes of our frame (header and payload) that may be out by now: DUPLEX_LEAD_BYTES of payload
+/* Bytes of our frame (header and payload) that may be out by now: out->lead_bytes of payload
    past what came of the peer's, all of it once the peer's frame is whole. */
 static size_t may_send(const struct duplex_out *out, const struct duplex_in *in, const struct duplex_progress *p) {
     size_t total = out->header_bytes + out->nbytes;
     if (p->in_state >= IN_DONE)
         return total;
-    return at_most(total, out->header_bytes + (size_t)p->got + DUPLEX_LEAD_BYTES);
+    return at_most(total, out->header_bytes + (size_t)p->got + out->lead_bytes);
 }
 
 int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *p, int64_t spin_ns,

@@ -19,26 +19,27 @@ enum {
    TCP peers (sc_duplex, and sc_swap_row in swap.c) refuse longer ones. */
 enum { MAX_HEADER_BYTES = 256 };
 
-/* Payload bytes a duplex sends ahead of what it has read of the peer's frame, until that frame is
-   whole. Two ends that each pour a whole frame into the connection fill both sockets' queues and
-   then move at about half the speed. Between network namespaces, under BBR a 1 MiB exchange took
-   610 us, with this lead 290 us (4 MiB: 2.2 ms, then 1.15 ms); under reno 16 MiB took 4.8 to
-   13.4 ms from one connection to the next, with the lead 4.3 to 4.4 ms (bench/link_exchange.py).
-   Each end keeps sending while it reads, so the lead only paces two busy ends; it caps one
-   connection at about 2 * lead per round trip (1 GB/s on a 250 us round trip). No exchange waits
-   on itself: in a ring, the end whose left peer's frame is whole sends the rest. */
-enum { DUPLEX_LEAD_BYTES = 128 * 1024 };
+/* A duplex sends at most out->lead_bytes of payload ahead of what it has read of the peer's
+   frame, until that frame is whole. Two ends that each pour a whole frame into the connection fill
+   both sockets' queues and then move at about half the speed (between network namespaces under
+   reno, 16 MiB took 4.8 to 13.4 ms from one connection to the next, with a 128 KiB lead 4.3 to
+   4.4 ms: bench/link_exchange.py). Each end keeps sending while it reads, so the lead only paces
+   two busy ends; it caps one connection at about 2 * lead per round trip. No exchange waits on
+   itself: in a ring, the end whose left peer's frame is whole sends the rest. The caller chooses
+   the lead per connection (transport/tcp.py: larger where no timer paces the connection). */
 
 /* Where the incoming frame stands (progress->in_state). */
 enum { IN_WAITING = 0, IN_BODY = 1, IN_DONE = 2, IN_ELSEWHERE = 3 };
 
-/* The frame going out: header, then data, on connected socket fd. */
+/* The frame going out: header, then data, on connected socket fd, at most lead_bytes (> 0) of
+   payload ahead of the peer's frame (above). */
 struct duplex_out {
     int fd;
     const uint8_t *header;
     size_t header_bytes;
     const uint8_t *data;
     size_t nbytes;
+    size_t lead_bytes;
 };
 
 /* The frame coming in on fd: its header must equal `expect` byte for byte (the same call, from the
@@ -66,7 +67,7 @@ struct duplex_progress {
 };
 
 /* Move both frames as far as they go within wait_ns: sending whatever the socket takes (up to
-   DUPLEX_LEAD_BYTES past what came of the peer's payload), reading whatever has come; while
+   out->lead_bytes past what came of the peer's payload), reading whatever has come; while
    neither can move it polls, yielding the core between looks, until spin_ns have passed since
    anything moved, then sleeps in ppoll. Anything but a heartbeat or the expected header first on
    the incoming socket is left there, and the call returns at once (DUPLEX_ELSEWHERE): the

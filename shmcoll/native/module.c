@@ -374,7 +374,7 @@ static int duplex_is_valid(const struct duplex_out *out, const struct duplex_in 
                            int64_t spin_ns, int64_t wait_ns) {
     size_t size = sc_element_size(in->code);
     int folds = in->op >= 0;
-    if (out->fd < 0 || in->fd < 0 || out->header_bytes == 0 || in->header_bytes == 0 ||
+    if (out->fd < 0 || in->fd < 0 || out->header_bytes == 0 || in->header_bytes == 0 || out->lead_bytes == 0 ||
         in->header_bytes > MAX_HEADER_BYTES || spin_ns < 0 || wait_ns < 0)
         return 0;
     if (folds && (!sc_has_loop(in->code, in->op) || in->nbytes % size || in->scratch_bytes < size))
@@ -387,17 +387,18 @@ static int duplex_is_valid(const struct duplex_out *out, const struct duplex_in 
 
 static PyObject *duplex(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     held_buffer header = {0}, data = {0}, expect = {0}, beat = {0}, into = {0}, scratch = {0}, progress = {0};
-    int64_t out_fd, in_fd, code, op, spin_ns, wait_ns;
+    int64_t out_fd, in_fd, code, op, spin_ns, wait_ns, lead_bytes;
     PyObject *result = NULL;
-    if (check_count(nargs, 13, "duplex") || as_i64(args[0], &out_fd) || as_i64(args[3], &in_fd) ||
+    if (check_count(nargs, 14, "duplex") || as_i64(args[0], &out_fd) || as_i64(args[3], &in_fd) ||
         as_i64(args[8], &code) || as_i64(args[9], &op) || as_i64(args[10], &spin_ns) || as_i64(args[11], &wait_ns) ||
+        as_i64(args[13], &lead_bytes) ||
         hold(args[1], &header, 0, "duplex header") || hold(args[2], &data, 0, "duplex data") ||
         hold(args[4], &expect, 0, "duplex expect") || hold(args[5], &beat, 0, "duplex beat") ||
         hold(args[6], &into, 1, "duplex into") || hold(args[7], &scratch, 1, "duplex scratch") ||
         hold(args[12], &progress, 1, "duplex progress"))
         goto done;
     struct duplex_out out = {(int)out_fd, header.view.buf, (size_t)header.view.len, data.view.buf,
-                             (size_t)data.view.len};
+                             (size_t)data.view.len, lead_bytes > 0 ? (size_t)lead_bytes : 0};
     struct duplex_in in = {(int)in_fd, expect.view.buf, beat.view.buf, (size_t)expect.view.len, into.view.buf,
                            (size_t)into.view.len, scratch.view.buf, (size_t)scratch.view.len, (int)code,
                            op < 0 ? -1 : (int)op};
@@ -465,9 +466,9 @@ static PyMethodDef methods[] = {
      "swap_row(fds, srcs, lower_mask, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns, left_ns) -> "
      "(status, done, sent): pairwise exchanges with TCP peers in a row (native/swap.h)"},
     {"duplex", (PyCFunction)(void (*)(void))duplex, METH_FASTCALL,
-     "duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns, progress) -> "
-     "status: one frame out while one comes in (native/duplex.h); op < 0 copies; progress: int64[5], kept "
-     "between calls"},
+     "duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns, progress, "
+     "lead_bytes) -> status: one frame out while one comes in (native/duplex.h); op < 0 copies; progress: "
+     "int64[5], kept between calls"},
     {"collapse_to_huge_pages", collapse_to_huge_pages, METH_O,
      "collapse_to_huge_pages(buffer) -> 0, or the errno: back the whole huge pages inside the buffer with huge "
      "pages now (MADV_COLLAPSE)"},
@@ -492,7 +493,6 @@ PyMODINIT_FUNC PyInit__native(void) {
               PyModule_AddIntConstant(m, "DUPLEX_PENDING", DUPLEX_PENDING) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_ENDED", DUPLEX_ENDED) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_ELSEWHERE", DUPLEX_ELSEWHERE) < 0 ||
-              PyModule_AddIntConstant(m, "DUPLEX_LEAD_BYTES", DUPLEX_LEAD_BYTES) < 0 ||
               PyModule_AddIntConstant(m, "IN_BODY", IN_BODY) < 0 ||
               PyModule_AddIntConstant(m, "IN_DONE", IN_DONE) < 0 ||
               PyModule_AddIntConstant(m, "IN_ELSEWHERE", IN_ELSEWHERE) < 0)) {

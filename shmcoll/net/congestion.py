@@ -61,3 +61,11 @@ def set_congestion(sock: socket.socket, choice: str) -> str:
 
 def congestion_of(sock: socket.socket) -> str:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, _NAME_BYTES).split(b"\0")[0].decode()
+
+
+def paced(sock: socket.socket) -> bool:
+    """Whether a TCP connection runs under an algorithm that paces it with timers (BBR)."""
+    try:
+        return congestion_of(sock).startswith(_PACED_PREFIX)
+    except OSError:
+        return False  # not TCP
