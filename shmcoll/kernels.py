@@ -57,9 +57,9 @@ reduce_from_peers = _native.reduce_from_peers
 #: swap_row(fds, srcs, lower_mask, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns,
 #: left_ns) -> (status, done, sent): pairwise exchanges with TCP peers in a row (native/swap.h).
 #: Step i sends header, with the call's tag and sequence number written in (frame.for_call), and
-#: data on socket fds[i], then, once that peer's frame (its header ours with srcs[i] as
-#: the source, its payload data's length) waits whole in the socket, reads it into inbound and
-#: folds it into data (data op theirs where bit i of lower_mask is set, else theirs op data). Each
+#: data on socket fds[i], then, once that peer's frame (its header ours with srcs[i] as the
+#: source, its payload data's length) waits whole in the socket, reads it into inbound and folds
+#: it into data (data op theirs where bit i of lower_mask is set, else theirs op data). Each
 #: wait lasts at most wait_ns, the row at most left_ns. done: the steps finished; status, of the
 #: step that stopped the row: SWAP_SENT (its frame went out, the peer's is not there in time or
 #: another frame comes first: nothing was read); SWAP_PARTIAL (only `sent` bytes went out); below
@@ -71,12 +71,12 @@ SWAP_DONE, SWAP_SENT, SWAP_PARTIAL = _native.SWAP_DONE, _native.SWAP_SENT, _nati
 #: peer's comes in on in_fd (native/duplex.h): its header byte for byte `expect`, the heartbeats
 #: (`beat`) before it read and counted, its payload copied into `into` (op < 0) or read through
 #: scratch and folded (into = into op theirs). Until the peer's frame is whole, at most lead_bytes
-#: (> 0) of payload go out past what came of it. progress (int64[5]: sent, got, pending, in_state, beats) carries one
-#: call over to the next. status: DUPLEX_DONE (both frames whole); DUPLEX_PENDING (wait_ns ran
-#: out first); DUPLEX_ENDED (the incoming connection ended, maybe mid-frame); DUPLEX_ELSEWHERE
-#: (another frame came first and is left in the socket, in_state IN_ELSEWHERE: the caller drains
-#: that socket while it sends the rest, progress[0] bytes having gone out); below 0, -errno of a
-#: failed send.
+#: (> 0) of payload go out past what came of it. progress (int64[5]: sent, got, pending, in_state,
+#: beats) carries one call over to the next. status: DUPLEX_DONE (both frames whole);
+#: DUPLEX_PENDING (wait_ns ran out first); DUPLEX_ENDED (the incoming connection ended, maybe
+#: mid-frame); DUPLEX_ELSEWHERE (another frame came first and is left in the socket, in_state
+#: IN_ELSEWHERE: the caller drains that socket while it sends the rest, progress[0] bytes having
+#: gone out); below 0, -errno of a failed send.
 duplex = _native.duplex
 DUPLEX_DONE, DUPLEX_PENDING, DUPLEX_ENDED = _native.DUPLEX_DONE, _native.DUPLEX_PENDING, _native.DUPLEX_ENDED
 DUPLEX_ELSEWHERE = _native.DUPLEX_ELSEWHERE

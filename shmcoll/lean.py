@@ -262,7 +262,7 @@ class LeanAcrossHosts(LeanPath):
             self._t.exchanges(self._steps, tag, flat, p.code, meta, deadline, p.fold)
             return
         c = Call(self._t, tag, meta, p.code, deadline)
-        if p.meta.coll == Collective.BARRIER:
+        if meta.coll == Collective.BARRIER:
             dissemination_barrier(c, column)
         else:
             self._reduce_across(c, flat, p.fold, column)

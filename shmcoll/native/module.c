@@ -327,7 +327,8 @@ static int int_row(PyObject *seq, int64_t *out, Py_ssize_t *n, const char *what)
 
 static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     held_buffer header = {0}, data = {0}, inbound = {0};
-    int64_t fd_list[SWAP_MAX_STEPS], src_list[SWAP_MAX_STEPS], tag, seq, code, op, lower_mask, spin_ns, wait_ns, left_ns;
+    int64_t fd_list[SWAP_MAX_STEPS], src_list[SWAP_MAX_STEPS];
+    int64_t tag, seq, code, op, lower_mask, spin_ns, wait_ns, left_ns;
     Py_ssize_t steps = 0, srcs = 0;
     PyObject *result = NULL;
     if (check_count(nargs, 13, "swap_row") || int_row(args[0], fd_list, &steps, "swap_row fds") ||

@@ -77,8 +77,9 @@ DUPLEX_SLICE_SECONDS = CALLER_SLEEP_SECONDS
 #: all-reduce of 2 hosts x 1 took 267-280 us instead of 299-301, 16 MiB 3.96-3.98 ms instead of
 #: 4.49-4.54, 64 MiB on 2 x 2 48.9-49.4 ms instead of 51.4-54.6; 4 x 1 at 16 MiB alike.
 DUPLEX_LEAD_BYTES = 512 << 10
-#: ... and on one BBR paces (SHMCOLL_TCP_CONGESTION=system on such a kernel), where a larger lead
-#: holds more connections in its slow mode: 1 MiB on 2 x 1 took 452-545 us against 308-744.
+#: ... and on one BBR paces (SHMCOLL_TCP_CONGESTION=system on such a kernel), where the larger lead
+#: held every connection in BBR's slow mode: 1 MiB on 2 x 1 took 452-545 us in 3 runs of 3 with
+#: it, 308-312 in 2 of 3 with this one (744 in the third).
 DUPLEX_LEAD_BYTES_PACED = 128 << 10
 #: Bytes of the scratch (one per thread) through which a folding duplex reads the peer's payload.
 DUPLEX_SCRATCH_BYTES = 256 << 10
