@@ -64,6 +64,7 @@ REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
 DEFAULT_SIZES = "8,1K,64K,1M,16M,64M"
 HIER, TCP = "hier", "tcp"
 COLUMNS = {HIER: "shmcoll two-level", TCP: "shmcoll flat TCP", OPENMPI: "OpenMPI", GLOO: "gloo"}
+SKIPPED = "skipped"  # a column's status where --columns leaves it out
 LINK_PORT = 45123  # free in any fresh namespace
 SETUP_S = 60.0     # netns.sh up/down, ip netns pids
 AGENT = """#!/bin/sh
@@ -105,7 +106,7 @@ class Column:
     """One column of one layout over every round: its best time per size, or why it has none."""
 
     name: str
-    status: str = "ok"  # ok, n/a (not installed here), failed (in some round)
+    status: str = "ok"  # ok, n/a (not installed here), skipped (--columns), failed (in some round)
     reason: str = ""
     library: str = ""
     transport: str = ""
@@ -239,7 +240,8 @@ def run_job(col: Column, layout: Layout, hosts: Hosts, tmp: Path, args: argparse
 
 
 def run_layouts(hosts: Hosts, tmp: Path, args: argparse.Namespace) -> dict[str, dict[str, Column]]:
-    """Every column of every layout, round after round; a column that is n/a is never started."""
+    """Every column of every layout, round after round; a column that is n/a, or that --columns
+    leaves out, is never started."""
     (tmp / "agent.sh").write_text(AGENT)
     (tmp / "agent.sh").chmod(0o755)
     cols = {lay.name: {c: Column(c) for c in COLUMNS} for lay in args.layouts}
@@ -248,7 +250,9 @@ def run_layouts(hosts: Hosts, tmp: Path, args: argparse.Namespace) -> dict[str, 
         for lay in args.layouts:
             for col in cols[lay.name].values():
                 why = unavailable(col.name, args.mpirun)
-                if why:
+                if col.name not in args.columns:
+                    col.status, col.reason = SKIPPED, "left out by --columns"
+                elif why:
                     col.status, col.reason = "n/a", why
                 else:
                     run_job(col, lay, hosts, tmp, args)
@@ -356,6 +360,15 @@ def layouts_arg(text: str) -> list[Layout]:
     return out
 
 
+def columns_arg(text: str) -> list[str]:
+    """'hier,openmpi' -> the columns to run, in the table's order."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in COLUMNS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"columns are some of {','.join(COLUMNS)}, got {text!r}")
+    return [c for c in COLUMNS if c in names]
+
+
 def sizes_arg(text: str) -> list[int]:
     """'8,1K,64K' -> [8, 1024, 65536]: float32 buffers, so whole multiples of 4 bytes."""
     try:
@@ -377,6 +390,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--collective", choices=TIMED, default="all_reduce",
                    help="what to time (default all_reduce; sizes as shmcoll-bench's: an all_gather's is every "
                         "rank's output; a barrier has one row, of size 0)")
+    p.add_argument("--columns", type=columns_arg, default=list(COLUMNS), metavar="LIST",
+                   help=f"what to run, comma-separated, of {','.join(COLUMNS)} (default all; the others' "
+                        f"cells say {SKIPPED})")
     p.add_argument("--rounds", type=int, default=1, help="run every column R times, alternating; best time (default 1)")
     p.add_argument("--iters", type=int, default=1000, help="timed calls per size at most (default 1000)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls per size first, fewer from 4 MiB (default 20)")

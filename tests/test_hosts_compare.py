@@ -96,6 +96,18 @@ def test_the_link_is_measured_and_the_hosts_are_gone(run):
     assert one.group(2) == prefix + "2" and leftovers(prefix) == []
 
 
+def test_columns_left_out_are_never_started(tmp_path_factory):
+    """--columns hier,openmpi: the other two cells say skipped (no time, no job run for them), and
+    the JSON says why; shmcoll's two-level still has its times."""
+    out, doc = _run(tmp_path_factory, [*ARGS, "--columns", "hier,openmpi"])
+    columns = doc["layouts"]["2x1"]["columns"]
+    assert [columns[c]["status"] for c in ("tcp", GLOO)] == ["skipped", "skipped"], columns
+    assert columns["tcp"]["commands"] == columns[GLOO]["commands"] == []
+    assert all(r["hier"] > 0 and r["tcp"] is None and r[GLOO] is None for r in doc["layouts"]["2x1"]["rows"])
+    rows = [line for line in out.splitlines() if line.startswith("| 8 B") or line.startswith("| 64 KiB")]
+    assert len(rows) == 2 and all(line.split(" | ")[2] == "skipped" == line.split(" | ")[4] for line in rows), out
+
+
 @pytest.mark.parametrize("collective, sizes, timed", [("broadcast", "64K", 65536), ("barrier", "8,64K", 0)])
 def test_another_collective_is_timed_under_its_own_name(collective, sizes, timed, tmp_path_factory):
     """--collective broadcast or barrier: the ranks time that call (the table and the JSON say so),
