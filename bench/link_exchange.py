@@ -33,7 +33,7 @@ from shmcoll.types import F32, ReduceKind
 
 PORT = 45124
 CONNECT_S = 10.0
-SPIN_NS = 200_000  # as the transport's native exchanges (config.swap_spin_seconds)
+SPIN_NS = 200_000  # as the transport's native exchanges (config.native_spin_seconds)
 WAIT_NS = 10**9
 BYTES_PER_SIZE = 1 << 30  # timed exchanges at each size: this many bytes each way (a quarter more to warm up)
 

@@ -21,7 +21,7 @@ import time
 import weakref
 from functools import partial
 
-from .config import Config, load_config, spin_seconds, swap_spin_seconds, tcp_spin_seconds
+from .config import Config, load_config, native_spin_seconds, spin_seconds, tcp_spin_seconds
 from .errors import (
     CollectiveError,
     CollectiveMismatch,
@@ -278,7 +278,7 @@ def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spa
                          check=lambda: _raise_if_aborted(client, deadline), prepare=congestion)
     return NetTransport(cfg.rank, cfg.world_size, socks, timeout=cfg.timeout, mailbox=mailbox, local=local,
                         spin_s=tcp_spin_seconds(cfg.tuning, sharing),
-                        swap_spin_s=swap_spin_seconds(cfg.tuning))
+                        native_spin_s=native_spin_seconds(cfg.tuning))
 
 
 def _reachable(published: list, client: RendezvousStore) -> tuple[str, int]:

@@ -215,7 +215,7 @@ def tcp_spin_seconds(tuning: Tuning, sharing: int) -> float:
 #: against 44.5, 64 KiB 85-90 against 90-94, 1 MiB 1334-1355 against 1374-1403). Python's waits
 #: do not spin there: they would hold the GIL against the reader thread (1 MiB across hosts took
 #: 10% longer).
-def swap_spin_seconds(tuning: Tuning) -> float:
+def native_spin_seconds(tuning: Tuning) -> float:
     """How long this rank's native exchanges with TCP peers poll first: SHMCOLL_SPIN_US if set."""
     return TCP_SPIN_US_OWN_CORE * 1e-6 if tuning.spin_us is None else tuning.spin_us * 1e-6
 

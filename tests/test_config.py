@@ -607,9 +607,9 @@ def test_native_exchanges_spin_unless_told_otherwise():
     """The native exchange with TCP peers polls first, however many ranks share the cores, where
     the rank's other TCP waits sleep at once; SHMCOLL_SPIN_US decides alone."""
     unset = cfg.load_tuning({})
-    assert cfg.swap_spin_seconds(unset) == cfg.TCP_SPIN_US_OWN_CORE * 1e-6 > 0
+    assert cfg.native_spin_seconds(unset) == cfg.TCP_SPIN_US_OWN_CORE * 1e-6 > 0
     assert cfg.tcp_spin_seconds(unset, len(os.sched_getaffinity(0)) + 1) == 0.0
-    assert cfg.swap_spin_seconds(cfg.load_tuning({"SHMCOLL_SPIN_US": "30"})) == pytest.approx(30e-6)
+    assert cfg.native_spin_seconds(cfg.load_tuning({"SHMCOLL_SPIN_US": "30"})) == pytest.approx(30e-6)
 
 
 def test_the_tcp_congestion_control_is_a_choice_or_a_name():

@@ -94,15 +94,16 @@ class NetTransport(LinkTransport):
 
     def __init__(self, rank: int, world_size: int, socks: dict[int, socket.socket], *,
                  timeout: float = 300.0, max_payload: int = frame.MAX_PAYLOAD, mailbox: Mailbox | None = None,
-                 local: Transport | None = None, spin_s: float = 0.0, swap_spin_s: float | None = None):
+                 local: Transport | None = None, spin_s: float = 0.0, native_spin_s: float | None = None):
         """socks: one connected socket per peer this transport reaches (every other rank, or only
         the remote ones under a HierarchicalTransport, which passes the mailbox it shares and this
         host's shared-memory transport as `local`: its abort flag ends a blocked send here too).
         spin_s: how long a caller's wait polls its socket first (config.tcp_spin_seconds);
-        swap_spin_s: the same for the native exchange (config.swap_spin_seconds; default spin_s)."""
+        native_spin_s: the same for the native exchanges, swap_row's and duplex's
+        (config.native_spin_seconds; default spin_s)."""
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self._max_payload, self._spin_s = max_payload, spin_s
-        self._swap_spin_ns = int((spin_s if swap_spin_s is None else swap_spin_s) * 1e9)
+        self._native_spin_ns = int((spin_s if native_spin_s is None else native_spin_s) * 1e9)
         self._mailbox = mailbox or Mailbox(rank, world_size)
         self._local = local
         self.bytes_to = [0] * world_size  # payload bytes sent to each rank (what the hierarchy moves where)
@@ -210,7 +211,7 @@ class NetTransport(LinkTransport):
             left_s = max(0.0, deadline - time.monotonic())
             status, swapped, sent = kernels.swap_row(
                 fds, peers, row.lower, header, tag, seq, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8), code,
-                int(op), self._swap_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
+                int(op), self._native_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
         finally:
             self._release_row(row, claimed, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
         for peer in peers[:swapped]:
@@ -312,7 +313,7 @@ class NetTransport(LinkTransport):
             wait_s = min(DUPLEX_SLICE_SECONDS, max(0.0, deadline - time.monotonic()))
             status = kernels.duplex(self._socks[to].fileno(), header, out, inbox.sock.fileno(), expect,
                                     self._beats[src], into, scratch, code, -1 if op is None else int(op),
-                                    self._swap_spin_ns, int(wait_s * 1e9), progress, self._leads[to])
+                                    self._native_spin_ns, int(wait_s * 1e9), progress, self._leads[to])
             if progress[_BEATS]:
                 self._mailbox.touch(src)
                 progress[_BEATS] = 0
