@@ -24,11 +24,11 @@ from hosts_compare import namespaces, reap, run_together
 
 from shmcoll import kernels
 from shmcoll.bench.inputs import parse_float32_sizes
-from shmcoll.net.congestion import check_congestion, paced, set_congestion
+from shmcoll.net.congestion import check_congestion, set_congestion
 from shmcoll.net.sockets import connect_with_retry
 from shmcoll.transport import frame
 from shmcoll.transport.frame import DATA, HEARTBEAT, Meta
-from shmcoll.transport.tcp import DUPLEX_LEAD_BYTES, DUPLEX_LEAD_BYTES_PACED
+from shmcoll.transport.tcp import duplex_lead
 from shmcoll.types import F32, ReduceKind
 
 PORT = 45124
@@ -63,7 +63,7 @@ def exchange_us(sock: socket.socket, me: int, size: int) -> float:
     expect = frame.pack(DATA, 1 - me, 1, Meta(), F32.code, mine.shape, mine.nbytes)
     beat = frame.pack(HEARTBEAT, 1 - me, 0, Meta(), 0, (), 0)
     scratch = np.empty(256 << 10, np.uint8)
-    lead = DUPLEX_LEAD_BYTES_PACED if paced(sock) else DUPLEX_LEAD_BYTES  # as NetTransport chooses
+    lead = duplex_lead(sock)  # as NetTransport chooses
 
     def once() -> None:
         progress = np.zeros(5, np.int64)

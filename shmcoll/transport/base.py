@@ -119,10 +119,15 @@ class Transport(ABC):
 
     def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
                deadline: float, op: ReduceKind) -> tuple[int, int]:
-        """The first steps of exchanges() where this transport can run them at once: how many it
-        ran whole, and what it did of the next one: SENT (data went out, the peer's array is still
-        to be received) or NOT_STARTED (nothing: the default, for every step)."""
-        return 0, NOT_STARTED
+        """The first steps of exchanges() where this transport can run them at once (a row,
+        prepare_row and swap_row, with the call's frame header): how many it ran whole, and what
+        it did of the next one: SENT (data went out, the peer's array is still to be received) or
+        NOT_STARTED (nothing: where the transport runs no rows, for every step)."""
+        row = self.prepare_row(steps)
+        if row is None:
+            return 0, NOT_STARTED
+        header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
+        return self.swap_row(row, header, tag, meta.seq, data, code, op, deadline)
 
     def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
         """The first steps of exchanges() that swap_row can run in one native call, worked out once

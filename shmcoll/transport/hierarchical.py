@@ -58,15 +58,9 @@ class HierarchicalTransport(Transport):
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
         self._route(to).send(to, tag, buf, code, meta, deadline)
 
-    def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
-               deadline: float, op: ReduceKind) -> tuple[int, int]:
-        """The TCP side's exchanges in a row, as far as the peers are remote; the rest of exchanges()
-        runs here (its receives in slices that look at this host's shared memory)."""
-        remote = self._remote_steps(steps)
-        return self.net._swaps(steps[:remote], tag, data, code, meta, deadline, op) if remote else (0, NOT_STARTED)
-
     def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
-        """The TCP side's row, as far as the peers are remote (as _swaps)."""
+        """The TCP side's row, as far as the peers are remote; the rest of exchanges() runs here (its
+        receives in slices that look at this host's shared memory)."""
         remote = self._remote_steps(steps)
         return self.net.prepare_row(steps[:remote]) if remote else None
 

@@ -66,7 +66,7 @@ QUIET_SECONDS = CALLER_SLEEP_SECONDS
 _GOODBYE_SECONDS = 2.0
 #: Bytes a caller peeks at to find a whole frame: a small frame's header and payload in one look.
 PEEK_BYTES = 4096
-#: Largest array a pairwise exchange sends and receives in one native call (NetTransport._swaps):
+#: Largest array a pairwise exchange sends and receives in one native call (NetTransport.swap_row):
 #: the small all-reduce's, whose time is mostly the calls around the kernel's.
 SWAP_MAX_BYTES = 256 << 10
 #: Seconds one native duplex call (NetTransport._duplex) runs before it returns for a look at the
@@ -87,6 +87,12 @@ _SENT, _IN_STATE, _BEATS = 0, 3, 4  # kernels.duplex's progress words this side 
 #: Seconds between heartbeats to each peer. A rank silent for several of them is reported as such
 #: by a timeout (a SIGSTOPped or hung process), unlike a live rank that is itself waiting.
 HEARTBEAT_SECONDS = 0.5
+
+
+def duplex_lead(sock: socket.socket) -> int:
+    """The lead a duplex on this connection sends with: DUPLEX_LEAD_BYTES, or
+    DUPLEX_LEAD_BYTES_PACED where BBR paces it."""
+    return DUPLEX_LEAD_BYTES_PACED if paced(sock) else DUPLEX_LEAD_BYTES
 
 
 class NetTransport(LinkTransport):
@@ -114,8 +120,7 @@ class NetTransport(LinkTransport):
         self._close_lock = threading.Lock()
         self._readers = []
         self._inboxes = {peer: _Inbox(sock) for peer, sock in socks.items()}
-        self._leads = {peer: DUPLEX_LEAD_BYTES_PACED if paced(sock) else DUPLEX_LEAD_BYTES  # per connection
-                       for peer, sock in socks.items()}
+        self._leads = {peer: duplex_lead(sock) for peer, sock in socks.items()}
         self._beats = {peer: frame.pack(HEARTBEAT, peer, 0, Meta(), 0, (), 0) for peer in socks}  # as they come
         self._scratch = threading.local()  # each thread's DUPLEX_SCRATCH_BYTES
         for peer, sock in socks.items():
@@ -161,15 +166,6 @@ class NetTransport(LinkTransport):
             raise CollectiveTimeout(f"rank {to} did not accept data before the deadline (stopped or overloaded?)")
 
     # ---- both ways at once ----
-    def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
-               deadline: float, op: ReduceKind) -> tuple[int, int]:
-        """exchanges() in a row: swap_row with the call's frame header."""
-        row = self.prepare_row(steps)
-        if row is None or data.nbytes > SWAP_MAX_BYTES:
-            return 0, NOT_STARTED
-        header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
-        return self.swap_row(row, header, tag, meta.seq, data, code, op, deadline)
-
     def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
         """The first steps whose peers this transport reaches, with their connections looked up."""
         reached: list[tuple[int, bool]] = []
