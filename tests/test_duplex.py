@@ -23,6 +23,7 @@ import pytest
 from shmcoll import kernels
 from shmcoll.errors import CollectiveTimeout
 from shmcoll.net.congestion import congestion_of, set_congestion
+from shmcoll.net.sockets import connect_with_retry
 from shmcoll.transport import frame
 from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
 from shmcoll.transport.tcp import DUPLEX_LEAD_BYTES, DUPLEX_LEAD_BYTES_PACED, NetTransport
@@ -298,9 +299,8 @@ def _born_under(algorithm: str) -> tuple[socket.socket, socket.socket]:
     connecting, as bootstrap sets SHMCOLL_TCP_CONGESTION's choice)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         set_congestion(listener, algorithm)
-        a = socket.socket()
-        set_congestion(a, algorithm)
-        a.connect(listener.getsockname())
+        a = connect_with_retry(*listener.getsockname(), time.monotonic() + bounds.WAIT_HANG_S,
+                               prepare=lambda s: set_congestion(s, algorithm))
         b, _ = listener.accept()
     for end in (a, b):
         end.settimeout(0.25)
