@@ -1,4 +1,4 @@
-"""A frame out while a frame comes in, in native calls (kernels.duplex, NetTransport._duplex).
+"""A frame out while a frame comes in, in native calls (kernels.duplex, NetTransport._duplexes).
 
 Over real TCP connections on loopback: both ends at once with frames far larger than the sockets'
 buffers, folded (through a scratch that splits elements between reads) or copied into place;
@@ -6,7 +6,8 @@ heartbeats before the peer's frame are read and counted, anything else is left i
 frame that stops half-way is resumed by the next call; a connection that ends and a failed send are
 reported; no end sends more than the lead it is given past what came of its peer's frame (a
 transport gives each connection its own, smaller where BBR paces it), and unequal frames, also
-around a ring, still finish. Then in ranks on simulated hosts: ring and halving-doubling steps across hosts take this
+around a ring, still finish; a row of steps (send_recv_row) takes its connections once, and meets
+a peer on the general path or another frame between its steps. Then in ranks on simulated hosts: ring and halving-doubling steps across hosts take this
 path, and the results and the bytes each rank sends are those of the general path.
 """
 
@@ -424,6 +425,91 @@ def test_a_peer_whose_data_does_not_come_times_out(transports):
     with pytest.raises(CollectiveTimeout, match="rank 1's data did not come"):
         _send_recv(transports[0], np.ones(1000, np.float32), np.ones(1000, np.float32), deadline_s=0.1)
     assert time.monotonic() - start >= 0.1
+
+
+def _row(n: int, first: float) -> list[np.ndarray]:
+    """Three arrays of n elements a row of steps passes along: [first, first, 0]."""
+    return [np.full(n, first, np.float32), np.full(n, first, np.float32), np.zeros(n, np.float32)]
+
+
+def _row_steps(arrays: list[np.ndarray]) -> list:
+    """Step 1 sends arrays[0] and folds the peer's into arrays[1]; step 2 sends that sum and
+    copies the peer's into arrays[2]: a step sends what the one before received, as a ring's do."""
+    a, b, c = arrays
+    return [(a, b, ReduceKind.SUM), (b, c, None)]
+
+
+def _run_row(t: NetTransport, arrays: list[np.ndarray]) -> None:
+    peer = 1 - t.rank
+    t.send_recv_row(peer, peer, TAG, _row_steps(arrays), F32.code, META, time.monotonic() + bounds.WAIT_HANG_S)
+
+
+def _one_by_one(t: NetTransport, arrays: list[np.ndarray]) -> None:
+    """The same steps without any native call: a send, then a receive, each."""
+    peer, deadline = 1 - t.rank, time.monotonic() + bounds.WAIT_HANG_S
+    for out, into, op in _row_steps(arrays):
+        t.send(peer, TAG, out, F32.code, META, deadline)
+        t.recv_into(peer, TAG, into, F32.code, deadline, META, op)
+
+
+@pytest.mark.parametrize("n", [1000, 3 << 20])
+def test_a_row_of_steps_takes_its_connections_once(transports, monkeypatch, n):
+    """send_recv_row: both ends run two dependent steps (the second sends what the first folded
+    in), small and far past the sockets' buffers. An end that runs the row natively claims its
+    connections once for both steps; the results and the bytes counted are the steps'."""
+    claims: list[int] = []
+    claim = NetTransport._claim
+    monkeypatch.setattr(NetTransport, "_claim", lambda self, *a: (claims.append(self.rank), claim(self, *a))[1])
+    statuses = _counted_duplex_calls(monkeypatch)
+    arrays = [_row(n, 1.0), _row(n, 2.0)]
+    other = threading.Thread(target=_run_row, args=(transports[1], arrays[1]))
+    other.start()
+    _run_row(transports[0], arrays[0])
+    other.join(timeout=bounds.WAIT_HANG_S)
+    for mine in arrays:
+        assert np.all(mine[1] == 3.0) and np.all(mine[2] == 3.0)
+    assert transports[0].bytes_to == [0, 2 * 4 * n] and transports[1].bytes_to == [2 * 4 * n, 0]
+    assert claims.count(0) <= 1 and claims.count(1) <= 1
+    assert statuses.count(kernels.DUPLEX_DONE) >= 2  # one end at least ran both steps natively
+
+
+def test_a_row_meets_a_peer_that_takes_the_general_path(transports):
+    """The peer sends and receives each step on its own (the frames any other path sends): the
+    row's results are the same."""
+    arrays = [_row(1000, 1.0), _row(1000, 2.0)]
+    other = threading.Thread(target=_one_by_one, args=(transports[1], arrays[1]))
+    other.start()
+    _run_row(transports[0], arrays[0])
+    other.join(timeout=bounds.WAIT_HANG_S)
+    for mine in arrays:
+        assert np.all(mine[1] == 3.0) and np.all(mine[2] == 3.0)
+
+
+def test_a_row_stopped_by_another_frame_finishes_its_steps(transports, monkeypatch):
+    """Between the steps the peer sends a message of another call: the row's second native call
+    finds it first, stops there, and the step and the row finish the general way. The results are
+    the steps', and the other message waits in the mailbox."""
+    statuses = _counted_duplex_calls(monkeypatch)
+    arrays = [_row(1000, 1.0), _row(1000, 2.0)]
+
+    def peer_with_an_extra_frame() -> None:
+        t, (a, b, c) = transports[1], arrays[1]
+        deadline = time.monotonic() + bounds.WAIT_HANG_S
+        t.recv_into(0, TAG, b, F32.code, deadline, META, ReduceKind.SUM)  # rank 0's step 1 has begun
+        t.send(0, TAG, a, F32.code, META, deadline)
+        t.send(0, TAG + 1, np.full(3, 7, np.float32), F32.code, META, deadline)
+        t.send(0, TAG, b, F32.code, META, deadline)
+        t.recv_into(0, TAG, c, F32.code, deadline, META)
+
+    other = threading.Thread(target=peer_with_an_extra_frame)
+    other.start()
+    _run_row(transports[0], arrays[0])
+    other.join(timeout=bounds.WAIT_HANG_S)
+    for mine in arrays:
+        assert np.all(mine[1] == 3.0) and np.all(mine[2] == 3.0)
+    assert kernels.DUPLEX_ELSEWHERE in statuses
+    extra = transports[0].recv(1, TAG + 1, time.monotonic() + bounds.WAIT_HANG_S)
+    assert extra.payload.view(np.float32).tolist() == [7.0] * 3
 
 
 def _large_calls(pg) -> dict:

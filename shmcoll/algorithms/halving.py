@@ -76,5 +76,6 @@ def _swap(c: Call, data: np.ndarray, partner: int, out: tuple[int, int], into: t
     """Send data[out] to the partner while receiving its data into data[into] (folded with op, or
     copied), streamed in chunks: both ends cut their two ranges into the same number of pieces."""
     pieces = chunk_count(max(out[1] - out[0], into[1] - into[0]), data.itemsize, c.chunk_bytes)
-    for (s0, s1), (r0, r1) in zip(sub_bounds(*out, pieces), sub_bounds(*into, pieces)):
-        c.t.send_recv(partner, partner, c.tag, data[s0:s1], data[r0:r1], c.code, c.meta, c.deadline, op)
+    steps = [(data[s0:s1], data[r0:r1], op) for (s0, s1), (r0, r1) in zip(sub_bounds(*out, pieces),
+                                                                           sub_bounds(*into, pieces))]
+    c.t.send_recv_row(partner, partner, c.tag, steps, c.code, c.meta, c.deadline)

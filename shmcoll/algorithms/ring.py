@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels
+from ..transport.base import Step
 from ..types import ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
 
@@ -26,35 +27,37 @@ def _members(c: Call, members: Sequence[int] | None) -> Sequence[int]:
     return range(c.size) if members is None else members
 
 
-def _ring_step(c: Call, data: np.ndarray, ring: Sequence[int], p: int, send_seg: Bounds, recv_seg: Bounds,
-               pieces: int, op: ReduceKind | None) -> None:
-    """Send one segment to the right neighbour while receiving (reducing or copying) one from the left."""
-    n = len(ring)
-    right, left = ring[(p + 1) % n], ring[(p - 1) % n]
-    for (s0, s1), (r0, r1) in zip(sub_bounds(*send_seg, pieces), sub_bounds(*recv_seg, pieces)):
-        c.t.send_recv(right, left, c.tag, data[s0:s1], data[r0:r1], c.code, c.meta, c.deadline, op)
+def _ring_steps(c: Call, data: np.ndarray, ring: Sequence[int], owned: Sequence[Bounds], first: int,
+                op: ReduceKind | None) -> list[Step]:
+    """The n-1 steps of a reduce-scatter (first 1, op: each folds what it receives) or of an
+    all-gather (first 0, op None: each copies it) at this rank's position of `ring`: in step k it
+    sends segment p-k-first to its right neighbour and receives segment p-k-first-1 from its left,
+    every segment cut into the same number of frames, so both ends of a step agree."""
+    n, p = len(ring), ring.index(c.rank)
+    pieces = chunk_count(max(b - a for a, b in owned), data.itemsize, c.chunk_bytes)
+    steps = []
+    for step in range(n - 1):
+        sent, received = owned[(p - step - first) % n], owned[(p - step - first - 1) % n]
+        for (s0, s1), (r0, r1) in zip(sub_bounds(*sent, pieces), sub_bounds(*received, pieces)):
+            steps.append((data[s0:s1], data[r0:r1], op))
+    return steps
 
 
-def _pieces(c: Call, data: np.ndarray, owned: Sequence[Bounds]) -> int:
-    """Frames per segment: the same for every segment, so both ends of a step agree."""
-    return chunk_count(max(b - a for a, b in owned), data.itemsize, c.chunk_bytes)
+def _run_ring(c: Call, ring: Sequence[int], steps: list[Step]) -> None:
+    """A ring's steps in a row: every one goes to the same right neighbour, from the same left one."""
+    n, p = len(ring), ring.index(c.rank)
+    c.t.send_recv_row(ring[(p + 1) % n], ring[(p - 1) % n], c.tag, steps, c.code, c.meta, c.deadline)
 
 
 def ring_reduce_scatter(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequence[int],
                         owned: Sequence[Bounds]) -> None:
     """Position p of `ring` ends with op over every member's data[owned[p]] (other pieces: partial)."""
-    n, p = len(ring), ring.index(c.rank)
-    pieces = _pieces(c, data, owned)
-    for step in range(n - 1):
-        _ring_step(c, data, ring, p, owned[(p - step - 1) % n], owned[(p - step - 2) % n], pieces, op)
+    _run_ring(c, ring, _ring_steps(c, data, ring, owned, 1, op))
 
 
 def ring_all_gather_owned(c: Call, data: np.ndarray, ring: Sequence[int], owned: Sequence[Bounds]) -> None:
     """Every member ends with every position's data[owned[p]], copied around the ring."""
-    n, p = len(ring), ring.index(c.rank)
-    pieces = _pieces(c, data, owned)
-    for step in range(n - 1):
-        _ring_step(c, data, ring, p, owned[(p - step) % n], owned[(p - step - 1) % n], pieces, None)
+    _run_ring(c, ring, _ring_steps(c, data, ring, owned, 0, None))
 
 
 def summed(op: ReduceKind) -> ReduceKind:
@@ -77,11 +80,15 @@ def ring_reduce_scatter_op(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequ
 
 
 def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:
-    """In place over a 1-D storage array; AVG is a SUM scaled by each segment's owner."""
+    """In place over a 1-D storage array; AVG is a SUM scaled by each segment's owner between the
+    two phases, which otherwise run as one row of steps."""
     ring = _members(c, members)
     owned = segment_bounds(len(data), len(ring))
-    ring_reduce_scatter_op(c, data, op, ring, owned)
-    ring_all_gather_owned(c, data, ring, owned)
+    if op is ReduceKind.AVG:
+        ring_reduce_scatter_op(c, data, op, ring, owned)
+        ring_all_gather_owned(c, data, ring, owned)
+        return
+    _run_ring(c, ring, _ring_steps(c, data, ring, owned, 1, op) + _ring_steps(c, data, ring, owned, 0, None))
 
 
 def one_shot_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:

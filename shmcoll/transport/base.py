@@ -3,7 +3,8 @@
 A transport moves arrays to and from one peer at a time and knows nothing of collectives. Algorithms
 call `send` and `recv_into`; `recv_into` either copies a message into the destination or reduces it
 into it (op given), so a transport that can read in place (shared memory) needs no extra copy.
-`exchange` and `send_recv` are a step's send and receive together, which TCP runs in native calls.
+`exchange` and `send_recv` are a step's send and receive together, which TCP runs in native calls
+(`exchanges` and `send_recv_row` several such steps in a row).
 Every wait takes an absolute deadline (time.monotonic() seconds). A transport that has a
 shared-memory board (one-step small collectives, algorithms/board.py) also offers the guard its
 waits run.
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
     from .tcp import SwapRow
 
 
-#: What a step of Transport._swaps or _duplex did: nothing, sent the array only, or both ways.
-NOT_STARTED, SENT, SWAPPED = range(3)
+#: What a step of Transport._swaps or _duplexes did: nothing, or sent the array only.
+NOT_STARTED, SENT = range(2)
+#: One step of send_recv_row: the array sent, the array received into, and how (op: folded; None: copied).
+Step = tuple[np.ndarray, np.ndarray, ReduceKind | None]
 
 
 class BoardGuard(Protocol):
@@ -144,19 +147,31 @@ class Transport(ABC):
                   deadline: float, op: ReduceKind | None = None) -> None:
         """One step of a ring or of halving-doubling: send `out` to rank `to` while receiving src's
         array of the same call into `into` (both 1-D storage arrays): folded, into = into op
-        theirs, or copied (op None). A transport may move both at once (`_duplex`); else a send,
-        then a receive (sends never block on a peer that is itself sending)."""
-        done = self._duplex(to, src, tag, out, into, code, meta, deadline, op)
-        if done == NOT_STARTED:
-            self.send(to, tag, out, code, meta, deadline)
-        if done != SWAPPED:
-            self.recv_into(src, tag, into, code, deadline, meta, op)
+        theirs, or copied (op None)."""
+        self.send_recv_row(to, src, tag, ((out, into, op),), code, meta, deadline)
 
-    def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
-                deadline: float, op: ReduceKind | None) -> int:
-        """send_recv() at once where this transport can: SWAPPED; SENT (out went, src's array is
-        still to be received); NOT_STARTED (nothing was done: the default)."""
-        return NOT_STARTED
+    def send_recv_row(self, to: int, src: int, tag: int, steps: Sequence[Step], code: int, meta: Meta,
+                      deadline: float) -> None:
+        """send_recv() with each (out, into, op) of steps in turn, all to `to` and from `src`: a
+        ring's steps. A step starts once the one before is whole, so a step may send what an earlier
+        one received. A transport may run them at once (`_duplexes`); a step it cannot is a send,
+        then a receive (sends never block on a peer that is itself sending)."""
+        while steps:
+            swapped, done = self._duplexes(to, src, tag, steps, code, meta, deadline)
+            if swapped == len(steps):
+                return
+            out, into, op = steps[swapped]
+            if done == NOT_STARTED:
+                self.send(to, tag, out, code, meta, deadline)
+            self.recv_into(src, tag, into, code, deadline, meta, op)
+            steps = steps[swapped + 1:]
+
+    def _duplexes(self, to: int, src: int, tag: int, steps: Sequence[Step], code: int, meta: Meta,
+                  deadline: float) -> tuple[int, int]:
+        """The first steps of send_recv_row() where this transport can run them at once: how many
+        it ran whole, and what it did of the next one: SENT (out went, src's array is still to be
+        received) or NOT_STARTED (nothing: the default)."""
+        return 0, NOT_STARTED
 
     @abstractmethod
     def recv_any(self, srcs: set[int], tag: int, deadline: float) -> Message | None:

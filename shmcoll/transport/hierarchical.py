@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, PeerLost
 from ..types import ReduceKind
-from .base import NOT_STARTED, BoardGuard, Transport
+from .base import NOT_STARTED, BoardGuard, Step, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
@@ -75,13 +75,13 @@ class HierarchicalTransport(Transport):
                 return i
         return len(steps)
 
-    def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
-                deadline: float, op: ReduceKind | None) -> int:
-        """The TCP side's send_recv() where both peers are remote."""
+    def _duplexes(self, to: int, src: int, tag: int, steps: Sequence[Step], code: int, meta: Meta,
+                  deadline: float) -> tuple[int, int]:
+        """The TCP side's send_recv_row() where both peers are remote."""
         if to in self._local or src in self._local:
-            return NOT_STARTED
+            return 0, NOT_STARTED
         try:
-            return self.net._duplex(to, src, tag, out, into, code, meta, deadline, op)
+            return self.net._duplexes(to, src, tag, steps, code, meta, deadline)
         except PeerLost:
             self.shm.check_health(strict=False)  # as _sliced: an abort's reason that came through this host
             raise

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatch, InvalidArgument
 from ..types import TAG_RESERVED_BASE, ReduceKind
-from .base import Transport
+from .base import Step, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Message
 from .topology import Topology
@@ -139,10 +139,10 @@ class SubTransport(Transport):
         steps = tuple((self.ranks[peer], own_first) for peer, own_first in steps)
         return self.root._swaps(steps, tag, data, code, self._out(meta), deadline, op)
 
-    def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
-                deadline: float, op: ReduceKind | None) -> int:
-        """The root's send_recv() at once, in its numbering (collective tags only, as _swaps)."""
-        return self.root._duplex(self.ranks[to], self.ranks[src], tag, out, into, code, self._out(meta), deadline, op)
+    def _duplexes(self, to: int, src: int, tag: int, steps: Sequence[Step], code: int, meta: Meta,
+                  deadline: float) -> tuple[int, int]:
+        """The root's send_recv_row() at once, in its numbering (collective tags only, as _swaps)."""
+        return self.root._duplexes(self.ranks[to], self.ranks[src], tag, steps, code, self._out(meta), deadline)
 
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         return self._in(self.root.recv(self.ranks[src], self._tag(tag), deadline, strict))

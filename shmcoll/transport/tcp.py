@@ -45,7 +45,7 @@ from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from ..net.congestion import paced
 from ..types import ReduceKind
 from . import frame
-from .base import NOT_STARTED, SENT, SWAPPED, LinkTransport, Transport
+from .base import NOT_STARTED, SENT, LinkTransport, Step, Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -69,7 +69,7 @@ PEEK_BYTES = 4096
 #: Largest array a pairwise exchange sends and receives in one native call (NetTransport.swap_row):
 #: the small all-reduce's, whose time is mostly the calls around the kernel's.
 SWAP_MAX_BYTES = 256 << 10
-#: Seconds one native duplex call (NetTransport._duplex) runs before it returns for a look at the
+#: Seconds one native duplex call (NetTransport._duplexes) runs before it returns for a look at the
 #: group's health and the deadline, and is called again where it stopped.
 DUPLEX_SLICE_SECONDS = CALLER_SLEEP_SECONDS
 #: Payload a duplex sends ahead of what it has read of the peer's frame (native/duplex.h), on a
@@ -265,34 +265,41 @@ class NetTransport(LinkTransport):
         if sent < len(header) + data.nbytes:
             self._send_locked(to, _advance([memoryview(header), data.data.cast("B")], sent), deadline)
 
-    def _duplex(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,
-                deadline: float, op: ReduceKind | None) -> int:
-        """send_recv() in native calls (kernels.duplex), where this thread can have both connections
-        at once (_claim). Anything but src's frame first on its socket is left to recv, and the socket to
-        its reader thread at once, which drains it while the rest of the frame goes out: a peer
-        sending to this rank meanwhile never waits on a socket nobody reads. A frame cut off
-        mid-way (a failure elsewhere ended the wait) leaves src's stream unreadable: it counts as
-        ended."""
+    def _duplexes(self, to: int, src: int, tag: int, steps: Sequence[Step], code: int, meta: Meta,
+                  deadline: float) -> tuple[int, int]:
+        """send_recv_row()'s steps in native calls (kernels.duplex), one after another while this
+        thread holds both connections (_claim: taken once for the whole row). Anything but src's
+        frame first on its socket stops the row: that step's receive is left to recv, and the
+        socket to its reader thread at once, which drains it while the rest of the step's frame
+        goes out: a peer sending to this rank meanwhile never waits on a socket nobody reads. A
+        frame cut off mid-way (a failure elsewhere ended the wait) leaves src's stream
+        unreadable: it counts as ended."""
         inbox = self._claim(to, src, tag)
         if inbox is None:
-            return NOT_STARTED
-        send_lock = self._send_locks[to]
-        header = frame.pack(DATA, self.rank, tag, meta, code, out.shape, out.nbytes)
-        progress = np.zeros(5, np.int64)
+            return 0, NOT_STARTED
+        swapped, progress = 0, np.zeros(5, np.int64)
         try:
             inbox.quiet_reader()
             try:
-                self._run_duplex(to, src, inbox, header, out, into, code, meta, tag, deadline, op, progress)
+                for out, into, op in steps:
+                    progress[:] = 0
+                    header = frame.pack(DATA, self.rank, tag, meta, code, out.shape, out.nbytes)
+                    self._run_duplex(to, src, inbox, header, out, into, code, meta, tag, deadline, op, progress)
+                    if progress[_IN_STATE] != kernels.IN_DONE:
+                        break
+                    self.bytes_to[to] += out.nbytes
+                    swapped += 1
             finally:
                 inbox.lock.release()
                 if progress[_IN_STATE] == kernels.IN_BODY and not inbox.finished:
                     self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
                 inbox.leave(found=progress[_IN_STATE] == kernels.IN_DONE)
-            self._send_rest(to, header, out, int(progress[_SENT]), deadline)  # where another frame came first
+            if swapped < len(steps):  # another frame came first: the rest of this step's goes out here
+                self._send_rest(to, header, out, int(progress[_SENT]), deadline)
+                self.bytes_to[to] += out.nbytes
         finally:
-            send_lock.release()
-        self.bytes_to[to] += out.nbytes
-        return SWAPPED if progress[_IN_STATE] == kernels.IN_DONE else SENT
+            self._send_locks[to].release()
+        return swapped, SENT
 
     def _run_duplex(self, to: int, src: int, inbox: _Inbox, header: bytes, out: np.ndarray, into: np.ndarray,
                     code: int, meta: Meta, tag: int, deadline: float, op: ReduceKind | None,
