@@ -1,4 +1,4 @@
-"""The call path of the common small calls, with nothing on it that can be worked out once.
+"""The call path of the common calls, with nothing on it that can be worked out once.
 
 The common case: all_reduce of a C-contiguous, writable numpy array of a reducible dtype with a
 ReduceKind, small enough for the shared-memory board, and barrier; every rank on this host (or a
@@ -16,6 +16,13 @@ hosts then run in a row (Transport.swap_row: one native call over TCP, sending t
 with the call's tag and sequence number written in) where two hosts' one-shot or recursive doubling
 is all its column does; otherwise the steps across hosts and back are two_level.py's own.
 
+A larger all_reduce of such an array takes the same entry: its algorithm, as plans.py would run it
+(plans.all_reduce_algorithm), is kept per kind of call with the rest, and a call runs it with a
+Call of its own, without validation, planning or the runner's wrapper around every collective. On
+a large call that is little of its time, but where ranks share cores every microsecond of Python a
+rank spends is one its host peers wait for (2 hosts x 2 ranks on 2 cores: 50 us more Python per
+call made a 1 MiB all-reduce 150 us slower).
+
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
 general path: validate.py, plans.py, runner.py. Errors are the same on both paths: the failure
@@ -25,7 +32,7 @@ path builds the same guard and reports through the same Runner.fail.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -36,9 +43,9 @@ from .algorithms.barrier import dissemination_barrier
 from .algorithms.call import Call
 from .algorithms.doubling import partner_steps
 from .algorithms.ring import summed
-from .algorithms.select import Algorithm, Setting, select
+from .algorithms.select import Algorithm, select
 from .errors import InvalidArgument
-from .plans import Where
+from .plans import Where, all_reduce_algorithm
 from .runner import Runner
 from .transport.base import BoardGuard, Transport
 from .transport.frame import Meta
@@ -64,15 +71,19 @@ class _Prepared(NamedTuple):
     header: np.ndarray  # its frame header, sequence number 0
     average: bool
     fold: ReduceKind  # what partial results fold with across hosts (AVG summed, divided at the end)
+    #: The algorithm of a call past the board's step (plans.all_reduce_algorithm: AVG included),
+    #: run with a Call as the general path runs it; None where the board's step runs.
+    algorithm: Callable[[Call, np.ndarray], None] | None = None
 
 
 class LeanPath:
     """The common small calls of one group (ProcessGroup.all_reduce and barrier try it first)."""
 
-    def __init__(self, runner: Runner, transport: Transport, setting: Setting, board: Board | None):
+    def __init__(self, runner: Runner, transport: Transport, where: Where, board: Board | None):
         """board: the board the call's step runs on (None: a group of one, or a rank alone on its
         host across hosts)."""
-        self._runner, self._t, self._setting = runner, transport, setting
+        self._runner, self._t, self._group_where, self._setting = runner, transport, where, where.setting
+        self._chunk_bytes = runner.tuning.chunk_bytes
         self._prepared: dict[tuple, _Prepared | None] = {}
         self._alone = transport.world_size == 1  # nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
@@ -87,10 +98,10 @@ class LeanPath:
         board, setting, topology = transport.board, where.setting, where.topology
         if transport.world_size == 1 or (board is not None and setting.hosts == 1
                                          and len(board.where) == transport.world_size):
-            return cls(runner, transport, setting, board)
+            return cls(runner, transport, where, board)
         if topology is not None and (transport.host_board is not None
                                      or len(topology.local_ranks(transport.rank)) == 1):
-            return LeanAcrossHosts(runner, transport, setting, topology)
+            return LeanAcrossHosts(runner, transport, where, topology)
         return None
 
     def all_reduce(self, data, op) -> bool:
@@ -125,13 +136,16 @@ class LeanPath:
             wire, kind = reducible_wire(data, op, "data")
         except InvalidArgument:
             return None
-        if not self._runs(data):
-            return None
-        return self._prepare_call(Collective.ALL_REDUCE, wire.code, data.reshape(-1).view(wire.storage), kind,
-                                  data.size)
+        p = self._prepare_call(Collective.ALL_REDUCE, wire.code, data.reshape(-1).view(wire.storage), kind,
+                               data.size)
+        if self._runs(data):
+            return p
+        algorithm = select(Collective.ALL_REDUCE, data.nbytes, self._setting)
+        return p._replace(algorithm=all_reduce_algorithm(self._group_where, algorithm, kind))
 
     def _runs(self, data: np.ndarray) -> bool:
-        """Whether calls like this one take this path's algorithm (in a group of one, anything goes)."""
+        """Whether calls like this one take the board's step (in a group of one, anything goes: there
+        is nothing to exchange); the others run their algorithm."""
         return self._alone or select(Collective.ALL_REDUCE, data.nbytes, self._setting) == Algorithm.BOARD
 
     def _prepare_call(self, coll: Collective, code: int, flat: np.ndarray, kind: ReduceKind,
@@ -155,7 +169,10 @@ class LeanPath:
     def _step(self, flat: np.ndarray, p: _Prepared, seq: int) -> None:
         start = time.monotonic()
         try:
-            if not self._alone:
+            if p.algorithm is not None:
+                p.algorithm(Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code,
+                                 start + self._t.timeout, self._chunk_bytes), flat)
+            elif not self._alone:
                 self._reduce(flat, p, seq, start)
                 if p.average:
                     kernels.scale_into(flat, p.code, self._t.world_size)
@@ -193,7 +210,7 @@ class LeanAcrossHosts(LeanPath):
     across hosts (by column, or among the leaders) and the leader's hand-on send the frames
     two_level.py's would, so ranks may take either path."""
 
-    def __init__(self, runner: Runner, transport: Transport, setting: Setting, topology: Topology):
+    def __init__(self, runner: Runner, transport: Transport, where: Where, topology: Topology):
         self._host = topology.local_ranks(transport.rank)
         self._column, self._first_handed = two_level.small_crossing(topology, transport.rank)
         self._reduce_across = two_level.column_all_reduce(topology.n_hosts)
@@ -201,7 +218,7 @@ class LeanAcrossHosts(LeanPath):
         self._rows = self._prepare_rows(transport)
         self._handing = self._first_handed < len(self._host)  # some rank of this host hears from its leader
         self._host_board = two_level.host_board(transport, self._host)
-        super().__init__(runner, transport, setting, self._host_board)
+        super().__init__(runner, transport, where, self._host_board)
 
     def _prepare_rows(self, transport: Transport) -> dict[int, tuple[Sequence[tuple[int, bool]], SwapRow]]:
         """Per collective, the column's exchanges across hosts where they run as one native call

@@ -107,7 +107,7 @@ class Where:
 
 def all_reduce(w: Where, flat: np.ndarray, code: int, kind: ReduceKind, result: object) -> Plan:
     """In place over `flat` (the storage view of the caller's array); the body returns `result`."""
-    reduce = _all_reduce(w, select(Collective.ALL_REDUCE, flat.nbytes, w.setting), kind)
+    reduce = all_reduce_algorithm(w, select(Collective.ALL_REDUCE, flat.nbytes, w.setting), kind)
 
     def body(c: Call) -> object:  # the hottest plan: no generic wrapper
         reduce(c, flat)
@@ -116,8 +116,9 @@ def all_reduce(w: Where, flat: np.ndarray, code: int, kind: ReduceKind, result: 
     return Plan(Collective.ALL_REDUCE, code, flat.size, body, kind)
 
 
-def _all_reduce(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[Call, np.ndarray], None]:
-    """The all-reduce `algorithm` as a function of (call, data), data reduced in place."""
+def all_reduce_algorithm(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[Call, np.ndarray], None]:
+    """The all-reduce `algorithm` as a function of (call, data), data reduced in place (the lean
+    path keeps one per kind of call)."""
     match algorithm:
         case Algorithm.BOARD:
             return lambda c, d: board_all_reduce(c, d, kind)
@@ -132,7 +133,7 @@ def _all_reduce(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Callable[[C
             nearby = w.neighbourhoods
             return lambda c, d: two_level_all_reduce(c, nearby, d, kind, w.setting.one_shot_bytes)
         case Algorithm.SINGLE_COPY:
-            usual = _all_reduce(w, without_single_copy(Collective.ALL_REDUCE, w.setting), kind)
+            usual = all_reduce_algorithm(w, without_single_copy(Collective.ALL_REDUCE, w.setting), kind)
             return lambda c, d: single_copy_all_reduce(c, d, kind, lambda c: usual(c, d))
     return lambda c, d: ring_all_reduce(c, d, kind)
 
@@ -145,7 +146,7 @@ def reduce_scatter(w: Where, arr: np.ndarray, wire: WireType, kind: ReduceKind) 
     mine = storage_view(out, wire)
     algorithm = select(Collective.REDUCE_SCATTER, flat.nbytes, w.setting)
     if algorithm in ONE_STEP:
-        reduce, work, at = _all_reduce(w, algorithm, kind), flat.copy(), w.rank * mine.size
+        reduce, work, at = all_reduce_algorithm(w, algorithm, kind), flat.copy(), w.rank * mine.size
 
         def run(c: Call) -> None:  # reduce everything in one step, keep our slice
             reduce(c, work)
@@ -166,7 +167,7 @@ def reduce(w: Where, root: int, flat: np.ndarray, code: int, kind: ReduceKind, r
     answer everywhere, the root's copy included."""
     algorithm = select(Collective.REDUCE, flat.nbytes, w.setting)
     if algorithm in ONE_STEP:
-        all_reduce_in_place = _all_reduce(w, algorithm, kind)
+        all_reduce_in_place = all_reduce_algorithm(w, algorithm, kind)
         run = lambda c: all_reduce_in_place(c, flat)
     elif algorithm is Algorithm.TWO_LEVEL:
         run = lambda c: two_level_reduce(c, w.hosts, root, flat, kind)

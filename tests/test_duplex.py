@@ -7,8 +7,9 @@ frame that stops half-way is resumed by the next call; a connection that ends an
 reported; no end sends more than the lead it is given past what came of its peer's frame (a
 transport gives each connection its own, smaller where BBR paces it), and unequal frames, also
 around a ring, still finish; a row of steps (send_recv_row) takes its connections once, and meets
-a peer on the general path or another frame between its steps. Then in ranks on simulated hosts: ring and halving-doubling steps across hosts take this
-path, and the results and the bytes each rank sends are those of the general path.
+a peer on the general path or another frame between its steps. Then in ranks on simulated hosts:
+ring and halving-doubling steps across hosts take this path, and the results and the bytes each
+rank sends are those of the general path.
 """
 
 from __future__ import annotations

@@ -260,6 +260,55 @@ def test_small_calls_across_hosts_agree_whichever_path_each_rank_takes(layout, n
         assert out["results"] == [e.tolist() for e in expected], rank
 
 
+LARGE_CALLS = [(np.float32, shmcoll.ReduceKind.SUM), (np.float16, shmcoll.ReduceKind.AVG),
+               (np.int64, shmcoll.ReduceKind.MAX)]
+LARGE_COUNT = 100_003  # past the one-step size across hosts (select.py: TWO_LEVEL), and not a multiple of a host
+
+
+def _large_inputs(dtype, rank: int) -> np.ndarray:
+    return (np.arange(LARGE_COUNT) % 7 + rank).astype(dtype)
+
+
+def _large_calls_by_either_path(pg, lean_parity: int):
+    """The large all-reduces of LARGE_CALLS, twice each, on the lean path on ranks of one parity
+    and on the general one on the others, as _small_calls_by_either_path."""
+    if pg.rank % 2 != lean_parity:
+        pg._lean = None
+    general: list[str] = []
+    run = pg._runner.run
+    pg._runner.run = lambda plan: (general.append(plan.coll.label), run(plan))[1]
+    results = []
+    for dtype, op in LARGE_CALLS * 2:
+        x = _large_inputs(dtype, pg.rank)
+        pg.all_reduce(x, op)
+        results.append(x)
+    return {"path": type(pg._lean).__name__, "general": general, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [(None, 3), ("halves", 4), ("first-alone", 3), ("each", 4), ("pairs", 6)])
+@pytest.mark.parametrize("lean_parity", [0, 1])
+def test_large_calls_agree_whichever_path_each_rank_takes(layout, n, lean_parity, monkeypatch):
+    """A large all-reduce of a plain array runs its algorithm from the lean path's entry too (on one
+    host reading peers' arrays directly; across hosts two-level, by ring or halving-doubling
+    between hosts): the same algorithm with the same Call, so ranks on either path meet, and all
+    get the same results, bitwise alike."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier" if layout else "shm")
+    if layout:
+        monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _large_calls_by_either_path, lean_parity)
+    for rank, out in enumerate(results):
+        lean = rank % 2 == lean_parity
+        assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType")
+        assert out["general"] == ([] if lean else ["all_reduce"] * 2 * len(LARGE_CALLS))
+        for got, theirs in zip(out["results"], results[0]["results"]):
+            assert got.tobytes() == theirs.tobytes(), rank
+    inputs = [np.stack([_large_inputs(np.int64, r) for r in range(n)]) for _ in LARGE_CALLS]
+    expected = [inputs[0].sum(axis=0), inputs[1].mean(axis=0), inputs[2].max(axis=0)] * 2
+    for got, want in zip(results[0]["results"], expected):
+        assert np.allclose(got.astype(np.float64), want, rtol=1e-3), got
+
+
 @pytest.mark.multiprocess
 def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_shot(monkeypatch):
     """Above a board entry (SHMCOLL_SHM_BOARD_BYTES) but within the one-step size, the ranks of a host
