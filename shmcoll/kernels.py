@@ -47,6 +47,10 @@ board_all_reduce = _native.board_all_reduce
 #: read_peer(out, pid, address) -> 0, or the errno of the failed read: len(out) bytes of process
 #: pid's memory from address into out (process_vm_readv; algorithms/single_copy.py).
 read_peer = _native.read_peer
+#: write_to_peers(own, peers, me, lo, hi) -> None, or (rank, errno) of the failed write: bytes [lo,
+#: hi) of own (rank me's array as uint8) written into every other rank's array at the same bytes
+#: (peers as for reduce_from_peers), the next rank first (process_vm_writev).
+write_to_peers = _native.write_to_peers
 #: reduce_from_peers(own, peers, me, lo, hi, code, op, scratch, deliver) -> None, or (rank, errno)
 #: of the failed read or write: bytes [lo, hi) of every rank's array folded in rank order into
 #: own[lo:hi] (own: rank me's array as uint8; peers[r]: rank r's pid and array address, int64),

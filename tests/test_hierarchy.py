@@ -89,11 +89,11 @@ def _assert_paths_follow(hosts: list[str], results: list[dict], what: str) -> No
         assert out["kind"] == "HierarchicalTransport"
         for peer in range(len(hosts)):
             local = hosts[peer] == hosts[rank]
-            for path in ("tcp",) if local else ("shm", "read"):
+            for path in ("tcp",) if local else ("shm", "read", "written"):
                 assert out[path][peer] == 0, (what, rank, peer, out)
     assert _cross(results, hosts) > 0
     if len(set(hosts)) < len(hosts):
-        assert sum(sum(out["shm"]) + sum(out["read"]) for out in results) > 0, what
+        assert sum(sum(out["shm"]) + sum(out["read"]) + sum(out["written"]) for out in results) > 0, what
 
 
 # Bytes that must cross host boundaries for 1 MiB (S), two-level versus the flat TCP ring or chain.
@@ -147,17 +147,21 @@ def _run_in_hosts(layout: str, n: int, unreadable: int | None, monkeypatch) -> l
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3)])
-def test_large_all_reduce_moves_each_byte_inside_a_host_once(layout, n, monkeypatch):
-    """A rank with a host peer reads S from it: its half of the peer's array folded in, the peer's
-    finished half copied out (the rings would copy each byte twice: into a slot and out of it). In
-    1+2 the second host's extra rank owns nothing: it reads the whole array from the other, which
-    reads the whole array from it. Across hosts: exactly 2S. Results are alike bitwise everywhere."""
+@pytest.mark.parametrize("layout, n, read", [
+    ("halves", 4, [[0, S // 2, 0, 0], [S // 2, 0, 0, 0], [0, 0, 0, S // 2], [0, 0, S // 2, 0]]),
+    ("first-alone", 3, [[0, 0, 0], [0, 0, S], [0, 0, 0]]),
+])
+def test_large_all_reduce_moves_each_byte_inside_a_host_once(layout, n, read, monkeypatch):
+    """A rank reads the half it owns of its host peer's array to fold it in, and writes the finished
+    half into the peer's array (the rings would copy each byte twice: into a slot and out of it):
+    it writes what it read. In 1+2 the second host's extra rank (2) owns nothing: the other reads
+    its whole array and writes the result into it. Across hosts: exactly 2S. Results are alike
+    bitwise everywhere."""
     hosts = _hosts(layout, n)
     results = _run_in_hosts(layout, n, None, monkeypatch)
-    for rank, out in enumerate(results):
-        mates = [S if peer != rank and hosts[peer] == hosts[rank] else 0 for peer in range(n)]
-        assert (out["read"], out["shm"]) == (mates, [0] * n), (rank, out)
+    assert [out["read"] for out in results] == read
+    assert [out["written"] for out in results] == read
+    assert [out["shm"] for out in results] == [[0] * n] * n
     assert _cross(results, hosts) == 2 * S
     assert len({out["avg"] for out in results}) == 1
     assert {out["read_directly"] for out in results if sum(out["read"])} == {True}
@@ -166,15 +170,17 @@ def test_large_all_reduce_moves_each_byte_inside_a_host_once(layout, n, monkeypa
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3)])
 def test_in_host_phases_read_what_the_ring_would_have_sent(layout, n, monkeypatch):
-    """Inside each host, a rank of a large all-reduce reads from each peer's array exactly what that
-    peer sends it around the host's ring with SHMCOLL_SINGLE_COPY=0, and nothing goes around the
-    ring; across hosts the same bytes go either way."""
+    """Inside each host, what a rank of a large all-reduce reads from each peer's array and that
+    peer writes into its array is exactly what the peer sends it around the host's ring with
+    SHMCOLL_SINGLE_COPY=0, and nothing goes around the ring; across hosts the same bytes go either
+    way."""
     monkeypatch.setenv("SHMCOLL_SINGLE_COPY", "0")
     ring = _run(layout, n, "hier", _all_reduce, monkeypatch)
     monkeypatch.setenv("SHMCOLL_SINGLE_COPY", "1")
     reads = _run(layout, n, "hier", _all_reduce, monkeypatch)
     for rank in range(n):
-        assert reads[rank]["read"] == [ring[peer]["shm"][rank] for peer in range(n)], (rank, reads, ring)
+        moved = [reads[rank]["read"][peer] + reads[peer]["written"][rank] for peer in range(n)]
+        assert moved == [ring[peer]["shm"][rank] for peer in range(n)], (rank, reads, ring)
         assert (reads[rank]["shm"], ring[rank]["read"]) == ([0] * n, [0] * n)
         assert reads[rank]["tcp"] == ring[rank]["tcp"]
     assert sum(sum(out["read"]) for out in reads) > 0
@@ -187,7 +193,8 @@ def test_a_host_whose_rank_cannot_be_read_takes_its_rings_alone(monkeypatch):
     results = _run_in_hosts("halves", 4, 1, monkeypatch)
     assert [out["read_directly"] for out in results] == [False, False, True, True]
     assert [out["shm"] for out in results[:2]] == [[0, S, 0, 0], [S, 0, 0, 0]]
-    assert [out["read"] for out in results[2:]] == [[0, 0, 0, S], [0, 0, S, 0]]
+    assert [out["read"] for out in results[2:]] == [[0, 0, 0, S // 2], [0, 0, S // 2, 0]]
+    assert [out["written"] for out in results[2:]] == [[0, 0, 0, S // 2], [0, 0, S // 2, 0]]
     assert len({out["avg"] for out in results}) == 1
 
 

@@ -175,6 +175,47 @@ def test_reduce_from_peers_refuses_a_delivery_it_cannot_make(dtype, deliver):
                                   np.empty(1024, dtype=np.uint8), deliver)
 
 
+def test_write_to_peers_writes_a_range_into_every_other_array():
+    """Rank 1 of 3 writes bytes [40, 200) of its array into ranks 2's and 0's at the same bytes;
+    nothing else of theirs changes, and its own array is only read."""
+    arrays = [np.full(64, r + 1.0, dtype=np.float32) for r in range(3)]
+    arrays[1][:] = np.arange(64)
+    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    assert kernels.write_to_peers(arrays[1].view(np.uint8), peers, 1, 40, 200) is None
+    for r in (0, 2):
+        assert np.array_equal(arrays[r][10:50], np.arange(10, 50))
+        assert np.all(arrays[r][:10] == r + 1.0) and np.all(arrays[r][50:] == r + 1.0)
+    assert np.array_equal(arrays[1], np.arange(64))
+
+
+def test_a_failed_write_to_peers_names_the_rank():
+    """The next rank's write goes through first; a read-only peer, or a gone one, is named."""
+    arrays = [np.ones(64, dtype=np.float32), np.full(64, 2.0, dtype=np.float32)]
+    read_only = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
+    third = np.frombuffer(read_only, dtype=np.float32, count=64)
+    peers = np.array([(os.getpid(), _address(a)) for a in (*arrays, third)], dtype=np.int64)
+    assert kernels.write_to_peers(arrays[0].view(np.uint8), peers, 0, 0, 256) == (2, errno.EFAULT)
+    assert np.all(arrays[1] == 1.0) and not third.any()
+    peers[2] = (NO_SUCH_PID, _address(arrays[1]))
+    assert kernels.write_to_peers(arrays[0].view(np.uint8), peers, 0, 0, 256) == (2, errno.ESRCH)
+
+
+@pytest.mark.parametrize("me, lo, hi, peers_bytes", [
+    (3, 0, 64, 48),      # no rank 3 among 3
+    (-1, 0, 64, 48),     # nor rank -1
+    (0, 64, 0, 48),      # an empty range backwards
+    (0, 0, 260, 48),     # past the array's end
+    (0, 0, 64, 44),      # peers that are not whole (pid, address) pairs
+])
+def test_write_to_peers_refuses_arguments_that_describe_no_range(me, lo, hi, peers_bytes):
+    arrays = [np.ones(64, dtype=np.float32) for _ in range(3)]
+    pairs = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    peers = pairs.reshape(-1).view(np.uint8)[:peers_bytes]
+    with pytest.raises(ValueError, match="do not describe"):
+        kernels.write_to_peers(arrays[0].view(np.uint8), peers, me, lo, hi)
+    assert np.all(arrays[1] == 1.0) and np.all(arrays[2] == 1.0)
+
+
 def test_a_rank_may_read_a_peer_only_where_the_peers_token_is_found():
     mine = single_copy._descriptor(_address(np.zeros(4)))
     assert single_copy.can_read(mine)
@@ -356,12 +397,13 @@ ACROSS_HOSTS = {"SHMCOLL_TRANSPORT": "hier", "SHMCOLL_TEST_HOSTS": "halves", "SH
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("victim, step, losers", [(1, "_reduce_range", {0, 2, 3}), (2, "_read", {3})])
+@pytest.mark.parametrize("victim, step, losers", [(1, "_reduce_range", {0, 2, 3}), (2, "_deliver", {3})])
 def test_a_rank_killed_inside_a_step_across_hosts_is_lost_to_those_that_need_it(victim, step, losers):
     """Hosts (0, 1) and (2, 3) read inside each host and cross between them by column. Killed
     while its host peer reads its array and its column peer waits for its slice: every survivor
-    loses it. Killed once the slices crossed, while its host peer waits to copy from it: that
-    peer loses it; the other host, which had all it needed, may return."""
+    loses it. Killed once the slices crossed, before it writes its range into its host peer's
+    array: that peer, waiting for it to finish, loses it; the other host, which had all it needed,
+    may return."""
     n = 4
     results = run_ranks(n, _killed_in_step, victim, "all_reduce", step, CTX.Barrier(n - 1), env=ACROSS_HOSTS,
                         may_die={victim})

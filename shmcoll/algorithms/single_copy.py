@@ -15,8 +15,8 @@ the kernel copies once), as OpenMPI's shared-memory transport does for large mes
      the result goes out without a trip through memory: a 64 MiB all-reduce of 2 ranks takes
      about 30% less time than when each rank copies the other ranges out after a wait for their
      owners. Inside a group across hosts each owned range is all-reduced across hosts first
-     (two_level.py: the in-host phases of a large all-reduce), so there the owner says so on a
-     step word of its entry, and its host peers copy the range out once every owner has;
+     (two_level.py: the in-host phases of a large all-reduce), then written into every host
+     peer's array the same way, while the step across hosts has just left it in cache;
    - reduce_scatter: the same fold of its own block, in the call's private copy of the input;
    - all_gather: every peer's block into its place; broadcast: the root's array;
 3. waits on the board's done words: nobody returns (and lets the caller change its array) while a
@@ -59,8 +59,8 @@ PIECE_BYTES = 128 << 10
 #: The descriptor a rank publishes in its board entry, as u64 words (the entry must hold its bytes).
 PID, ADDRESS, TOKEN_ADDRESS, TOKEN, STEP, STEP_SLEEPERS = range(6)
 DESCRIPTOR_BYTES = 64
-#: The step word's values for call seq: (seq + 1) << 2 | one of these.
-OFFER, DECLINE, REDUCED = 1, 2, 3
+#: The step word's values for call seq: (seq + 1) << 2 | one of these (the vote on reading arrays).
+OFFER, DECLINE = 1, 2
 
 _token = np.zeros(1, dtype=np.int64)  # what peers read from this process to prove they read the right one
 _TOKEN_ADDRESS = _token.__array_interface__["data"][0]
@@ -118,8 +118,10 @@ def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, 
                      fallback: Fallback, finish_range: Callable[[int, int], None] | None = None) -> None:
     """data reduced in place among `among`'s ranks: the rank at position p folds bytes ranges[p] of
     every rank's array (divided by their number, for AVG), runs finish_range(lo, hi) on them where
-    given (two_level.py: the range's all-reduce across hosts), then all copy every range from its
-    owner. By fallback(c) where the ranks may not read each other."""
+    given (two_level.py: the range's all-reduce across hosts), then writes the finished range into
+    every peer's array, while it is still in cache; nobody reads a peer's range after folding it,
+    so no step word is needed between, and _finish's wait covers every write into this rank's
+    array. By fallback(c) where the ranks may not read each other."""
     peers = _publish_and_agree(c, among, data, fallback)
     if peers is None:
         return
@@ -128,12 +130,7 @@ def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, 
     _reduce_range(c, among, data, op, peers, (lo, hi))
     if finish_range is not None:
         finish_range(lo, hi)
-    _signal(c, among, REDUCED)
-    _wait_for_all(c, among, REDUCED, "reduce its range")
-    out = data.view(np.uint8)
-    for p in _others(among, me):
-        lo, hi = ranges[p]
-        _read(among, out[lo:hi], peers, p, lo)
+    _deliver(among, data.view(np.uint8), peers, me, (lo, hi))
     _finish(c, among)
 
 
@@ -301,6 +298,17 @@ def _reduce_range(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, pee
                 board.bytes_written_to[src] += hi - lo
     if not deliver:
         scale_if_avg(c, data[lo // data.itemsize:hi // data.itemsize], op, n)
+
+
+def _deliver(among: Readers, own: np.ndarray, peers: np.ndarray, me: int, byte_range: tuple[int, int]) -> None:
+    """own[byte_range] (this rank's array as uint8, at position me) written into every peer's array."""
+    lo, hi = byte_range
+    failed = kernels.write_to_peers(own, peers, me, lo, hi)
+    if failed is not None:
+        _read_failed(among, among.ranks[failed[0]], failed[1])
+    for src in among.ranks:
+        if src != among.ranks[me]:
+            among.board.bytes_written_to[src] += hi - lo
 
 
 def _read(among: Readers, out: np.ndarray, peers: np.ndarray, p: int, offset: int) -> None:

@@ -26,6 +26,11 @@ int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks
                          int code, int op, int64_t deliver, uint8_t *scratch, size_t piece,
                          int *failed);
 
+/* Bytes [lo, hi) of own (rank me's array) written into every other rank's array at the same bytes,
+   the next rank first: 0, or the errno of the write that failed with *failed set to its rank. */
+int sc_write_to_peers(const uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,
+                      int *failed);
+
 /* Ask the kernel to back the whole 2 MiB-aligned huge pages inside [start, start + n) with huge
    pages now (MADV_COLLAPSE): 0, or the errno (EINVAL before Linux 6.1, or where THP is off). */
 int sc_collapse_to_huge_pages(void *start, size_t n);

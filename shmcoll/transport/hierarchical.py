@@ -48,11 +48,14 @@ class HierarchicalTransport(Transport):
         return self.shm.board_guard(tag, want)
 
     def traffic(self) -> dict[str, list[int]]:
-        """Payload bytes this rank sent so far to each rank, per path, and ("read") the bytes it
-        read straight from each local rank's memory (algorithms/single_copy.py)."""
-        read = self.host_board.bytes_read_from if self.host_board is not None else []
+        """Payload bytes this rank sent so far to each rank, per path, and the bytes it read straight
+        from each local rank's memory ("read") and wrote straight into it ("written";
+        algorithms/single_copy.py)."""
+        board = self.host_board
+        read, written = (board.bytes_read_from, board.bytes_written_to) if board is not None else ([], [])
         return {"shm": list(self.shm.bytes_to), "tcp": list(self.net.bytes_to),
-                "read": read + [0] * (self.world_size - len(read))}
+                "read": read + [0] * (self.world_size - len(read)),
+                "written": written + [0] * (self.world_size - len(written))}
 
     # ---- moving data ----
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
