@@ -44,6 +44,9 @@ load_word = _native.load_word
 #: rank computes bitwise the same result. Returns BOARD_DONE, -(2 + r) when rank r made another
 #: call, or a position to call again with after a wait slice ran out.
 board_all_reduce = _native.board_all_reduce
+#: address_of(buffer) -> the address of a contiguous buffer's first byte in this process: what a
+#: rank publishes for peers to read or write (numpy's __array_interface__ builds a dict each time).
+address_of = _native.address_of
 #: read_peer(out, pid, address) -> 0, or the errno of the failed read: len(out) bytes of process
 #: pid's memory from address into out (process_vm_readv; algorithms/single_copy.py).
 read_peer = _native.read_peer

@@ -71,6 +71,15 @@ def test_read_peer_copies_another_address_space_range():
     assert np.array_equal(out, source)
 
 
+def test_address_of_is_where_a_contiguous_array_starts():
+    """What a rank publishes for its peers: a slice's own first byte; a strided view has none."""
+    base = np.arange(1000, dtype=np.int64)
+    assert kernels.address_of(base) == _address(base)
+    assert kernels.address_of(base[10:]) == _address(base) + 80
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.address_of(base[::2])
+
+
 def test_read_peer_reports_unmapped_memory_and_missing_processes():
     out = np.zeros(8, dtype=np.uint8)
     assert kernels.read_peer(out, os.getpid(), 8) == errno.EFAULT

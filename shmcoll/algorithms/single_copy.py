@@ -41,8 +41,8 @@ import errno
 import functools
 import os
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,7 +63,8 @@ DESCRIPTOR_BYTES = 64
 OFFER, DECLINE = 1, 2
 
 _token = np.zeros(1, dtype=np.int64)  # what peers read from this process to prove they read the right one
-_TOKEN_ADDRESS = _token.__array_interface__["data"][0]
+_TOKEN_ADDRESS = kernels.address_of(_token)
+_own = np.zeros(DESCRIPTOR_BYTES // 8, dtype=np.int64)  # this process's descriptor, but for ADDRESS
 _scratch = threading.local()
 #: Arrays peers read that are at least this large move onto huge pages when they come back; the
 #: last ARRAYS_REMEMBERED (address, bytes) seen, and whether each has moved.
@@ -75,19 +76,20 @@ Fallback = Callable[[Call], None]
 
 
 def _new_token() -> None:
+    """A token of this process's own (a forked child draws another), and its descriptor's words."""
     _token[0] = int.from_bytes(os.urandom(8), "little", signed=True)
+    _own[:STEP] = os.getpid(), 0, _TOKEN_ADDRESS, _token[0]
 
 
 _new_token()
 os.register_at_fork(after_in_child=_new_token)
 
 
-@dataclass(frozen=True)
-class Readers:
+class Readers(NamedTuple):
     """The ranks of one call that read each other's arrays and the board they meet on: every rank
     of a group on one host (of_group), or one host's ranks of a group across hosts (of_host: the
     in-host phases of two_level.py's large all-reduce). Peers are named by group rank, listed and
-    folded in `ranks` order."""
+    folded in `ranks` order. (A named tuple: one is built for every call.)"""
 
     board: Board
     ranks: tuple[int, ...]
@@ -114,7 +116,7 @@ def single_copy_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, fallback: 
     _finish(c, among)
 
 
-def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, ranges: list[tuple[int, int]],
+def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, ranges: Sequence[tuple[int, int]],
                      fallback: Fallback, finish_range: Callable[[int, int], None] | None = None) -> None:
     """data reduced in place among `among`'s ranks: the rank at position p folds bytes ranges[p] of
     every rank's array (divided by their number, for AVG), runs finish_range(lo, hi) on them where
@@ -181,18 +183,18 @@ def _publish_and_agree(c: Call, among: Readers, source: np.ndarray, fallback: Fa
     if board.single_copy_agreed is False:
         fallback(c)
         return None
-    address = source.__array_interface__["data"][0]
+    address = kernels.address_of(source)
     _prefer_huge_pages(source, address)
     guard, seq = among.guard(), c.meta.seq
     board.publish(c.meta, c.code, source, c.deadline, guard, payload=_descriptor(address))
-    descriptors = [board.read(src, seq, c.meta, c.deadline, guard).view(np.int64).copy() for src in among.ranks]
+    descriptors = [board.read(src, seq, c.meta, c.deadline, guard).view(np.int64) for src in among.ranks]
     if board.single_copy_agreed is None:
-        board.single_copy_agreed = _agree(c, among, descriptors)
+        board.single_copy_agreed = _agree(c, among, [d.copy() for d in descriptors])
         if not board.single_copy_agreed:
             _finish(c, among)
             fallback(c)
             return None
-    return np.array([d[[PID, ADDRESS]] for d in descriptors], dtype=np.int64)
+    return np.array([d[PID:ADDRESS + 1] for d in descriptors])  # a copy: the entries change after the call
 
 
 def _finish(c: Call, among: Readers) -> None:
@@ -224,8 +226,8 @@ def _prefer_huge_pages(array: np.ndarray, address: int) -> None:
 def _descriptor(address: int) -> np.ndarray:
     """PID, ADDRESS (of the array peers read), TOKEN_ADDRESS, TOKEN, then the step word and its
     sleepers, zero."""
-    words = np.zeros(DESCRIPTOR_BYTES // 8, dtype=np.int64)
-    words[:STEP] = os.getpid(), address, _TOKEN_ADDRESS, _token[0]
+    words = _own.copy()
+    words[ADDRESS] = address
     return words
 
 

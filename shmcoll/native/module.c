@@ -163,6 +163,17 @@ done:
     return result;
 }
 
+static PyObject *address_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer buf = {0};
+    PyObject *result = NULL;
+    if (check_count(nargs, 1, "address_of") || hold(args[0], &buf, 0, "address_of buffer"))
+        goto done;
+    result = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)buf.view.buf);
+done:
+    release(&buf);
+    return result;
+}
+
 static PyObject *store_and_wake(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     held_buffer mem = {0};
     int64_t index, value, sleepers_index;
@@ -480,6 +491,8 @@ static PyMethodDef methods[] = {
      "wait_word(mem, word, target, at_least, sleepers, spin_ns, slice_ns) -> reached"},
     {"board_all_reduce", (PyCFunction)(void (*)(void))board_all_reduce, METH_FASTCALL,
      "board_all_reduce(mem, data, header, where, rank, seq, code, op, position, spin_ns, slice_ns, done_sleepers)"},
+    {"address_of", (PyCFunction)(void (*)(void))address_of, METH_FASTCALL,
+     "address_of(buffer) -> the address of a contiguous buffer's first byte in this process"},
     {"read_peer", (PyCFunction)(void (*)(void))read_peer, METH_FASTCALL,
      "read_peer(out, pid, address) -> 0, or the errno of the failed read: len(out) bytes of process pid's "
      "memory at address"},
