@@ -11,6 +11,7 @@ hierarchical algorithms run one inside each host and one across hosts), and `own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,14 +34,20 @@ def _ring_steps(c: Call, data: np.ndarray, ring: Sequence[int], owned: Sequence[
     all-gather (first 0, op None: each copies it) at this rank's position of `ring`: in step k it
     sends segment p-k-first to its right neighbour and receives segment p-k-first-1 from its left,
     every segment cut into the same number of frames, so both ends of a step agree."""
-    n, p = len(ring), ring.index(c.rank)
     pieces = chunk_count(max(b - a for a, b in owned), data.itemsize, c.chunk_bytes)
-    steps = []
+    bounds = _ring_bounds(len(ring), ring.index(c.rank), tuple(owned), pieces, first)
+    return [(data[s0:s1], data[r0:r1], op) for s0, s1, r0, r1 in bounds]
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_bounds(n: int, p: int, owned: tuple[Bounds, ...], pieces: int,
+                 first: int) -> tuple[tuple[int, int, int, int], ...]:
+    """_ring_steps' (sent, received) element bounds: the same for every call of a kind, so kept."""
+    bounds = []
     for step in range(n - 1):
         sent, received = owned[(p - step - first) % n], owned[(p - step - first - 1) % n]
-        for (s0, s1), (r0, r1) in zip(sub_bounds(*sent, pieces), sub_bounds(*received, pieces)):
-            steps.append((data[s0:s1], data[r0:r1], op))
-    return steps
+        bounds += [(*s, *r) for s, r in zip(sub_bounds(*sent, pieces), sub_bounds(*received, pieces))]
+    return tuple(bounds)
 
 
 def _run_ring(c: Call, ring: Sequence[int], steps: list[Step]) -> None:

@@ -23,6 +23,7 @@ Reduce-scatter and reduce are in two_level_reduce.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -41,7 +42,15 @@ from .direct import INT64_CODE, SIGNAL_CODE, recv_stream, send_stream, shape_hea
 from .doubling import partner_steps, recursive_doubling_all_reduce
 from .doubling_broadcast import doubling_broadcast, give, take
 from .halving import halving_doubling_all_reduce
-from .ring import one_shot_all_reduce, ring_all_gather_owned, ring_all_reduce, ring_reduce_scatter, scale_if_avg, summed
+from .ring import (
+    Bounds,
+    one_shot_all_reduce,
+    ring_all_gather_owned,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    scale_if_avg,
+    summed,
+)
 from .select import Algorithm, across_hosts, crossing_columns, gather_across_hosts, small_across_hosts
 from .single_copy import DESCRIPTOR_BYTES, Readers, all_reduce_among
 
@@ -55,9 +64,9 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     With single_copy (config.Tuning.single_copy, alike on every rank), the host's ranks read each
     other's arrays for the in-host phases where the host allows it (single_copy.all_reduce_among):
     every byte crosses between the host's processes once, where the rings copy it twice."""
-    host, k, end = topo.local_ranks(c.rank), topo.min_local, len(data)
+    host, k = topo.local_ranks(c.rank), topo.min_local
     j = host.index(c.rank)
-    owned = segment_bounds(end, k) + [(end, end)] * (len(host) - k)
+    owned, ranges = _owned(len(data), data.itemsize, k, len(host))
 
     def across(a: int, b: int) -> None:
         if j < k:  # a larger host's extra ranks own nothing
@@ -73,9 +82,17 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     if readers is None:
         over_rings(c)
         return
-    ranges = [(a * data.itemsize, b * data.itemsize) for a, b in owned]
     all_reduce_among(c, readers, data, summed(op), ranges, over_rings,
                      lambda lo, hi: across(lo // data.itemsize, hi // data.itemsize))
+
+
+@functools.lru_cache(maxsize=256)
+def _owned(count: int, itemsize: int, k: int, ranks: int) -> tuple[tuple[Bounds, ...], tuple[Bounds, ...]]:
+    """The element range each local index of a host of `ranks` owns in a large all-reduce of count
+    elements (the first k share them, the rest own nothing), and the same in bytes: alike for every
+    call of a kind, so kept."""
+    owned = tuple(segment_bounds(count, k)) + ((count, count),) * (ranks - k)
+    return owned, tuple((a * itemsize, b * itemsize) for a, b in owned)
 
 
 def readers_in_host(c: Call, host: tuple[int, ...], single_copy: bool) -> Readers | None:

@@ -7,6 +7,7 @@ its position on its host; the "column" j is local index j of every host that has
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ class Topology:
     def n_hosts(self) -> int:
         return len(self.hosts)
 
-    @property
+    @functools.cached_property
     def min_local(self) -> int:
         """Ranks on the smallest host: how many columns every host can take part in."""
         return min(len(h) for h in self.hosts)
@@ -66,7 +67,12 @@ class Topology:
 
     def column(self, j: int) -> tuple[int, ...]:
         """Local index j of every host that has one, in host order."""
-        return tuple(h[j] for h in self.hosts if j < len(h))
+        return self._columns[j] if j < len(self._columns) else ()
+
+    @functools.cached_property
+    def _columns(self) -> tuple[tuple[int, ...], ...]:
+        """Every column, worked out once: a large call across hosts asks for one every time."""
+        return tuple(tuple(h[j] for h in self.hosts if j < len(h)) for j in range(max(map(len, self.hosts))))
 
     def same_host(self, a: int, b: int) -> bool:
         return self.host_of[a] == self.host_of[b]
