@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import CollectiveError
 from ..transport.base import BoardGuard, Transport
@@ -13,9 +13,9 @@ from ..transport.shm_board import Board
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class Call:
-    """One collective call: the transport, its tag and description (Meta), dtype code and deadline."""
+class Call(NamedTuple):
+    """One collective call: the transport, its tag and description (Meta), dtype code and deadline.
+    (A named tuple: one is built for every call, and takes a third of a frozen dataclass's time.)"""
 
     t: Transport
     tag: int

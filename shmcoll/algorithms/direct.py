@@ -19,7 +19,6 @@ group for the others.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 
@@ -122,14 +121,14 @@ def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code:
             j = (root + k) % c.size
             head = np.concatenate([[code], shape_header(blocks[j].shape)])
             c.t.send(j, c.tag, head, INT64_CODE, c.meta, c.deadline)
-            send_stream(replace(c, code=code), j, blocks[j].reshape(-1))
+            send_stream(c._replace(code=code), j, blocks[j].reshape(-1))
         return blocks[root].copy()  # storage dtype: the caller views it as the user's
     head = np.empty(2 + MAX_NDIM, dtype=np.int64)
     c.t.recv_into(root, c.tag, head, INT64_CODE, c.deadline, c.meta)
     code, shape = _block_description(head, root)
     wire = WIRE_TYPES[code]
     out = np.empty(shape, dtype=wire.array_dtype)
-    recv_stream(replace(c, code=code), root, out.reshape(-1).view(wire.storage))
+    recv_stream(c._replace(code=code), root, out.reshape(-1).view(wire.storage))
     return out
 
 

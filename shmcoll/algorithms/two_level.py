@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -291,7 +290,7 @@ def two_level_agree(c: Call, topo: Topology) -> None:
     frame carries the call's description and a rank leaves only after hearing, through its host's
     board and its column (or its leader), from every rank, with at most K messages per host pair
     (K ranks per host) instead of one per rank pair."""
-    two_level_barrier(replace(c, code=SIGNAL_CODE), topo)
+    two_level_barrier(c._replace(code=SIGNAL_CODE), topo)
 
 
 def two_level_exchange_shapes(c: Call, topo: Topology, shape: tuple[int, ...]) -> list[int]:
@@ -299,5 +298,5 @@ def two_level_exchange_shapes(c: Call, topo: Topology, shape: tuple[int, ...]) -
     per host pair, not per rank pair)."""
     mine = shape_header(shape)
     gathered = np.empty(c.size * len(mine), dtype=np.int64)
-    two_level_all_gather(replace(c, code=INT64_CODE), topo, mine, gathered)
+    two_level_all_gather(c._replace(code=INT64_CODE), topo, mine, gathered)
     return shapes_to_lengths(list(gathered.reshape(c.size, len(mine))), shape)
