@@ -10,7 +10,7 @@ Uneven hosts: K = the smallest host's rank count. A large all-reduce is cut into
 rank j < K of every host owns slice j and all-reduces it across hosts with its peers of the same
 local rank (K rings busy at once); a larger host's extra ranks only take part inside their host.
 Its in-host phases read the host's peers' arrays directly where the host allows it (single_copy.py:
-each rank folds its slice out of its peers' arrays, and copies the finished slices out of theirs),
+each rank folds its slice out of its peers' arrays, and writes it, finished, into theirs),
 else they go around the host's shared-memory ring.
 A small all-reduce and the barrier meet on each host's board first; then between 2 hosts local
 rank j < K of every host crosses with its peers of the same local rank (its column: K exchanges at
