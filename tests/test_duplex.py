@@ -453,6 +453,19 @@ def _one_by_one(t: NetTransport, arrays: list[np.ndarray]) -> None:
         t.recv_into(peer, TAG, into, F32.code, deadline, META, op)
 
 
+def _row_against(transports, peer_side, n: int) -> None:
+    """Rank 0 runs the row while rank 1 runs peer_side on its own arrays (in a thread); both end
+    with the sums."""
+    arrays = [_row(n, 1.0), _row(n, 2.0)]
+    other = threading.Thread(target=peer_side, args=(transports[1], arrays[1]))
+    other.start()
+    _run_row(transports[0], arrays[0])
+    other.join(timeout=bounds.WAIT_HANG_S)
+    assert not other.is_alive()
+    for mine in arrays:
+        assert np.all(mine[1] == 3.0) and np.all(mine[2] == 3.0)
+
+
 @pytest.mark.parametrize("n", [1000, 3 << 20])
 def test_a_row_of_steps_takes_its_connections_once(transports, monkeypatch, n):
     """send_recv_row: both ends run two dependent steps (the second sends what the first folded
@@ -462,13 +475,7 @@ def test_a_row_of_steps_takes_its_connections_once(transports, monkeypatch, n):
     claim = NetTransport._claim
     monkeypatch.setattr(NetTransport, "_claim", lambda self, *a: (claims.append(self.rank), claim(self, *a))[1])
     statuses = _counted_duplex_calls(monkeypatch)
-    arrays = [_row(n, 1.0), _row(n, 2.0)]
-    other = threading.Thread(target=_run_row, args=(transports[1], arrays[1]))
-    other.start()
-    _run_row(transports[0], arrays[0])
-    other.join(timeout=bounds.WAIT_HANG_S)
-    for mine in arrays:
-        assert np.all(mine[1] == 3.0) and np.all(mine[2] == 3.0)
+    _row_against(transports, _run_row, n)
     assert transports[0].bytes_to == [0, 2 * 4 * n] and transports[1].bytes_to == [2 * 4 * n, 0]
     assert claims.count(0) <= 1 and claims.count(1) <= 1
     assert statuses.count(kernels.DUPLEX_DONE) >= 2  # one end at least ran both steps natively
@@ -477,13 +484,7 @@ def test_a_row_of_steps_takes_its_connections_once(transports, monkeypatch, n):
 def test_a_row_meets_a_peer_that_takes_the_general_path(transports):
     """The peer sends and receives each step on its own (the frames any other path sends): the
     row's results are the same."""
-    arrays = [_row(1000, 1.0), _row(1000, 2.0)]
-    other = threading.Thread(target=_one_by_one, args=(transports[1], arrays[1]))
-    other.start()
-    _run_row(transports[0], arrays[0])
-    other.join(timeout=bounds.WAIT_HANG_S)
-    for mine in arrays:
-        assert np.all(mine[1] == 3.0) and np.all(mine[2] == 3.0)
+    _row_against(transports, _one_by_one, 1000)
 
 
 def test_a_row_stopped_by_another_frame_finishes_its_steps(transports, monkeypatch):

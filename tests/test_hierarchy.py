@@ -228,15 +228,21 @@ SMALL_CALLS = [(np.float32, shmcoll.ReduceKind.SUM), (np.float16, shmcoll.Reduce
                (np.int64, shmcoll.ReduceKind.MAX), (np.float64, shmcoll.ReduceKind.PROD)]
 
 
-def _small_calls_by_either_path(pg, lean_parity: int):
-    """The small all-reduces and barriers of SMALL_CALLS, on the lean path (lean.py) on ranks of
-    one parity and on the general one (plans, runner) on the others: the general path's runs
-    are counted, so the lean ranks show they took none."""
+def _general_path_counted(pg, lean_parity: int) -> list[str]:
+    """Sends ranks not of lean_parity down the general path (plans, runner); the list that will
+    hold the collective of every call the general path runs, so the lean ranks show they took none."""
     if pg.rank % 2 != lean_parity:
         pg._lean = None
     general: list[str] = []
     run = pg._runner.run
     pg._runner.run = lambda plan: (general.append(plan.coll.label), run(plan))[1]
+    return general
+
+
+def _small_calls_by_either_path(pg, lean_parity: int):
+    """The small all-reduces and barriers of SMALL_CALLS, on the lean path (lean.py) on ranks of
+    one parity and on the general one on the others."""
+    general = _general_path_counted(pg, lean_parity)
     results = []
     for dtype, op in SMALL_CALLS:
         x = np.arange(1, 6, dtype=dtype) + pg.rank
@@ -279,11 +285,7 @@ def _large_inputs(dtype, rank: int) -> np.ndarray:
 def _large_calls_by_either_path(pg, lean_parity: int):
     """The large all-reduces of LARGE_CALLS, twice each, on the lean path on ranks of one parity
     and on the general one on the others, as _small_calls_by_either_path."""
-    if pg.rank % 2 != lean_parity:
-        pg._lean = None
-    general: list[str] = []
-    run = pg._runner.run
-    pg._runner.run = lambda plan: (general.append(plan.coll.label), run(plan))[1]
+    general = _general_path_counted(pg, lean_parity)
     results = []
     for dtype, op in LARGE_CALLS * 2:
         x = _large_inputs(dtype, pg.rank)
