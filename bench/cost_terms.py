@@ -21,7 +21,8 @@ Counts follow ring.py, doubling.py, halving.py and two_level.py: frames of at mo
 ring step or a halving swap (ring's and halving's pieces), whole arrays in recursive doubling and
 one-shot, and two extra messages of the whole array (one folded) for the positions past the
 largest power of two (doubling.on_power_of_two). TWO_LEVEL's in-host phases read the host peers'
-arrays (single_copy.py: three waits, and each rank reads as many bytes as a ring would send it).
+arrays and write into them (single_copy.py: two waits, and each rank reads and writes as many
+bytes as a ring would send it).
 Ranks that outnumber the cores share them: every phase's terms are multiplied by
 max(1, ranks busy in the phase / cores) ("oversubscription"), and each message across hosts adds
 alpha_shared per other busy rank on a core. So the fitted parameters but alpha_shared are those
@@ -143,8 +144,8 @@ def all_reduce_steps(phases: Algorithm, across: Algorithm, hosts: int, per_host:
     """two_level.py's all-reduce over hosts of `per_host` ranks each: TWO_LEVEL_ONE_SHOT (one step
     in the host, then crossing_columns columns cross with the whole array at once, and each leader
     hands it to the ranks of no column) or TWO_LEVEL (each rank folds its slice out of its K-1 host
-    peers' arrays, the K columns cross with a slice each at once, each rank copies the other
-    slices out of their owners' arrays). Each phase is on_cores(ranks busy in it)."""
+    peers' arrays, the K columns cross with a slice each at once, each rank writes its finished
+    slice into its host peers' arrays). Each phase is on_cores(ranks busy in it)."""
     k, ranks = per_host - 1, hosts * per_host
     if phases is Algorithm.TWO_LEVEL_ONE_SHOT:
         columns = crossing_columns(hosts, per_host)
@@ -158,12 +159,12 @@ def all_reduce_steps(phases: Algorithm, across: Algorithm, hosts: int, per_host:
     slice_bytes = -(-(nbytes // ITEMSIZE) // per_host) * ITEMSIZE
     fold = Steps(calls=1, reduced=k * slice_bytes, local_messages=SINGLE_COPY_WAITS if k else 0,
                  local_bytes=k * slice_bytes)
-    copy_out = Steps(local_bytes=k * slice_bytes)
-    return on_cores(fold + crossing(across, hosts, slice_bytes, chunk_bytes) + copy_out, ranks, cores)
+    write_out = Steps(local_bytes=k * slice_bytes)
+    return on_cores(fold + crossing(across, hosts, slice_bytes, chunk_bytes) + write_out, ranks, cores)
 
 
-#: The waits of a single-copy call on a host's board (single_copy.py: publish, reduced, finished).
-SINGLE_COPY_WAITS = 3
+#: The waits of a single-copy call on a host's board (single_copy.py: the peers' descriptors, finished).
+SINGLE_COPY_WAITS = 2
 
 
 def on_cores(steps: Steps, busy: int, cores: int | None) -> Steps:
