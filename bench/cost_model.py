@@ -106,7 +106,7 @@ def load(path: str) -> tuple[list[Point], int | None]:
 
 
 def fitted_lines(m: Machine, cores: int | None) -> list[str]:
-    unit = {"beta": "ns/B", "gamma": "ns/B", "beta_local": "ns/B"}
+    unit = {"beta": "ns/B", "beta_py": "ns/B", "gamma": "ns/B", "beta_local": "ns/B"}
     cells = [f"{t} = {getattr(m, t) * 1e9:.3f} {unit[t]}" if t in unit else f"{t} = {getattr(m, t) * 1e6:.1f} us"
              for t in TERMS]
     over = f"ranks / {cores} cores" if cores else "not modelled"

@@ -7,12 +7,17 @@ counts, the routing and the fit are unit-tested alone (tests/test_cost_model.py)
 A call's time is one rank's critical path, a sum of terms with one parameter each:
 
   call     once per call (Python, the plan, the call's own bookkeeping)
-  alpha    per message a rank sends across hosts, one after another: on these hosts a message costs
-           a syscall and a Python frame on both ends, paid per message rather than per step, so
-           ONE_SHOT's H-1 sends count H-1 times (among 1,024 hosts no one-shot costs one latency)
+  alpha    per message a rank sends across hosts, one after another, in a row of C calls
+           (Transport.exchanges: two hosts' one-shot, recursive doubling, up to SWAP_MAX_BYTES); a
+           message costs a syscall on both ends, paid per message rather than per step
+  alpha_step  per step of a ring or a halving (send_recv_row: one C call each, Python around it)
+  alpha_py  per message sent and received through Python (one-shot among more than two hosts,
+           exchanges past SWAP_MAX_BYTES, the folds past a power of two), so ONE_SHOT's H-1
+           sends count H-1 times (among 1,024 hosts no one-shot costs one latency)
   alpha_shared  per message across hosts and per other busy rank on the receiver's core: a rank
            woken by a message first waits for the ranks it shares a core with to give it up
-  beta     per byte a rank sends across hosts (it receives as many, at the same time)
+  beta, beta_py  per byte a rank sends across hosts in C calls (rows and steps), and through
+           Python (it receives as many, at the same time)
   gamma    per byte a rank folds into its result
   alpha_local, beta_local  the same as alpha and beta through a host's shared memory (K > 1 only):
            per wait on a host peer, and per byte read from a host peer's array or sent to it
@@ -43,6 +48,7 @@ from shmcoll.algorithms.call import chunk_count
 from shmcoll.algorithms.select import Algorithm, Setting, across_hosts, crossing_columns, select, small_across_hosts
 from shmcoll.config import ONE_SHOT_BYTES_ACROSS_HOSTS, Tuning
 from shmcoll.transport.shm_layout import board_bytes_for
+from shmcoll.transport.tcp import SWAP_MAX_BYTES
 from shmcoll.types import Collective
 
 ITEMSIZE = 4  # float32, as hosts_rank.py times
@@ -61,7 +67,10 @@ class Steps:
 
     calls: float = 0.0
     messages: float = 0.0
+    steps: float = 0.0
+    py_messages: float = 0.0
     wire: float = 0.0
+    py_wire: float = 0.0
     reduced: float = 0.0
     local_messages: float = 0.0
     local_bytes: float = 0.0
@@ -73,6 +82,11 @@ class Steps:
     def times(self, factor: float) -> Steps:
         return Steps(*(a * factor for a in astuple(self)))
 
+    @property
+    def crossings(self) -> float:
+        """Messages across hosts of every kind."""
+        return self.messages + self.steps + self.py_messages
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -80,7 +94,10 @@ class Machine:
 
     call: float = 0.0
     alpha: float = 0.0
+    alpha_step: float = 0.0
+    alpha_py: float = 0.0
     beta: float = 0.0
+    beta_py: float = 0.0
     gamma: float = 0.0
     alpha_local: float = 0.0
     beta_local: float = 0.0
@@ -112,8 +129,17 @@ def _core(hosts: int) -> tuple[int, bool]:
     return core.bit_length() - 1, hosts > core
 
 
-def _across(messages: float, wire: float, reduced: float) -> Steps:
-    return Steps(messages=messages, wire=wire, reduced=reduced)
+def _exchanges(count: float, nbytes: int, reduced: float, native: bool) -> Steps:
+    """count messages of nbytes each, as one-shot and recursive doubling send them: native where
+    they run in a row of C calls (swap_row), else through Python (a send, then a receive)."""
+    if native:
+        return Steps(messages=count, wire=count * nbytes, reduced=reduced)
+    return Steps(py_messages=count, py_wire=count * nbytes, reduced=reduced)
+
+
+def _duplexes(count: float, wire: float, reduced: float) -> Steps:
+    """A ring's or a halving's steps: one C call each (duplex), with Python around it."""
+    return Steps(steps=count, wire=wire, reduced=reduced)
 
 
 def crossing(algorithm: Algorithm, hosts: int, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> Steps:
@@ -121,21 +147,22 @@ def crossing(algorithm: Algorithm, hosts: int, nbytes: int, chunk_bytes: int = C
     elems = nbytes // ITEMSIZE
     if hosts < 2:
         return Steps()
-    if algorithm is Algorithm.ONE_SHOT:
-        return _across(hosts - 1, (hosts - 1) * nbytes, (hosts - 1) * nbytes)
+    rowed = nbytes <= SWAP_MAX_BYTES  # exchanges in a row of C calls (Transport.exchanges)
+    if algorithm is Algorithm.ONE_SHOT:  # two hosts exchange; among more, sends and receives
+        return _exchanges(hosts - 1, nbytes, (hosts - 1) * nbytes, rowed and hosts == 2)
     rounds, fold = _core(hosts)
-    folding = _across(2 * fold, 2 * fold * nbytes, fold * nbytes)
+    folding = _exchanges(2 * fold, nbytes, fold * nbytes, False)
     if algorithm is Algorithm.RECURSIVE_DOUBLING:
-        return _across(rounds, rounds * nbytes, rounds * nbytes) + folding
+        return _exchanges(rounds, nbytes, rounds * nbytes, rowed) + folding
     if algorithm is Algorithm.RING:
         seg = -(-elems // hosts)
         pieces = chunk_count(seg, ITEMSIZE, chunk_bytes)
-        return _across(2 * (hosts - 1) * pieces, 2 * (hosts - 1) * seg * ITEMSIZE, (hosts - 1) * seg * ITEMSIZE)
+        return _duplexes(2 * (hosts - 1) * pieces, 2 * (hosts - 1) * seg * ITEMSIZE, (hosts - 1) * seg * ITEMSIZE)
     if algorithm is Algorithm.HALVING_DOUBLING:
         halves = [-(-elems // (1 << k)) for k in range(1, rounds + 1)]
         pieces = sum(chunk_count(h, ITEMSIZE, chunk_bytes) for h in halves)
         moved = sum(halves) * ITEMSIZE
-        return _across(2 * pieces, 2 * moved, moved) + folding
+        return _duplexes(2 * pieces, 2 * moved, moved) + folding
     raise ValueError(f"not an across-host algorithm: {algorithm}")
 
 
@@ -171,7 +198,7 @@ def on_cores(steps: Steps, busy: int, cores: int | None) -> Steps:
     """A phase's steps where `busy` ranks run it on `cores` cores: every term share() times over,
     and each message across hosts waits for the other ranks on its receiver's core."""
     s = share(busy, cores)
-    return steps.times(s) + Steps(shared_messages=steps.messages * (s - 1))
+    return steps.times(s) + Steps(shared_messages=steps.crossings * (s - 1))
 
 
 def in_host_messages(per_host: int, nbytes: int) -> int:

@@ -180,7 +180,7 @@ ONE_SHOT_BYTES_ONE_HOST = 16 << 10
 #: ... and across hosts, where each step is a network latency: one step among the host leaders (and
 #: a column slice up to this size in one step across) beat the ring and halving-doubling at 64 KiB
 #: on every layout measured, 1.5-2x, and tied at 1 MiB; the fitted model puts the crossing at
-#: 181 KiB with 2 ranks per host, higher with one (bench/cost_model.py, bench/README.md).
+#: 181-362 KiB with one or two ranks per host (bench/cost_model.py, bench/README.md).
 ONE_SHOT_BYTES_ACROSS_HOSTS = 128 << 10
 
 

@@ -32,40 +32,63 @@ S = 64 << 10  # divisible by every power of two of hosts below, in float32 eleme
 
 # ---- step counts ----
 
-def across(messages, wire, reduced):
+def rowed(messages, wire, reduced):
     return Steps(messages=messages, wire=wire, reduced=reduced)
+
+
+def by_python(messages, wire, reduced):
+    return Steps(py_messages=messages, py_wire=wire, reduced=reduced)
+
+
+def duplexed(steps, wire, reduced):
+    return Steps(steps=steps, wire=wire, reduced=reduced)
 
 
 @pytest.mark.parametrize("h", [2, 4, 8, 64, 1024])
 def test_powers_of_two_count_as_the_textbook_formulas(h):
     """One column, one chunk per step: one-shot alpha + (H-1)S(beta+gamma) (H-1 messages, see the module
     docstring), recursive doubling log2 H (alpha + S beta + S gamma), ring 2(H-1) alpha + 2(H-1)/H S beta
-    + (H-1)/H S gamma, halving-doubling the ring's bytes in 2 log2 H messages."""
+    + (H-1)/H S gamma, halving-doubling the ring's bytes in 2 log2 H messages. The exchanges of two
+    hosts' one-shot and of recursive doubling run in a row of C calls, a ring's and a halving's steps
+    one C call each, one-shot among more hosts through Python."""
     lg = int(math.log2(h))
-    assert cost_terms.crossing(OS, h, S) == across(h - 1, (h - 1) * S, (h - 1) * S)
-    assert cost_terms.crossing(RD, h, S) == across(lg, lg * S, lg * S)
-    assert cost_terms.crossing(RING, h, S) == across(2 * (h - 1), 2 * (h - 1) / h * S, (h - 1) / h * S)
-    assert cost_terms.crossing(HD, h, S) == across(2 * lg, 2 * (h - 1) / h * S, (h - 1) / h * S)
+    one_shot = rowed if h == 2 else by_python
+    assert cost_terms.crossing(OS, h, S) == one_shot(h - 1, (h - 1) * S, (h - 1) * S)
+    assert cost_terms.crossing(RD, h, S) == rowed(lg, lg * S, lg * S)
+    assert cost_terms.crossing(RING, h, S) == duplexed(2 * (h - 1), 2 * (h - 1) / h * S, (h - 1) / h * S)
+    assert cost_terms.crossing(HD, h, S) == duplexed(2 * lg, 2 * (h - 1) / h * S, (h - 1) / h * S)
 
 
 @pytest.mark.parametrize("h, core", [(3, 2), (6, 4), (1000, 512)])
 def test_hosts_past_a_power_of_two_add_the_fold(h, core):
-    """doubling.on_power_of_two: the array there and back (two messages, one fold) around the core."""
+    """doubling.on_power_of_two: the array there and back (two messages through Python, one fold)
+    around the core."""
     lg = int(math.log2(core))
-    assert cost_terms.crossing(RD, h, S) == across(lg + 2, (lg + 2) * S, (lg + 1) * S)
+    fold = by_python(2, 2 * S, S)
+    assert cost_terms.crossing(RD, h, S) == rowed(lg, lg * S, lg * S) + fold
     hd = cost_terms.crossing(HD, h, S)
-    assert hd == across(2 * lg + 2, 2 * (core - 1) / core * S + 2 * S, (core - 1) / core * S + S)
+    assert hd == duplexed(2 * lg, 2 * (core - 1) / core * S, (core - 1) / core * S) + fold
+
+
+def test_exchanges_past_a_rows_limit_go_through_python():
+    """One-shot and recursive doubling of more than SWAP_MAX_BYTES send and receive in Python."""
+    from shmcoll.transport.tcp import SWAP_MAX_BYTES
+
+    assert cost_terms.crossing(OS, 2, SWAP_MAX_BYTES) == rowed(1, SWAP_MAX_BYTES, SWAP_MAX_BYTES)
+    big = 2 * SWAP_MAX_BYTES
+    assert cost_terms.crossing(OS, 2, big) == by_python(1, big, big)
+    assert cost_terms.crossing(RD, 4, big) == by_python(2, 2 * big, 2 * big)
 
 
 def test_large_arrays_stream_in_frames_of_chunk_bytes():
     """A 4 MiB ring between 2 hosts: 2 steps of a 2 MiB segment, 2 frames of 1 MiB each; halving-doubling
     swaps the same 2 MiB in 2 frames each way; one-shot and recursive doubling send one frame."""
     big = 4 << 20
-    assert cost_terms.crossing(RING, 2, big).messages == 4
-    assert cost_terms.crossing(HD, 2, big).messages == 4
-    assert cost_terms.crossing(HD, 4, big).messages == 2 * (2 + 1)  # 2 MiB in 2 frames, 1 MiB in 1
-    assert cost_terms.crossing(RING, 2, big, chunk_bytes=4 << 20).messages == 2
-    assert cost_terms.crossing(RD, 2, big).messages == cost_terms.crossing(OS, 2, big).messages == 1
+    assert cost_terms.crossing(RING, 2, big).steps == 4
+    assert cost_terms.crossing(HD, 2, big).steps == 4
+    assert cost_terms.crossing(HD, 4, big).steps == 2 * (2 + 1)  # 2 MiB in 2 frames, 1 MiB in 1
+    assert cost_terms.crossing(RING, 2, big, chunk_bytes=4 << 20).steps == 2
+    assert cost_terms.crossing(RD, 2, big).py_messages == cost_terms.crossing(OS, 2, big).py_messages == 1
 
 
 def test_two_level_adds_the_host_phases():
@@ -105,10 +128,10 @@ def test_ranks_that_share_cores_scale_the_phases_they_are_busy_in():
     small = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL_ONE_SHOT, RD, 4, 2, S, cores=2)
     host = Steps(calls=1, reduced=S, local_messages=2, local_bytes=2 * S)
     crossing = cost_terms.crossing(RD, 4, S)
-    assert small == crossing.times(2) + Steps(shared_messages=crossing.messages) + host.times(4)
+    assert small == crossing.times(2) + Steps(shared_messages=crossing.crossings) + host.times(4)
     large = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S, cores=2)
     alone = cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S)
-    assert large == alone.times(4) + Steps(shared_messages=3 * alone.messages)
+    assert large == alone.times(4) + Steps(shared_messages=3 * alone.crossings)
     assert cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S, cores=8) == \
         cost_terms.all_reduce_steps(Algorithm.TWO_LEVEL, RING, 4, 2, S)
 
