@@ -49,7 +49,7 @@ from hosts_compare import HIER, Column, layouts_arg, namespaces, run_job, sizes_
 
 from shmcoll.algorithms import select
 from shmcoll.bench.plot import human
-from shmcoll.config import ONE_SHOT_BYTES_ACROSS_HOSTS, SPIN_US_VAR
+from shmcoll.config import SPIN_US_VAR, Tuning, one_shot_bytes_for
 
 DEFAULT_LAYOUTS = "2x1,4x1,8x1,2x2,4x2"
 DEFAULT_SIZES = "8,1K,64K,1M,4M"
@@ -168,7 +168,6 @@ def crossovers(m: Machine, per_host: int, top: int) -> list[str]:
                 return str(h)
         return f"none up to {top}"
     grid = [int(4 * 2 ** (k / 2)) // 4 * 4 for k in range(49)]  # 4 B to 64 MiB in half-octaves
-    one_shot = human(ONE_SHOT_BYTES_ACROSS_HOSTS)
     lines = [f"## crossovers ({per_host} rank{'s' * (per_host > 1)} per host)", "",
              "recursive doubling faster than one-shot (8 B) from hosts: "
              f"{first_hosts('one-shot', 'recursive-doubling', 8)} (select: above ONE_SHOT_MAX_HOSTS = "
@@ -177,11 +176,11 @@ def crossovers(m: Machine, per_host: int, top: int) -> list[str]:
         lines.append(f"halving-doubling faster than ring ({human(size)}) from hosts: "
                      f"{first_hosts('ring', 'halving-doubling', size)}"
                      f" (select: from HALVING_FROM_HOSTS = {select.HALVING_FROM_HOSTS})")
-    lines.append(f"size from which ring or halving-doubling is faster than one-shot and recursive doubling "
-                 f"(select: above one_shot_bytes = {one_shot}):")
+    lines.append("size from which ring or halving-doubling is faster than one-shot and recursive doubling:")
     for h in log2_hosts(top):
         at = next((s for s in grid if _large_wins(predicted(m, h, per_host, s))), None)
-        lines.append(f"  {h} hosts: " + (f"about {human_approx(at)}" if at else f"none up to {human(grid[-1])}"))
+        lines.append(f"  {h} hosts: " + (f"about {human_approx(at)}" if at else f"none up to {human(grid[-1])}")
+                     + f" (select: above one_shot_bytes = {human(one_shot_bytes_for(Tuning(), h))})")
     return lines + [""]
 
 

@@ -46,7 +46,7 @@ from hosts_rank import FORCINGS, forced
 
 from shmcoll.algorithms.call import chunk_count
 from shmcoll.algorithms.select import Algorithm, Setting, across_hosts, crossing_columns, select, small_across_hosts
-from shmcoll.config import ONE_SHOT_BYTES_ACROSS_HOSTS, Tuning
+from shmcoll.config import Tuning, one_shot_bytes_for
 from shmcoll.transport.shm_layout import board_bytes_for
 from shmcoll.transport.tcp import SWAP_MAX_BYTES
 from shmcoll.types import Collective
@@ -212,10 +212,12 @@ def in_host_messages(per_host: int, nbytes: int) -> int:
 
 # ---- which algorithm runs ----
 
-def route(hosts: int, per_host: int, nbytes: int,
-          one_shot_bytes: int = ONE_SHOT_BYTES_ACROSS_HOSTS) -> tuple[Algorithm, Algorithm]:
+def route(hosts: int, per_host: int, nbytes: int, one_shot_bytes: int | None = None) -> tuple[Algorithm, Algorithm]:
     """(phases, across): what select.py picks for a float32 all-reduce of nbytes over hosts x per_host
-    ranks, asked of select itself, with its constants as they are now."""
+    ranks, asked of select itself, with its constants as they are now (one_shot_bytes: config's
+    default for that many hosts, unless given)."""
+    if one_shot_bytes is None:
+        one_shot_bytes = one_shot_bytes_for(Tuning(), hosts)
     phases = select(Collective.ALL_REDUCE, nbytes, Setting(hosts=hosts, one_shot_bytes=one_shot_bytes,
                                                            size=hosts * per_host))
     if phases is Algorithm.TWO_LEVEL_ONE_SHOT:

@@ -209,7 +209,7 @@ def _small_all_reduce(pg):
 @pytest.mark.parametrize("layout, n, tcp, shm", [
     ("halves", 4, [[0, 0, 8, 0], [0, 0, 0, 8], [8, 0, 0, 0], [0, 8, 0, 0]], [[0] * 4] * 4),
     ("first-alone", 4, [[0, 8, 0, 0], [8, 0, 0, 0], [0] * 4, [0] * 4], [[0] * 4, [0, 0, 8, 8], [0] * 4, [0] * 4]),
-    ("pairs", 6, [[0, 0, 8, 0, 8, 0], [0] * 6, [8, 0, 0, 0, 8, 0], [0] * 6, [8, 0, 8, 0, 0, 0], [0] * 6],
+    ("pairs", 6, [[0, 0, 8, 0, 8, 0], [0] * 6, [8, 0, 0, 0, 0, 0], [0] * 6, [8, 0, 0, 0, 0, 0], [0] * 6],
      [[0, 8, 0, 0, 0, 0], [0] * 6, [0, 0, 0, 8, 0, 0], [0] * 6, [0, 0, 0, 0, 0, 8], [0] * 6]),
 ])
 def test_small_all_reduce_crosses_hosts_by_column(layout, n, tcp, shm, monkeypatch):
@@ -217,8 +217,9 @@ def test_small_all_reduce_crosses_hosts_by_column(layout, n, tcp, shm, monkeypat
     hosts local rank j of every host swaps the host's sum with local rank j of the other, one
     message each way, so no rank waits for its leader to hand the result on. Over 1+3 there is one
     column (0, 1): the second host's extra ranks 2 and 3 get the result from their leader over the
-    rings. Among 3 hosts (2+2+2) only the leaders 0, 2 and 4 cross, one message to each other
-    leader, and each hands the result to its host's other rank."""
+    rings. Among 3 hosts (2+2+2) only the leaders 0, 2 and 4 cross, by recursive doubling: 4 hands
+    its host's sum to 0, 0 and 2 swap theirs, 0 hands the result back to 4; and each leader hands
+    it to its host's other rank."""
     results = _run(layout, n, "hier", _small_all_reduce, monkeypatch)
     assert [out["tcp"] for out in results] == tcp
     assert [out["shm"] for out in results] == shm

@@ -23,9 +23,15 @@ from shmcoll.algorithms.select import (
     without_single_copy,
 )
 from shmcoll.algorithms.single_copy import DESCRIPTOR_BYTES
-from shmcoll.config import Tuning
+from shmcoll.config import (
+    ONE_SHOT_BYTES_ACROSS_HOSTS,
+    ONE_SHOT_BYTES_ONE_HOST,
+    ONE_SHOT_BYTES_ROWED,
+    Tuning,
+    one_shot_bytes_for,
+)
 from shmcoll.plans import Where
-from shmcoll.transport.tcp import NetTransport
+from shmcoll.transport.tcp import SWAP_MAX_BYTES, NetTransport
 from shmcoll.transport.topology import Topology
 from shmcoll.types import Collective
 
@@ -101,6 +107,18 @@ def test_one_shot_threshold_is_the_tuning_knob():
     assert select(C.ALL_REDUCE, KIB, tuned) is A.ONE_SHOT
     assert select(C.ALL_REDUCE, KIB + 1, tuned) is A.RING
     assert select(C.ALL_REDUCE, 8, Setting(hosts=1, board_bytes=None, one_shot_bytes=0)) is A.RING
+
+
+@pytest.mark.parametrize("hosts, default", [(1, ONE_SHOT_BYTES_ONE_HOST), (2, ONE_SHOT_BYTES_ROWED),
+                                           (3, ONE_SHOT_BYTES_ACROSS_HOSTS), (4, ONE_SHOT_BYTES_ROWED),
+                                           (6, ONE_SHOT_BYTES_ACROSS_HOSTS), (1024, ONE_SHOT_BYTES_ROWED)])
+def test_the_one_step_size_follows_how_the_steps_across_hosts_run(hosts, default):
+    """Among a power of two of hosts every step across is an exchange in one C call, which takes up
+    to SWAP_MAX_BYTES: one step goes that far; among others, less far; SHMCOLL_ONE_SHOT_BYTES
+    overrides both."""
+    assert one_shot_bytes_for(Tuning(), hosts) == default
+    assert one_shot_bytes_for(Tuning(one_shot_bytes=5), hosts) == 5
+    assert ONE_SHOT_BYTES_ROWED == SWAP_MAX_BYTES > ONE_SHOT_BYTES_ACROSS_HOSTS
 
 
 def test_a_board_too_small_for_all_gather_v_heads_is_not_used():
