@@ -226,13 +226,10 @@ class NetTransport(LinkTransport):
         return swapped, SENT
 
     def _claim_row(self, row: SwapRow, tag: int) -> int:
-        """How many of row's first steps this thread now holds both connections of, as _claim
-        takes them, in order until one it cannot have."""
+        """How many of row's first steps this thread now holds both connections of (_take), in
+        order until one it cannot have."""
         for i, inbox in enumerate(row.inboxes):
-            if not inbox.lock.acquire(blocking=False):
-                return i
-            if self._mailbox.has(row.peers[i], tag) or not row.send_locks[i].acquire(blocking=False):
-                inbox.lock.release()
+            if not self._take(inbox, row.send_locks[i], row.peers[i], tag):
                 return i
         return len(row.inboxes)
 
@@ -252,12 +249,19 @@ class NetTransport(LinkTransport):
         have them at once: src's reader thread idle, nothing of this call from src queued already,
         no send to `to` under way. None, holding nothing, where it cannot."""
         inbox = self._inboxes.get(src)
-        if inbox is None or to not in self._send_locks or not inbox.lock.acquire(blocking=False):
+        if inbox is None or to not in self._send_locks:
             return None
-        if self._mailbox.has(src, tag) or not self._send_locks[to].acquire(blocking=False):
+        return inbox if self._take(inbox, self._send_locks[to], src, tag) else None
+
+    def _take(self, inbox: _Inbox, send_lock: threading.Lock, src: int, tag: int) -> bool:
+        """The inbox's lock (src's) and a send lock, both taken, where this thread can have them at
+        once (see _claim); False, holding nothing, where it cannot."""
+        if not inbox.lock.acquire(blocking=False):
+            return False
+        if self._mailbox.has(src, tag) or not send_lock.acquire(blocking=False):
             inbox.lock.release()
-            return None
-        return inbox
+            return False
+        return True
 
     def _send_rest(self, to: int, header: bytes, data: np.ndarray, sent: int, deadline: float) -> None:
         """What a native call left of the frame (header, then data) after `sent` bytes, sent here
