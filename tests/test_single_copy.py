@@ -374,9 +374,12 @@ def test_ranks_that_reduce_different_lengths_fail_alike():
         assert out["kind"] == "CollectiveMismatch", out
 
 
-def _killed_in_step(pg, victim: int, call: str, step: str, finish):
+def _killed_in_step(pg, victim: int, call: str, step: str, agreed, finish):
     data = np.ones(ELEMENTS, dtype=np.float32)
     pg.all_reduce(data)  # the agreement, so the fault hits a call that reads peers
+    # Every rank done with the agreement first: a victim that finished it early and died in the next
+    # call would fail a peer still waiting inside the agreement, outside the call under test.
+    assert finish_together(agreed)
     run = (lambda: pg.all_reduce(data)) if call == "all_reduce" else (lambda: pg.broadcast(victim, data))
     if pg.rank == victim:
         setattr(single_copy, step, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
@@ -397,7 +400,7 @@ def test_a_rank_killed_inside_a_step_is_lost_to_every_other(call, step):
     its range (its peers wait for everyone to finish), or as a broadcast's root whose array its
     peers are reading."""
     victim, n = 1, 3
-    results = run_ranks(n, _killed_in_step, victim, call, step, CTX.Barrier(n - 1), env=SMALL_BOARD,
+    results = run_ranks(n, _killed_in_step, victim, call, step, CTX.Barrier(n), CTX.Barrier(n - 1), env=SMALL_BOARD,
                         may_die={victim})
     assert_survivors({r: out for r, out in enumerate(results) if r != victim}, victim)
 
@@ -414,8 +417,8 @@ def test_a_rank_killed_inside_a_step_across_hosts_is_lost_to_those_that_need_it(
     array: that peer, waiting for it to finish, loses it; the other host, which had all it needed,
     may return."""
     n = 4
-    results = run_ranks(n, _killed_in_step, victim, "all_reduce", step, CTX.Barrier(n - 1), env=ACROSS_HOSTS,
-                        may_die={victim})
+    results = run_ranks(n, _killed_in_step, victim, "all_reduce", step, CTX.Barrier(n), CTX.Barrier(n - 1),
+                        env=ACROSS_HOSTS, may_die={victim})
     assert_survivors({r: results[r] for r in losers}, victim)
     for rank in set(range(n)) - losers - {victim}:
         assert results[rank]["kind"] in ("returned", "PeerLost"), results[rank]
