@@ -280,6 +280,7 @@ def test_measure_jobs_time_all_reduce_by_the_forced_algorithm(tmp_path, monkeypa
     assert (flags["--collective"], flags["--algorithm"], flags["--transport"]) == ("all_reduce", "ring", "hier")
 
 
+@pytest.mark.multiprocess  # matplotlib's first import on a machine runs fc-list to build its font cache
 def test_fit_reads_measure_json_and_writes_the_parameters(tmp_path, capsys):
     """`fit` end to end on measure's JSON form, made from known parameters: every point predicted to
     the microsecond, the fitted parameters written, a PNG drawn where matplotlib is installed."""
