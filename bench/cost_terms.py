@@ -8,11 +8,12 @@ A call's time is one rank's critical path, a sum of terms with one parameter eac
 
   call     once per call (Python, the plan, the call's own bookkeeping)
   alpha    per message a rank sends across hosts, one after another, in a row of C calls
-           (Transport.exchanges: two hosts' one-shot, recursive doubling, up to SWAP_MAX_BYTES); a
+           (Transport.exchanges: two hosts' one-shot, recursive doubling with the hand-offs of the
+           positions past a power of two, up to SWAP_MAX_BYTES); a
            message costs a syscall on both ends, paid per message rather than per step
   alpha_step  per step of a ring or a halving (send_recv_row: one C call each, Python around it)
   alpha_py  per message sent and received through Python (one-shot among more than two hosts,
-           exchanges past SWAP_MAX_BYTES, the folds past a power of two), so ONE_SHOT's H-1
+           exchanges and hand-offs past SWAP_MAX_BYTES), so ONE_SHOT's H-1
            sends count H-1 times (among 1,024 hosts no one-shot costs one latency)
   alpha_shared  per message across hosts and per other busy rank on the receiver's core: a rank
            woken by a message first waits for the ranks it shares a core with to give it up
@@ -25,7 +26,7 @@ A call's time is one rank's critical path, a sum of terms with one parameter eac
 Counts follow ring.py, doubling.py, halving.py and two_level.py: frames of at most chunk_bytes in a
 ring step or a halving swap (ring's and halving's pieces), whole arrays in recursive doubling and
 one-shot, and two extra messages of the whole array (one folded) for the positions past the
-largest power of two (doubling.on_power_of_two). TWO_LEVEL's in-host phases read the host peers'
+largest power of two (doubling.doubling_steps, halving.py). TWO_LEVEL's in-host phases read the host peers'
 arrays and write into them (single_copy.py: two waits, and each rank reads and writes as many
 bytes as a ring would send it).
 Ranks that outnumber the cores share them: every phase's terms are multiplied by
@@ -151,7 +152,7 @@ def crossing(algorithm: Algorithm, hosts: int, nbytes: int, chunk_bytes: int = C
     if algorithm is Algorithm.ONE_SHOT:  # two hosts exchange; among more, sends and receives
         return _exchanges(hosts - 1, nbytes, (hosts - 1) * nbytes, rowed and hosts == 2)
     rounds, fold = _core(hosts)
-    folding = _exchanges(2 * fold, nbytes, fold * nbytes, False)
+    folding = _exchanges(2 * fold, nbytes, fold * nbytes, rowed)  # given away and taken back, in the row
     if algorithm is Algorithm.RECURSIVE_DOUBLING:
         return _exchanges(rounds, nbytes, rounds * nbytes, rowed) + folding
     if algorithm is Algorithm.RING:

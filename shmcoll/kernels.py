@@ -61,18 +61,21 @@ write_to_peers = _native.write_to_peers
 #: in own; d >= 1 also divides each finished piece by d where d > 1 (AVG, float codes) and writes
 #: it into every peer's array (process_vm_writev) while it is still in cache.
 reduce_from_peers = _native.reduce_from_peers
-#: swap_row(fds, srcs, lower_mask, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns,
-#: left_ns) -> (status, done, sent): pairwise exchanges with TCP peers in a row (native/swap.h).
-#: Step i sends header, with the call's tag and sequence number written in (frame.for_call), and
-#: data on socket fds[i], then, once that peer's frame (its header ours with srcs[i] as the
-#: source, its payload data's length) waits whole in the socket, reads it into inbound and folds
-#: it into data (data op theirs where bit i of lower_mask is set, else theirs op data). Each
-#: wait lasts at most wait_ns, the row at most left_ns. done: the steps finished; status, of the
-#: step that stopped the row: SWAP_SENT (its frame went out, the peer's is not there in time or
-#: another frame comes first: nothing was read); SWAP_PARTIAL (only `sent` bytes went out); below
-#: 0, -errno of a failed send; SWAP_DONE when every step finished.
+#: swap_row(fds, srcs, ways, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns,
+#: left_ns) -> (status, done, sent): pairwise steps with TCP peers in a row (native/swap.h), step
+#: i as byte i of ways says (WAY_*). A step that sends sends header, with the call's tag and
+#: sequence number written in (frame.for_call), and data on socket fds[i]; one that receives waits
+#: until that peer's frame (its header ours with srcs[i] as the source, its payload data's length)
+#: is whole in the socket, reads it into inbound and folds it into data (data op theirs for
+#: WAY_OWN_FIRST and WAY_FOLD_IN, theirs op data for WAY_THEIRS_FIRST) or copies it (WAY_TAKE).
+#: Each wait lasts at most wait_ns, the row at most left_ns. done: the steps finished; status, of
+#: the step that stopped the row: SWAP_SENT (whatever it sends went out, the peer's frame is not
+#: there in time or another frame comes first: nothing was read); SWAP_PARTIAL (only `sent` bytes
+#: went out); below 0, -errno of a failed send; SWAP_DONE when every step finished.
 swap_row = _native.swap_row
 SWAP_DONE, SWAP_SENT, SWAP_PARTIAL = _native.SWAP_DONE, _native.SWAP_SENT, _native.SWAP_PARTIAL
+WAY_THEIRS_FIRST, WAY_OWN_FIRST = _native.WAY_THEIRS_FIRST, _native.WAY_OWN_FIRST
+WAY_GIVE, WAY_TAKE, WAY_FOLD_IN = _native.WAY_GIVE, _native.WAY_TAKE, _native.WAY_FOLD_IN
 #: duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns,
 #: progress, lead_bytes) -> status: one frame out on socket out_fd (header, then data) while a
 #: peer's comes in on in_fd (native/duplex.h): its header byte for byte `expect`, the heartbeats

@@ -47,7 +47,7 @@ from .algorithms.select import Algorithm, select
 from .errors import InvalidArgument
 from .plans import Where, all_reduce_algorithm
 from .runner import Runner
-from .transport.base import BoardGuard, Transport
+from .transport.base import BoardGuard, PeerStep, Transport
 from .transport.frame import Meta
 from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS, Board, entry_header
 from .transport.tcp import SwapRow
@@ -220,14 +220,14 @@ class LeanAcrossHosts(LeanPath):
         self._host_board = two_level.host_board(transport, self._host)
         super().__init__(runner, transport, where, self._host_board)
 
-    def _prepare_rows(self, transport: Transport) -> dict[int, tuple[Sequence[tuple[int, bool]], SwapRow]]:
+    def _prepare_rows(self, transport: Transport) -> dict[int, tuple[Sequence[PeerStep], SwapRow]]:
         """Per collective, the column's exchanges across hosts where they run as one native call
         (Transport.prepare_row), with their steps: the all-reduce's (column_steps) and, among a
         power of two of hosts, the barrier's (the pairs dissemination_barrier meets in)."""
         if self._column is None:
             return {}
         n = len(self._column)
-        rows: dict[int, tuple[Sequence[tuple[int, bool]], SwapRow]] = {}
+        rows: dict[int, tuple[Sequence[PeerStep], SwapRow]] = {}
         paired = partner_steps(self._column, self._column.index(transport.rank), n) if n & (n - 1) == 0 else None
         for coll, steps in ((Collective.ALL_REDUCE, self._steps), (Collective.BARRIER, paired)):
             row = transport.prepare_row(steps) if steps else None
@@ -258,7 +258,7 @@ class LeanAcrossHosts(LeanPath):
     def _board_guard(self, tag: int, meta: Meta) -> BoardGuard:
         return self._t.host_board_guard(tag, meta)
 
-    def _row_across(self, steps: Sequence[tuple[int, bool]], row: SwapRow, flat: np.ndarray, p: _Prepared, tag: int,
+    def _row_across(self, steps: Sequence[PeerStep], row: SwapRow, flat: np.ndarray, p: _Prepared, tag: int,
                     seq: int, deadline: float) -> None:
         """The column's exchanges across hosts in one native call, from the board's header (the
         call's tag and sequence number written in); where the row stops, exchanges() goes on."""

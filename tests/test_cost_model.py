@@ -61,13 +61,20 @@ def test_powers_of_two_count_as_the_textbook_formulas(h):
 
 @pytest.mark.parametrize("h, core", [(3, 2), (6, 4), (1000, 512)])
 def test_hosts_past_a_power_of_two_add_the_fold(h, core):
-    """doubling.on_power_of_two: the array there and back (two messages through Python, one fold)
-    around the core."""
+    """doubling.doubling_steps: the array given away and taken back around the core (two messages,
+    one fold), in the row of C calls with the core's exchanges where they fit one."""
     lg = int(math.log2(core))
-    fold = by_python(2, 2 * S, S)
+    fold = rowed(2, 2 * S, S)
     assert cost_terms.crossing(RD, h, S) == rowed(lg, lg * S, lg * S) + fold
     hd = cost_terms.crossing(HD, h, S)
     assert hd == duplexed(2 * lg, 2 * (core - 1) / core * S, (core - 1) / core * S) + fold
+
+
+def test_a_fold_past_a_rows_limit_goes_through_python():
+    from shmcoll.transport.tcp import SWAP_MAX_BYTES
+
+    big = 2 * SWAP_MAX_BYTES
+    assert cost_terms.crossing(RD, 3, big) == by_python(3, 3 * big, 2 * big)
 
 
 def test_exchanges_past_a_rows_limit_go_through_python():

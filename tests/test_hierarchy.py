@@ -615,11 +615,12 @@ def _small_all_reduces(pg):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("n, messages", [(5, 10), (8, 24)])
+@pytest.mark.parametrize("n, messages", [(3, 4), (5, 10), (6, 12), (8, 24)])
 def test_small_all_reduce_among_many_hosts_doubles(n, messages, monkeypatch):
     """One rank per host, more hosts than ONE_SHOT_MAX_HOSTS: recursive doubling. At 8 hosts each
     rank sends the 8 bytes log2 8 = 3 times (24 messages, against 56 for one step to all); at 5 the
-    fifth hands its array to the first and gets the result back around 2 steps among 4 (10)."""
+    fifth gives its array to the first and takes the result back around 2 steps among 4 (10), at 6
+    the fifth and sixth to the first and second (12), at 3 the third to the first around 1 step (4)."""
     from shmcoll.algorithms.select import ONE_SHOT_MAX_HOSTS
 
     assert n > ONE_SHOT_MAX_HOSTS

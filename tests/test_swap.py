@@ -12,6 +12,7 @@ this path, and a late peer falls back to the receive that waits for it.
 from __future__ import annotations
 
 import errno
+import select
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ import pytest
 
 from shmcoll import kernels
 from shmcoll.transport import frame
-from shmcoll.transport.base import NOT_STARTED
+from shmcoll.transport.base import NOT_STARTED, Way
 from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
 from shmcoll.transport.tcp import NetTransport
 from shmcoll.types import F16, F32, F64, I64, U8, Collective, ReduceKind
@@ -46,17 +47,17 @@ def _header(src: int, data: np.ndarray, op: ReduceKind, seq: int = 3, tag: int =
 def _swap(sock, rank: int, peer: int, data: np.ndarray, op: ReduceKind, own_first: bool,
           wait_ns: int = WAIT_NS) -> tuple[int, int]:
     """A row of one step: (status, bytes sent of its frame)."""
-    status, done, sent = _row([sock], rank, [peer], data, op, int(own_first), wait_ns)
+    status, done, sent = _row([sock], rank, [peer], data, op, bytes([own_first]), wait_ns)
     assert done == (status == kernels.SWAP_DONE)
     return status, sent
 
 
-def _row(socks, rank: int, peers: list[int], data: np.ndarray, op: ReduceKind, lower_mask: int,
+def _row(socks, rank: int, peers: list[int], data: np.ndarray, op: ReduceKind, ways: bytes,
          wait_ns: int = WAIT_NS) -> tuple[int, int, int]:
     """The row from a header kept per kind of call (tag and sequence number 0: the row writes in TAG
     and 3, and its peers here send and expect what frame.pack makes of those)."""
     storage = data.view(np.uint16) if data.dtype == np.float16 else data
-    return kernels.swap_row([s.fileno() for s in socks], peers, lower_mask, _header(rank, data, op, seq=0, tag=0),
+    return kernels.swap_row([s.fileno() for s in socks], peers, ways, _header(rank, data, op, seq=0, tag=0),
                             TAG, 3, storage, np.empty(HEADER_SIZE + data.nbytes, np.uint8), CODES[data.dtype], int(op),
                             0, wait_ns, len(peers) * wait_ns)
 
@@ -102,7 +103,7 @@ def test_empty_frames_only_meet(pair):
     statuses: list = [None, None]
 
     def end(i: int) -> None:
-        statuses[i] = kernels.swap_row([pair[i].fileno()], [1 - i], int(i == 0), headers[i], TAG, 1, empty,
+        statuses[i] = kernels.swap_row([pair[i].fileno()], [1 - i], bytes([i == 0]), headers[i], TAG, 1, empty,
                                        np.empty(HEADER_SIZE, np.uint8), U8.code, 0, 0, WAIT_NS, WAIT_NS)
     other = threading.Thread(target=end, args=(1,))
     other.start()
@@ -166,16 +167,17 @@ def test_a_failed_send_is_its_errno(pair):
 
 
 @pytest.mark.parametrize("change", ["short inbound", "short header", "no loop", "negative wait", "fewer srcs",
-                                    "too many steps", "tag past 32 bits", "negative seq"])
+                                    "too many steps", "tag past 32 bits", "negative seq", "no such way",
+                                    "fewer ways"])
 def test_arguments_that_do_not_describe_exchanges_are_refused(pair, change):
     data = np.ones(4, dtype=np.float32)
     header = _header(0, data, ReduceKind.SUM)
-    args = [[pair[0].fileno()], [1], 1, header, TAG, 3, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8),
-            F32.code, int(ReduceKind.SUM), 0, WAIT_NS, WAIT_NS]
+    args = [[pair[0].fileno()], [1], bytes([Way.OWN_FIRST]), header, TAG, 3, data,
+            np.empty(HEADER_SIZE + data.nbytes, np.uint8), F32.code, int(ReduceKind.SUM), 0, WAIT_NS, WAIT_NS]
     index, value = {"short inbound": (7, np.empty(HEADER_SIZE, np.uint8)), "short header": (3, header[:35]),
                     "no loop": (8, 99), "negative wait": (11, -1), "fewer srcs": (1, []),
                     "too many steps": (0, [pair[0].fileno()] * 65), "tag past 32 bits": (4, 1 << 32),
-                    "negative seq": (5, -1)}[change]
+                    "negative seq": (5, -1), "no such way": (2, bytes([len(Way)])), "fewer ways": (2, b"")}[change]
     args[index] = value
     with pytest.raises(ValueError, match="do not describe exchanges|more than 64 steps"):
         kernels.swap_row(*args)
@@ -204,8 +206,8 @@ def test_a_row_of_doubling_steps_gives_every_end_the_same_bits():
     results: list = [None] * 4
 
     def end(i: int) -> None:
-        lower = int(not i & 1) | int(not i & 2) << 1
-        results[i] = _row([socks[i][1], socks[i][2]], i, [i ^ 1, i ^ 2], ends[i], ReduceKind.SUM, lower)
+        ways = bytes([not i & 1, not i & 2])  # OWN_FIRST where i is the lower end
+        results[i] = _row([socks[i][1], socks[i][2]], i, [i ^ 1, i ^ 2], ends[i], ReduceKind.SUM, ways)
     threads = [threading.Thread(target=end, args=(i,)) for i in range(1, 4)]
     for t in threads:
         t.start()
@@ -218,6 +220,46 @@ def test_a_row_of_doubling_steps_gives_every_end_the_same_bits():
         s.close()
 
 
+def test_a_row_among_three_gives_and_takes_back_the_third_ends_array():
+    """Three ends, recursive doubling with one past the power of two: end 2 gives its array to end 0
+    and takes the result back; end 0 folds it in first, exchanges with end 1, and gives the result
+    to end 2 last, its two steps with end 2 on one connection. Each end's steps in one call; every
+    end holds (x0 + x2) + x1, bit for bit the same; end 1 never hears from end 2."""
+    (s01, s10), (s02, s20) = connected_pair(), connected_pair()
+    rng = np.random.default_rng(3)
+    arrays = [(rng.normal(size=29) * 10.0 ** rng.integers(-3, 4, 29)).astype(np.float32) for _ in range(3)]
+    expected = arrays[0].copy()
+    kernels.reduce_into(expected, arrays[2], F32.code, int(ReduceKind.SUM))
+    kernels.reduce_into(expected, arrays[1], F32.code, int(ReduceKind.SUM))
+    ends = [a.copy() for a in arrays]
+    rows = {0: ([s02, s01, s02], [2, 1, 2], [Way.FOLD_IN, Way.OWN_FIRST, Way.GIVE]),
+            1: ([s10], [0], [Way.THEIRS_FIRST]), 2: ([s20, s20], [0, 0], [Way.GIVE, Way.TAKE])}
+    results: list = [None] * 3
+
+    def end(i: int) -> None:
+        socks, peers, ways = rows[i]
+        results[i] = _row(socks, i, peers, ends[i], ReduceKind.SUM, bytes(ways))[:2]
+    threads = [threading.Thread(target=end, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    end(0)
+    for t in threads:
+        t.join(timeout=30)
+    assert results == [(kernels.SWAP_DONE, 3), (kernels.SWAP_DONE, 1), (kernels.SWAP_DONE, 2)]
+    assert all(e.tobytes() == expected.tobytes() for e in ends)
+    for s in (s01, s10, s02, s20):
+        s.close()
+
+
+def test_a_step_that_only_receives_sends_nothing_while_it_waits(pair):
+    """A take whose peer is silent: SWAP_SENT once the wait passed, no byte sent, data untouched."""
+    a, b = pair
+    mine = np.arange(4, dtype=np.float32)
+    status, done, sent = _row([a], 0, [1], mine, ReduceKind.SUM, bytes([Way.TAKE]), wait_ns=30_000_000)
+    assert (status, done, sent) == (kernels.SWAP_SENT, 0, 0)
+    assert np.array_equal(mine, np.arange(4)) and not select.select([b], [], [], 0)[0]
+
+
 def test_a_row_stops_at_the_step_whose_peer_does_not_answer(pair):
     """Step 1's peer answers, step 2's does not: the row returns SWAP_SENT with one step done, the
     first fold in place, and the frame sent to the silent peer."""
@@ -225,7 +267,8 @@ def test_a_row_stops_at_the_step_whose_peer_does_not_answer(pair):
     c, d = connected_pair()
     mine, theirs = np.arange(4, dtype=np.float32), np.full(4, 10, dtype=np.float32)
     b.sendall(_header(1, theirs, ReduceKind.SUM) + theirs.tobytes())
-    status, done, sent = _row([a, c], 0, [1, 2], mine, ReduceKind.SUM, 0b11, wait_ns=30_000_000)
+    status, done, sent = _row([a, c], 0, [1, 2], mine, ReduceKind.SUM, bytes([Way.OWN_FIRST] * 2),
+                              wait_ns=30_000_000)
     assert (status, done, sent) == (kernels.SWAP_SENT, 1, HEADER_SIZE + mine.nbytes)
     assert np.array_equal(mine, np.arange(4) + 10)
     assert read_exactly(d, sent) == _header(0, mine, ReduceKind.SUM) + mine.tobytes()
@@ -246,13 +289,15 @@ def test_a_frame_from_another_source_is_not_taken(pair):
 
 def test_a_prepared_row_is_the_steps_up_to_the_first_peer_out_of_reach():
     """NetTransport.prepare_row: the first steps whose peers it has a connection to, each step's
-    own_first as its bit of lower_mask; None where the first step's peer is out of reach."""
+    way as a byte of ways, whether it sends, and the first step with its peer (which claims the
+    connection); None where the first step's peer is out of reach."""
     pairs = [connected_pair() for _ in range(2)]
     t = NetTransport(0, 4, {1: pairs[0][0], 3: pairs[1][0]}, timeout=bounds.WAIT_HANG_S)
     try:
-        row = t.prepare_row(((1, True), (3, False), (2, True), (1, True)))
-        assert row is not None and (row.peers, row.lower) == ([1, 3], 0b01)
-        assert t.prepare_row(((2, True), (1, True))) is None
+        row = t.prepare_row(((1, Way.FOLD_IN), (3, Way.THEIRS_FIRST), (1, Way.GIVE), (2, Way.OWN_FIRST)))
+        assert row is not None and (row.peers, row.first, row.sends) == ([1, 3, 1], [0, 1, 0], [False, True, True])
+        assert row.ways == bytes([Way.FOLD_IN, Way.THEIRS_FIRST, Way.GIVE])
+        assert t.prepare_row(((2, Way.OWN_FIRST), (1, Way.OWN_FIRST))) is None
     finally:
         t.close()
         for a, b in pairs:
@@ -275,7 +320,7 @@ def test_a_row_from_a_kept_header_sends_the_calls_frame(pair):
     other = threading.Thread(target=peer)
     other.start()
     try:
-        row = t.prepare_row(((1, True),))
+        row = t.prepare_row(((1, Way.OWN_FIRST),))
         assert row is not None
         result = t.swap_row(row, _header(0, mine, ReduceKind.SUM, seq=0, tag=0), TAG, 9, mine, F32.code,
                             ReduceKind.SUM, time.monotonic() + bounds.WAIT_HANG_S)
@@ -329,6 +374,22 @@ def test_small_all_reduces_across_hosts_swap_in_one_call(layout, n, steps, monke
         assert all(done <= steps for _, done in out[rank]["rows"])
         assert out[rank]["results"] == [(np.arange(3) * n + sum(range(n)) + n * i).tolist() for i in range(6)]
     assert any(row == (kernels.SWAP_DONE, steps) for o in out for row in o["rows"])
+
+
+@pytest.mark.multiprocess
+def test_three_hosts_run_each_ranks_steps_in_one_call(monkeypatch):
+    """3 hosts of one rank: the third gives its array to the first and takes the result back, the
+    first folds it in, exchanges with the second and gives the result back: each rank's steps (2,
+    1 and 3 of them) are one native call, hand-offs included (or fewer steps, where a peer's frame
+    was read into the mailbox first), and the sums are right."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    out = run_ranks(3, _count_swaps, None)
+    for rank, steps in enumerate((3, 1, 2)):
+        assert 0 < len(out[rank]["rows"]) <= 6 * steps
+        assert all(done <= steps for _, done in out[rank]["rows"])
+        assert (kernels.SWAP_DONE, steps) in out[rank]["rows"], out[rank]["rows"]
+        assert out[rank]["results"] == [(np.arange(3) * 3 + 3 + 3 * i).tolist() for i in range(6)]
 
 
 def _subgroup_swaps(pg) -> dict:

@@ -6,7 +6,7 @@ another; across many hosts each step pays the network's latency. Here the same b
 keep one half of the segments they still share and send the other half, which the partner folds
 into its own; after log2 n steps position p holds segment p, finished. The all-gather runs the
 steps backwards, copying. When n is not a power of two, the positions past the largest power of
-two hand their array to a partner below it first and get the result back at the end.
+two give their array to a partner below it first and take the result back at the end.
 
 Each segment is finished at one position and copied from there: bitwise identical everywhere.
 """
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..transport.base import PeerStep, Way
 from ..types import ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
-from .doubling import on_power_of_two
 from .ring import scale_if_avg, summed
 
 Span = tuple[int, int]  # [first, last) segment
@@ -27,14 +27,27 @@ Span = tuple[int, int]  # [first, last) segment
 
 def halving_doubling_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int]) -> None:
     """In place over a 1-D storage array, among `members` (this rank one of them)."""
-    def among_core(ranks: list[int], p: int, core: int) -> None:
-        segments = segment_bounds(len(data), core)
-        span = _reduce_scatter(c, data, summed(op), ranks, p, core, segments)
-        a, b = _elements(segments, span)
-        scale_if_avg(c, data[a:b], op, len(ranks))
-        _all_gather(c, data, ranks, p, core, segments, span)
+    ranks = list(members)
+    n, p = len(ranks), ranks.index(c.rank)
+    core = 1 << (n.bit_length() - 1)
+    if p >= core:  # past the largest power of two
+        partner = ranks[p - core]
+        _hand_off(c, data, op, (partner, Way.GIVE), (partner, Way.TAKE))
+        return
+    extra = ranks[p + core] if p + core < n else None
+    if extra is not None:
+        _hand_off(c, data, op, (extra, Way.FOLD_IN))
+    segments = segment_bounds(len(data), core)
+    span = _reduce_scatter(c, data, summed(op), ranks, p, core, segments)
+    a, b = _elements(segments, span)
+    scale_if_avg(c, data[a:b], op, n)
+    _all_gather(c, data, ranks, p, core, segments, span)
+    if extra is not None:
+        _hand_off(c, data, op, (extra, Way.GIVE))
 
-    on_power_of_two(c, data, op, members, among_core)
+
+def _hand_off(c: Call, data: np.ndarray, op: ReduceKind, *steps: PeerStep) -> None:
+    c.t.exchanges(steps, c.tag, data, c.code, c.meta, c.deadline, summed(op))
 
 
 def _reduce_scatter(c: Call, data: np.ndarray, op: ReduceKind, ranks: list[int], p: int, core: int,

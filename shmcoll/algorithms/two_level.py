@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..transport.base import Transport
+from ..transport.base import PeerStep, Transport
 from ..transport.shm_board import Board
 from ..transport.topology import Topology
 from ..types import ReduceKind
@@ -38,7 +38,7 @@ from .broadcast import chain_broadcast
 from .bruck import bruck_all_gather
 from .call import Call, segment_bounds
 from .direct import INT64_CODE, SIGNAL_CODE, recv_stream, send_stream, shape_header, shapes_to_lengths
-from .doubling import partner_steps, recursive_doubling_all_reduce
+from .doubling import doubling_steps, recursive_doubling_all_reduce
 from .doubling_broadcast import doubling_broadcast, give, take
 from .halving import halving_doubling_all_reduce
 from .ring import (
@@ -141,14 +141,14 @@ def column_all_reduce(hosts: int) -> AcrossHosts:
     return _ALL_REDUCE_ACROSS[small_across_hosts(hosts)]
 
 
-def column_steps(column: Sequence[int], rank: int) -> tuple[tuple[int, bool], ...] | None:
-    """The small all-reduce's steps in `rank`'s column as exchanges in a row (Transport.exchanges),
-    where column_all_reduce runs nothing else: two hosts' one-shot, or recursive doubling among a
-    power of two of hosts; else None."""
+def column_steps(column: Sequence[int], rank: int) -> tuple[PeerStep, ...] | None:
+    """The small all-reduce's steps in `rank`'s column as one row of Transport.exchanges(), where
+    column_all_reduce runs nothing else: two hosts' one-shot (one exchange), or recursive
+    doubling's; else None."""
     n = len(column)
-    if n & (n - 1) or (n > 2 and small_across_hosts(n) is not Algorithm.RECURSIVE_DOUBLING):
+    if n > 2 and small_across_hosts(n) is not Algorithm.RECURSIVE_DOUBLING:
         return None
-    return partner_steps(column, column.index(rank), n)
+    return doubling_steps(column, rank)
 
 
 def _in_host_step(c: Call, host: tuple[int, ...], data: np.ndarray, op: ReduceKind) -> Board | None:

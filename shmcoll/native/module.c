@@ -362,13 +362,13 @@ static int int_row(PyObject *seq, int64_t *out, Py_ssize_t *n, const char *what)
 }
 
 static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    held_buffer header = {0}, data = {0}, inbound = {0};
+    held_buffer ways = {0}, header = {0}, data = {0}, inbound = {0};
     int64_t fd_list[SWAP_MAX_STEPS], src_list[SWAP_MAX_STEPS];
-    int64_t tag, seq, code, op, lower_mask, spin_ns, wait_ns, left_ns;
+    int64_t tag, seq, code, op, spin_ns, wait_ns, left_ns;
     Py_ssize_t steps = 0, srcs = 0;
     PyObject *result = NULL;
     if (check_count(nargs, 13, "swap_row") || int_row(args[0], fd_list, &steps, "swap_row fds") ||
-        int_row(args[1], src_list, &srcs, "swap_row srcs") || as_i64(args[2], &lower_mask) ||
+        int_row(args[1], src_list, &srcs, "swap_row srcs") || hold(args[2], &ways, 0, "swap_row ways") ||
         as_i64(args[4], &tag) || as_i64(args[5], &seq) || as_i64(args[8], &code) || as_i64(args[9], &op) ||
         as_i64(args[10], &spin_ns) || as_i64(args[11], &wait_ns) || as_i64(args[12], &left_ns) ||
         hold(args[3], &header, 0, "swap_row header") || hold(args[6], &data, 1, "swap_row data") ||
@@ -377,12 +377,14 @@ static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t narg
     size_t size = sc_element_size((int)code);
     int fds[SWAP_MAX_STEPS];
     uint32_t peers[SWAP_MAX_STEPS];
-    int valid = steps == srcs && (data.view.len == 0 || (sc_has_loop(code, op) && data.view.len % size == 0)) &&
+    const uint8_t *way = ways.view.buf;
+    int valid = steps == srcs && ways.view.len == steps && (data.view.len == 0 || (sc_has_loop(code, op) && data.view.len % size == 0)) &&
                 header.view.len >= SWAP_SEQ_AT + 8 && header.view.len <= MAX_HEADER_BYTES && tag >= 0 &&
                 tag <= UINT32_MAX && seq >= 0 &&
                 inbound.view.len == header.view.len + data.view.len && spin_ns >= 0 && wait_ns >= 0 && left_ns >= 0;
     for (Py_ssize_t i = 0; valid && i < steps; ++i) {
-        valid = fd_list[i] >= 0 && fd_list[i] <= INT32_MAX && src_list[i] >= 0 && src_list[i] <= UINT32_MAX;
+        valid = fd_list[i] >= 0 && fd_list[i] <= INT32_MAX && src_list[i] >= 0 && src_list[i] <= UINT32_MAX &&
+                way[i] < WAY_COUNT;
         fds[i] = (int)fd_list[i];
         peers[i] = (uint32_t)src_list[i];
     }
@@ -393,12 +395,13 @@ static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t narg
     size_t sent = 0;
     int status, finished;
     Py_BEGIN_ALLOW_THREADS
-    status = sc_swap_row(fds, peers, (int)steps, (uint64_t)lower_mask, header.view.buf, (size_t)header.view.len,
+    status = sc_swap_row(fds, peers, (int)steps, way, header.view.buf, (size_t)header.view.len,
                          (uint32_t)tag, (uint64_t)seq, data.view.buf, (size_t)data.view.len, inbound.view.buf,
                          (int)code, (int)op, spin_ns, wait_ns, left_ns, &finished, &sent);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(iin)", status, finished, (Py_ssize_t)sent);
 done:
+    release(&ways);
     release(&header);
     release(&data);
     release(&inbound);
@@ -505,8 +508,8 @@ static PyMethodDef methods[] = {
      "rank order into own; deliver 0 keeps the result there, d >= 1 also divides each piece by d (where d > 1) "
      "and writes it into every peer's array"},
     {"swap_row", (PyCFunction)(void (*)(void))swap_row, METH_FASTCALL,
-     "swap_row(fds, srcs, lower_mask, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns, left_ns) -> "
-     "(status, done, sent): pairwise exchanges with TCP peers in a row (native/swap.h)"},
+     "swap_row(fds, srcs, ways, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns, left_ns) -> "
+     "(status, done, sent): pairwise steps with TCP peers in a row (native/swap.h), ways[i] step i's WAY_*"},
     {"duplex", (PyCFunction)(void (*)(void))duplex, METH_FASTCALL,
      "duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns, progress, "
      "lead_bytes) -> status: one frame out while one comes in (native/duplex.h); op < 0 copies; progress: "
@@ -529,6 +532,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && (PyModule_AddIntConstant(m, "BOARD_DONE", BOARD_DONE) < 0 ||
               PyModule_AddIntConstant(m, "SWAP_DONE", SWAP_DONE) < 0 ||
+              PyModule_AddIntConstant(m, "WAY_THEIRS_FIRST", WAY_THEIRS_FIRST) < 0 ||
+              PyModule_AddIntConstant(m, "WAY_OWN_FIRST", WAY_OWN_FIRST) < 0 ||
+              PyModule_AddIntConstant(m, "WAY_GIVE", WAY_GIVE) < 0 ||
+              PyModule_AddIntConstant(m, "WAY_TAKE", WAY_TAKE) < 0 ||
+              PyModule_AddIntConstant(m, "WAY_FOLD_IN", WAY_FOLD_IN) < 0 ||
               PyModule_AddIntConstant(m, "SWAP_SENT", SWAP_SENT) < 0 ||
               PyModule_AddIntConstant(m, "SWAP_PARTIAL", SWAP_PARTIAL) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_DONE", DUPLEX_DONE) < 0 ||

@@ -49,34 +49,29 @@ static int take_frame(int fd, const uint8_t *expect, size_t header_bytes, uint8_
     return recv(fd, inbound, total, MSG_DONTWAIT) == (ssize_t)total ? 1 : -1; /* peeked whole: cannot fall short */
 }
 
-static void fold(uint8_t *data, uint8_t *theirs, size_t nbytes, int code, int op, int own_first) {
+/* The peer's payload into data, as `way` says: folded in one order or the other, or copied. */
+static void place(uint8_t *data, uint8_t *theirs, size_t nbytes, int code, int op, int way) {
     size_t n = nbytes / sc_element_size(code);
-    if (own_first) {
+    if (way == WAY_TAKE) {
+        memcpy(data, theirs, nbytes);
+    } else if (way == WAY_OWN_FIRST || way == WAY_FOLD_IN) {
         sc_reduce(data, theirs, n, code, op);
-        return;
+    } else {
+        sc_reduce(theirs, data, n, code, op);
+        memcpy(data, theirs, nbytes);
     }
-    sc_reduce(theirs, data, n, code, op);
-    memcpy(data, theirs, nbytes);
 }
 
-/* One step of the row (swap.h): send, wait for the peer's frame, read, fold. */
-static int swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8_t *data, size_t nbytes,
-                       const uint8_t *expect, uint8_t *inbound, int code, int op, int own_first, int64_t spin_ns,
-                       int64_t wait_ns, size_t *sent) {
-    int64_t start = sc_now_ns(), end = start + wait_ns;
-    int64_t n = send_frame(fd, header, header_bytes, data, nbytes, end);
-    if (n < 0)
-        return (int)n;
-    *sent = (size_t)n;
-    if ((size_t)n < header_bytes + nbytes)
-        return SWAP_PARTIAL;
+/* Wait for the peer's frame until end, then read it and place it into data. */
+static int receive_frame(int fd, uint8_t *data, size_t nbytes, const uint8_t *expect, size_t header_bytes,
+                         uint8_t *inbound, int code, int op, int way, int64_t start, int64_t spin_ns, int64_t end) {
     for (;;) {
         int got = take_frame(fd, expect, header_bytes, inbound, header_bytes + nbytes);
         if (got < 0)
             return SWAP_SENT;
         if (got > 0) {
             if (nbytes > 0)
-                fold(data, inbound + header_bytes, nbytes, code, op, own_first);
+                place(data, inbound + header_bytes, nbytes, code, op, way);
             return SWAP_DONE;
         }
         int64_t now = sc_now_ns();
@@ -89,13 +84,33 @@ static int swap_frames(int fd, const uint8_t *header, size_t header_bytes, uint8
     }
 }
 
+/* One step of the row (swap.h): send, where the way sends; then wait for the peer's frame, read
+   it and place it, where the way receives. */
+static int run_step(int fd, int way, const uint8_t *header, size_t header_bytes, uint8_t *data, size_t nbytes,
+                    const uint8_t *expect, uint8_t *inbound, int code, int op, int64_t spin_ns, int64_t wait_ns,
+                    size_t *sent) {
+    int64_t start = sc_now_ns(), end = start + wait_ns;
+    *sent = 0;
+    if (way != WAY_TAKE && way != WAY_FOLD_IN) {
+        int64_t n = send_frame(fd, header, header_bytes, data, nbytes, end);
+        if (n < 0)
+            return (int)n;
+        *sent = (size_t)n;
+        if ((size_t)n < header_bytes + nbytes)
+            return SWAP_PARTIAL;
+    }
+    if (way == WAY_GIVE)
+        return SWAP_DONE;
+    return receive_frame(fd, data, nbytes, expect, header_bytes, inbound, code, op, way, start, spin_ns, end);
+}
+
 /* n bytes of v at field, little-endian. */
 static void put_le(uint8_t *field, uint64_t v, int n) {
     for (int k = 0; k < n; ++k)
         field[k] = (uint8_t)(v >> (8 * k));
 }
 
-int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, uint64_t lower_mask, const uint8_t *header,
+int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *ways, const uint8_t *header,
                 size_t header_bytes, uint32_t tag, uint64_t seq, uint8_t *data, size_t nbytes, uint8_t *inbound,
                 int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent) {
     uint8_t ours[MAX_HEADER_BYTES], expect[MAX_HEADER_BYTES];
@@ -109,8 +124,8 @@ int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, uint64_t lower_
         put_le(expect + SWAP_SRC_AT, srcs[i], 4);
         int64_t left = end - sc_now_ns();
         int64_t wait = left < 0 ? 0 : left < wait_ns ? left : wait_ns;
-        int status = swap_frames(fds[i], ours, header_bytes, data, nbytes, expect, inbound, code, op,
-                                 (int)((lower_mask >> i) & 1), spin_ns, wait, sent);
+        int status = run_step(fds[i], ways[i], ours, header_bytes, data, nbytes, expect, inbound, code, op, spin_ns,
+                              wait, sent);
         if (status != SWAP_DONE)
             return status;
     }

@@ -18,23 +18,35 @@ enum {                   /* a frame header's fields the row writes or compares (
     SWAP_SRC_AT = 12,    /* the source rank (4 bytes) */
     SWAP_TAG_AT = 16,    /* the tag (4 bytes) */
     SWAP_SEQ_AT = 28,    /* the call's sequence number (8 bytes) */
-    SWAP_MAX_STEPS = 64, /* steps in one row (bits of lower_mask) */
+    SWAP_MAX_STEPS = 64, /* steps in one row */
 };
 
-/* Pairwise exchanges with TCP peers in a row (recursive doubling's steps), step i with the peer
-   on connected socket fds[i] (non-blocking). Each step sends our frame, `header` (at most
-   MAX_HEADER_BYTES, duplex.h) with tag and seq written in, then data; a caller may keep one header
-   per kind of call and pass each call's numbers. Then it waits for the peer's frame: its header must
-   equal ours with srcs[i] as the source, byte for byte (the same call, from that peer), and its
-   payload be data's length.
+/* What step i of a row does with its peer (ways[i]). An exchange sends and folds the peer's frame
+   in; among a number of ranks that is not a power of two, a rank past the largest power of two
+   gives its array to a partner (which folds it in) and takes the result back from it. */
+enum {
+    WAY_THEIRS_FIRST = 0, /* send; data = theirs op data */
+    WAY_OWN_FIRST = 1,    /* send; data = data op theirs */
+    WAY_GIVE = 2,         /* send only */
+    WAY_TAKE = 3,         /* receive only: the peer's payload replaces data */
+    WAY_FOLD_IN = 4,      /* receive only: data = data op theirs */
+    WAY_COUNT = 5,
+};
+
+/* Pairwise steps with TCP peers in a row (recursive doubling's), step i with the peer on connected
+   socket fds[i] (non-blocking), as ways[i] says. A step that sends sends our frame, `header` (at
+   most MAX_HEADER_BYTES, duplex.h) with tag and seq written in, then data; a caller may keep one
+   header per kind of call and pass each call's numbers. A step that receives waits for the peer's
+   frame: its header must equal ours with srcs[i] as the source, byte for byte (the same call, from
+   that peer), and its payload be data's length.
    Once the whole frame waits in the socket it is read into `inbound` (header then payload) and
-   folded: data = data op theirs where bit i of lower_mask is set, else theirs op data (float
-   operations in one order on both ends: bitwise the same result); empty frames only meet. Each
-   wait polls for spin_ns, yielding the core between looks, then sleeps in ppoll, for at most
-   wait_ns and within left_ns of the row's start. Nothing but those frames is ever read. *done:
-   the steps finished; the row stops at the first step that does not finish, which is the
-   status's. */
-int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, uint64_t lower_mask, const uint8_t *header,
+   folded (data op theirs or theirs op data: float operations in one order on both ends, so both
+   hold bitwise the same result) or copied into data; empty frames only meet. Each wait polls for
+   spin_ns, yielding the core between looks, then sleeps in ppoll, for at most wait_ns and within
+   left_ns of the row's start. Nothing but those frames is ever read. *done: the steps finished;
+   the row stops at the first step that does not finish, which is the status's (SWAP_SENT for a
+   step that only receives: nothing was read). */
+int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *ways, const uint8_t *header,
                 size_t header_bytes, uint32_t tag, uint64_t seq, uint8_t *data, size_t nbytes, uint8_t *inbound,
                 int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent);
 

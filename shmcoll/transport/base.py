@@ -16,6 +16,7 @@ its parent's transport).
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -41,6 +42,27 @@ if TYPE_CHECKING:
 NOT_STARTED, SENT = range(2)
 #: One step of send_recv_row: the array sent, the array received into, and how (op: folded; None: copied).
 Step = tuple[np.ndarray, np.ndarray, ReduceKind | None]
+
+
+class Way(enum.IntEnum):
+    """What a step of exchanges() does with its peer (kernels.swap_row's ways). An exchange sends
+    the array and folds the peer's in, in the order both ends use; among a number of ranks that is
+    not a power of two, a rank past the largest power of two gives its array to a partner, which
+    folds it in, and takes the result back from it."""
+
+    THEIRS_FIRST = kernels.WAY_THEIRS_FIRST  # exchange: data = theirs op data
+    OWN_FIRST = kernels.WAY_OWN_FIRST  # exchange: data = data op theirs
+    GIVE = kernels.WAY_GIVE  # send only
+    TAKE = kernels.WAY_TAKE  # receive only: the peer's array replaces data
+    FOLD_IN = kernels.WAY_FOLD_IN  # receive only: data = data op theirs
+
+    @property
+    def sends(self) -> bool:
+        return self in (Way.THEIRS_FIRST, Way.OWN_FIRST, Way.GIVE)
+
+
+#: One step of exchanges(): the peer, and what this rank does with it.
+PeerStep = tuple[int, Way]
 
 
 class BoardGuard(Protocol):
@@ -86,41 +108,46 @@ class Transport(ABC):
         the array peer sends in the same call, data = own op theirs where own_first, else theirs
         op own (both ends then hold bitwise the same result); with an empty array the two only
         meet (a barrier's step)."""
-        self.exchanges(((peer, own_first),), tag, data, code, meta, deadline, op)
+        self.exchanges(((peer, Way.OWN_FIRST if own_first else Way.THEIRS_FIRST),), tag, data, code, meta, deadline,
+                       op)
 
-    def exchanges(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
+    def exchanges(self, steps: Sequence[PeerStep], tag: int, data: np.ndarray, code: int, meta: Meta,
                   deadline: float, op: ReduceKind) -> None:
-        """exchange() with each (peer, own_first) of steps in turn: recursive doubling's steps. A
-        transport may run them in a row at once (`_swaps`); a step it cannot is a send, then a receive."""
+        """Each (peer, way) of steps in turn: recursive doubling's exchange() steps, and a rank's
+        array given to a partner and the result taken back. A transport may run them in a row at
+        once (`_swaps`); a step it cannot is a send, then a receive, as its way says."""
         while steps:
             swapped, done = self._swaps(steps, tag, data, code, meta, deadline, op)
             steps = self.exchanges_after(steps, swapped, done, tag, data, code, meta, deadline, op)
 
-    def exchanges_after(self, steps: Sequence[tuple[int, bool]], swapped: int, done: int, tag: int,
+    def exchanges_after(self, steps: Sequence[PeerStep], swapped: int, done: int, tag: int,
                         data: np.ndarray, code: int, meta: Meta, deadline: float,
-                        op: ReduceKind) -> Sequence[tuple[int, bool]]:
+                        op: ReduceKind) -> Sequence[PeerStep]:
         """Where a row of exchanges (_swaps, swap_row) stopped after `swapped` whole steps and
-        `done` of the next: that step finished here, a send and a receive. The steps after it."""
+        `done` of the next: that step finished here, its send and its receive as far as its way
+        has them. The steps after it."""
         if swapped == len(steps):
             return ()
-        peer, own_first = steps[swapped]
-        if done == NOT_STARTED:
+        peer, way = steps[swapped]
+        if done == NOT_STARTED and way.sends:
             self.send(peer, tag, data, code, meta, deadline)
-        self._fold_theirs(peer, tag, data, code, meta, deadline, op, own_first)
+        if way is not Way.GIVE:
+            self._fold_theirs(peer, tag, data, code, meta, deadline, op, way)
         return steps[swapped + 1:]
 
     def _fold_theirs(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
-                     op: ReduceKind, own_first: bool) -> None:
-        """An exchange's receive: peer's array folded into data in the order both ends use."""
-        if own_first or not data.nbytes:
-            self.recv_into(peer, tag, data, code, deadline, meta, op if data.nbytes else None)
+                     op: ReduceKind, way: Way) -> None:
+        """A step's receive: peer's array folded into data in the order both ends use, or copied (TAKE)."""
+        if way is not Way.THEIRS_FIRST or not data.nbytes:
+            folds = data.nbytes and way is not Way.TAKE
+            self.recv_into(peer, tag, data, code, deadline, meta, op if folds else None)
             return
         theirs = np.empty_like(data)
         self.recv_into(peer, tag, theirs, code, deadline, meta)
         kernels.reduce_into(theirs, data, code, op)
         data[:] = theirs
 
-    def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
+    def _swaps(self, steps: Sequence[PeerStep], tag: int, data: np.ndarray, code: int, meta: Meta,
                deadline: float, op: ReduceKind) -> tuple[int, int]:
         """The first steps of exchanges() where this transport can run them at once (a row,
         prepare_row and swap_row, with the call's frame header): how many it ran whole, and what
@@ -132,7 +159,7 @@ class Transport(ABC):
         header = frame.pack(DATA, self.rank, tag, meta, code, data.shape, data.nbytes)
         return self.swap_row(row, header, tag, meta.seq, data, code, op, deadline)
 
-    def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
+    def prepare_row(self, steps: Sequence[PeerStep]) -> SwapRow | None:
         """The first steps of exchanges() that swap_row can run in one native call, worked out once
         for a caller that runs them call after call (lean.py); None where this transport runs none."""
         return None

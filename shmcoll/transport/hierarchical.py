@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, PeerLost
 from ..types import ReduceKind
-from .base import NOT_STARTED, BoardGuard, Step, Transport
+from .base import NOT_STARTED, BoardGuard, PeerStep, Step, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
@@ -61,7 +61,7 @@ class HierarchicalTransport(Transport):
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
         self._route(to).send(to, tag, buf, code, meta, deadline)
 
-    def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
+    def prepare_row(self, steps: Sequence[PeerStep]) -> SwapRow | None:
         """The TCP side's row, as far as the peers are remote; the rest of exchanges() runs here (its
         receives in slices that look at this host's shared memory)."""
         remote = self._remote_steps(steps)
@@ -71,7 +71,7 @@ class HierarchicalTransport(Transport):
                  op: ReduceKind, deadline: float) -> tuple[int, int]:
         return self.net.swap_row(row, header, tag, seq, data, code, op, deadline)
 
-    def _remote_steps(self, steps: Sequence[tuple[int, bool]]) -> int:
+    def _remote_steps(self, steps: Sequence[PeerStep]) -> int:
         """How many of the first steps have remote peers."""
         for i, (peer, _) in enumerate(steps):
             if peer in self._local:

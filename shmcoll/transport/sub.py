@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatch, InvalidArgument
 from ..types import TAG_RESERVED_BASE, ReduceKind
-from .base import Step, Transport
+from .base import PeerStep, Step, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Message
 from .topology import Topology
@@ -132,11 +132,11 @@ class SubTransport(Transport):
     def send(self, to: int, tag: int, buf: np.ndarray, code: int, meta: Meta, deadline: float) -> None:
         self.root.send(self.ranks[to], tag, buf, code, self._out(meta), deadline)
 
-    def _swaps(self, steps: Sequence[tuple[int, bool]], tag: int, data: np.ndarray, code: int, meta: Meta,
+    def _swaps(self, steps: Sequence[PeerStep], tag: int, data: np.ndarray, code: int, meta: Meta,
                deadline: float, op: ReduceKind) -> tuple[int, int]:
         """The root's exchanges in a row, in its numbering (exchanges() carries collective tags only,
         which the root's mailbox queues unchanged)."""
-        steps = tuple((self.ranks[peer], own_first) for peer, own_first in steps)
+        steps = tuple((self.ranks[peer], way) for peer, way in steps)
         return self.root._swaps(steps, tag, data, code, self._out(meta), deadline, op)
 
     def _duplexes(self, to: int, src: int, tag: int, steps: Sequence[Step], code: int, meta: Meta,

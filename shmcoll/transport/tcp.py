@@ -16,9 +16,10 @@ waiting thread reads alone. Only frames already whole in the socket are read thi
 (large ones, a peer stopped mid-send, the connection's end) are the reader thread's.
 
 A pairwise exchange (Transport.exchange: the small all-reduce's step across hosts, a two-rank
-barrier; exchanges: recursive doubling's steps in a row) goes further where it can have the
-connections at once: one native call runs the steps, each sending its frame, waiting as a caller
-does, reading the peer's frame of the same call and folding it in (kernels.swap_row). So does a
+barrier; exchanges: recursive doubling's steps in a row, with the hand-offs of ranks past a power
+of two) goes further where it can have the connections at once: one native call runs the steps,
+each sending its frame, waiting as a caller does, reading the peer's frame of the same call and
+folding it in or copying it, as the step's way says (kernels.swap_row). So does a
 ring's or halving-doubling's step (Transport.send_recv), where it can have both connections: native
 calls send its frame while they read the peer's straight into place, or through a small scratch
 folded as it comes (kernels.duplex), with a look at the group's health between calls. Anything
@@ -45,7 +46,7 @@ from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from ..net.congestion import paced
 from ..types import ReduceKind
 from . import frame
-from .base import NOT_STARTED, SENT, LinkTransport, Step, Transport
+from .base import NOT_STARTED, SENT, LinkTransport, PeerStep, Step, Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -166,9 +167,9 @@ class NetTransport(LinkTransport):
             raise CollectiveTimeout(f"rank {to} did not accept data before the deadline (stopped or overloaded?)")
 
     # ---- both ways at once ----
-    def prepare_row(self, steps: Sequence[tuple[int, bool]]) -> SwapRow | None:
+    def prepare_row(self, steps: Sequence[PeerStep]) -> SwapRow | None:
         """The first steps whose peers this transport reaches, with their connections looked up."""
-        reached: list[tuple[int, bool]] = []
+        reached: list[PeerStep] = []
         for step in steps:
             if step[0] not in self._inboxes:
                 break
@@ -176,15 +177,16 @@ class NetTransport(LinkTransport):
         if not reached:
             return None
         peers = [peer for peer, _ in reached]
-        return SwapRow(peers, sum(int(own_first) << i for i, (_, own_first) in enumerate(reached)),
-                       [self._inboxes[peer] for peer in peers], [self._send_locks[peer] for peer in peers])
+        return SwapRow(peers, bytes(way for _, way in reached), [way.sends for _, way in reached],
+                       [peers.index(peer) for peer in peers], [self._inboxes[peer] for peer in peers],
+                       [self._send_locks[peer] for peer in peers])
 
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
                  op: ReduceKind, deadline: float) -> tuple[int, int]:
         """Exchanges in a row, in one native call (kernels.swap_row: each step sends, waits,
-        reads and folds, with no Python between), as far as this thread can have the steps'
-        connections at once (_claim_row): all are claimed first, so no reader thread takes a later
-        step's frame meanwhile. Each wait is a caller's (spin, then up to CALLER_SLEEP_SECONDS
+        reads and folds, as its way says, with no Python between), as far as this thread can have
+        the steps' connections at once (_claim_row): all are claimed first, so no reader thread
+        takes a later step's frame meanwhile. Each wait is a caller's (spin, then up to CALLER_SLEEP_SECONDS
         asleep); a peer's frame that is not there by then, or anything else on the socket first,
         stops the row, and that step's receive is left to recv. The group's health is looked at
         closely only where the mailbox shows trouble: a fault elsewhere (this host's abort) shows
@@ -201,17 +203,19 @@ class NetTransport(LinkTransport):
                 for peer in peers:
                     self._check_can_send(peer, deadline)
             fds = []
-            for inbox in row.inboxes[:claimed]:
-                inbox.quiet_reader()
+            for i, inbox in enumerate(row.inboxes[:claimed]):
+                if row.first[i] == i:
+                    inbox.quiet_reader()
                 fds.append(inbox.sock.fileno())
             left_s = max(0.0, deadline - time.monotonic())
+            inbound = np.empty(HEADER_SIZE + data.nbytes, np.uint8)
             status, swapped, sent = kernels.swap_row(
-                fds, peers, row.lower, header, tag, seq, data, np.empty(HEADER_SIZE + data.nbytes, np.uint8), code,
-                int(op), self._native_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
+                fds, peers, row.ways[:claimed], header, tag, seq, data, inbound, code, int(op), self._native_spin_ns,
+                int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
         finally:
             self._release_row(row, claimed, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
-        for peer in peers[:swapped]:
-            self.bytes_to[peer] += data.nbytes
+        for peer, sends in zip(peers[:swapped], row.sends):
+            self.bytes_to[peer] += data.nbytes if sends else 0
         if swapped == claimed:
             return swapped, NOT_STARTED
         peer = peers[swapped]
@@ -222,14 +226,14 @@ class NetTransport(LinkTransport):
                 row.send_locks[swapped].release()
         elif status < 0:
             raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
-        self.bytes_to[peer] += data.nbytes
+        self.bytes_to[peer] += data.nbytes if row.sends[swapped] else 0
         return swapped, SENT
 
     def _claim_row(self, row: SwapRow, tag: int) -> int:
-        """How many of row's first steps this thread now holds both connections of (_take), in
-        order until one it cannot have."""
+        """How many of row's first steps this thread now holds both connections of (_take, once per
+        peer), in order until one it cannot have."""
         for i, inbox in enumerate(row.inboxes):
-            if not self._take(inbox, row.send_locks[i], row.peers[i], tag):
+            if row.first[i] == i and not self._take(inbox, row.send_locks[i], row.peers[i], tag):
                 return i
         return len(row.inboxes)
 
@@ -237,11 +241,14 @@ class NetTransport(LinkTransport):
         """Give back what _claim_row took: the socket stays the caller's for a while (the reader
         thread napping) where its peer's frame was found; keep_send_lock: that of the step that
         stopped (`swapped`), whose frame is still to be sent."""
+        kept = row.first[swapped] if keep_send_lock else -1
         for i in range(claimed):
+            if row.first[i] != i:
+                continue
             inbox = row.inboxes[i]
             inbox.lock.release()
             inbox.leave(found=i < swapped)
-            if not (keep_send_lock and i == swapped):
+            if i != kept:
                 row.send_locks[i].release()
 
     def _claim(self, to: int, src: int, tag: int) -> _Inbox | None:
@@ -573,7 +580,9 @@ class SwapRow(NamedTuple):
     caller that runs the same steps call after call (lean.py's column across hosts)."""
 
     peers: list[int]
-    lower: int  # kernels.swap_row's lower_mask: bit i, step i folds our value first
+    ways: bytes  # kernels.swap_row's: byte i, what step i does (Way)
+    sends: list[bool]  # whether step i sends
+    first: list[int]  # the first step with step i's peer, which claims its connections
     inboxes: list[_Inbox]
     send_locks: list[threading.Lock]
 
