@@ -180,15 +180,14 @@ ONE_SHOT_BYTES_ONE_HOST = 16 << 10
 #: ... and across hosts, where each step is a network latency: one step among the host leaders (and
 #: a column slice up to this size in one step across) beat the ring and halving-doubling at 64 KiB
 #: on every layout measured, 1.5-2x, and tied at 1 MiB; the fitted model puts the crossing at
-#: 181-362 KiB with one or two ranks per host (bench/cost_model.py, bench/README.md) ...
-ONE_SHOT_BYTES_ACROSS_HOSTS = 128 << 10
-#: ... and up to this size among a power of two of hosts, where every step across is an exchange
-#: in a row of C calls (transport/tcp.py's swap_row, which takes up to SWAP_MAX_BYTES: this size):
-#: 2 hosts x 1, 2 x 2 and 4 x 1 at 192 and 256 KiB took 10-30% less time in one step than around
-#: the ring (2 x 2, 192 KiB: 190-196 us against 240-272). Past it the exchanges go through Python,
-#: and one step took 2-3 times the ring's (2 x 1 at 384 KiB: 334-348 us against 111-113); among 3
-#: hosts, whose doubling folds through Python, one step was as fast at 128 KiB and slower from 192.
-ONE_SHOT_BYTES_ROWED = 256 << 10
+#: 181-362 KiB with one or two ranks per host (bench/cost_model.py, bench/README.md). The steps
+#: across, exchanges and the hand-offs of hosts past a power of two, run in a row of C calls up to
+#: this size (transport/tcp.py's swap_row, which takes up to SWAP_MAX_BYTES): 2 hosts x 1, 2 x 2
+#: and 4 x 1 at 192 and 256 KiB took 10-30% less time in one step than around the ring (2 x 2, 192
+#: KiB: 190-196 us against 240-272), 3 x 1 about 40% less (192 KiB: 507-691 us against 899-1106;
+#: 256 KiB 680-775 against 1034-1036). Past it the exchanges go through Python, and one step took
+#: 2-3 times the ring's (2 x 1 at 384 KiB: 334-348 us against 111-113).
+ONE_SHOT_BYTES_ACROSS_HOSTS = 256 << 10
 
 
 def one_shot_bytes_for(tuning: Tuning, hosts: int) -> int:
@@ -196,9 +195,7 @@ def one_shot_bytes_for(tuning: Tuning, hosts: int) -> int:
     the group spans (alike on every rank of the group, as the selection needs)."""
     if tuning.one_shot_bytes is not None:
         return tuning.one_shot_bytes
-    if hosts == 1:
-        return ONE_SHOT_BYTES_ONE_HOST
-    return ONE_SHOT_BYTES_ROWED if hosts & (hosts - 1) == 0 else ONE_SHOT_BYTES_ACROSS_HOSTS
+    return ONE_SHOT_BYTES_ONE_HOST if hosts == 1 else ONE_SHOT_BYTES_ACROSS_HOSTS
 
 
 #: How long a wait for a TCP peer's frame polls the socket before it sleeps in poll on it

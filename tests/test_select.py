@@ -26,7 +26,6 @@ from shmcoll.algorithms.single_copy import DESCRIPTOR_BYTES
 from shmcoll.config import (
     ONE_SHOT_BYTES_ACROSS_HOSTS,
     ONE_SHOT_BYTES_ONE_HOST,
-    ONE_SHOT_BYTES_ROWED,
     Tuning,
     one_shot_bytes_for,
 )
@@ -109,16 +108,15 @@ def test_one_shot_threshold_is_the_tuning_knob():
     assert select(C.ALL_REDUCE, 8, Setting(hosts=1, board_bytes=None, one_shot_bytes=0)) is A.RING
 
 
-@pytest.mark.parametrize("hosts, default", [(1, ONE_SHOT_BYTES_ONE_HOST), (2, ONE_SHOT_BYTES_ROWED),
-                                           (3, ONE_SHOT_BYTES_ACROSS_HOSTS), (4, ONE_SHOT_BYTES_ROWED),
-                                           (6, ONE_SHOT_BYTES_ACROSS_HOSTS), (1024, ONE_SHOT_BYTES_ROWED)])
+@pytest.mark.parametrize("hosts, default", [(1, ONE_SHOT_BYTES_ONE_HOST), (2, ONE_SHOT_BYTES_ACROSS_HOSTS),
+                                           (3, ONE_SHOT_BYTES_ACROSS_HOSTS), (1024, ONE_SHOT_BYTES_ACROSS_HOSTS)])
 def test_the_one_step_size_follows_how_the_steps_across_hosts_run(hosts, default):
-    """Among a power of two of hosts every step across is an exchange in one C call, which takes up
-    to SWAP_MAX_BYTES: one step goes that far; among others, less far; SHMCOLL_ONE_SHOT_BYTES
-    overrides both."""
+    """Across hosts every step of one is an exchange or a hand-off in one C call, which takes up to
+    SWAP_MAX_BYTES: one step goes that far; on one host, less far; SHMCOLL_ONE_SHOT_BYTES overrides
+    both."""
     assert one_shot_bytes_for(Tuning(), hosts) == default
     assert one_shot_bytes_for(Tuning(one_shot_bytes=5), hosts) == 5
-    assert ONE_SHOT_BYTES_ROWED == SWAP_MAX_BYTES > ONE_SHOT_BYTES_ACROSS_HOSTS
+    assert ONE_SHOT_BYTES_ACROSS_HOSTS == SWAP_MAX_BYTES > ONE_SHOT_BYTES_ONE_HOST
 
 
 def test_a_board_too_small_for_all_gather_v_heads_is_not_used():

@@ -64,10 +64,11 @@ NEIGHBOURHOOD = 8
 #: Hosts among which a small all-reduce across hosts still finishes in one step, each host's rank
 #: sending its array to every other; among more, RECURSIVE_DOUBLING sends log2 as many. Between 2
 #: hosts the step is one exchange in a row of C calls; among 3 its sends and receives go through
-#: Python, and doubling (one exchange in C, the third host's array there and back through Python)
-#: took a third less at 8 B (118-127 us against 185-189, 3 hosts of one rank on 2 cores) and half at
-#: 64 KiB (160-163 against 292-297). At 4 hosts doubling's 2 messages per rank beat one step's 3
-#: already when every message went through Python (bench/cost_model.py).
+#: Python, and doubling took a third less at 8 B (118-127 us against 185-189, 3 hosts of one rank on
+#: 2 cores) and half at 64 KiB (160-163 against 292-297) even with the third host's array there and
+#: back through Python; its hand-offs now run in the row of C calls too. At 4 hosts doubling's 2
+#: messages per rank beat one step's 3 already when every message went through Python
+#: (bench/cost_model.py).
 ONE_SHOT_MAX_HOSTS = 2
 #: Hosts from which a large slice crosses by HALVING_DOUBLING rather than around a ring: the same
 #: bytes, in 2 log2(hosts) steps instead of 2 (hosts - 1).
