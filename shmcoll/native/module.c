@@ -378,7 +378,8 @@ static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int fds[SWAP_MAX_STEPS];
     uint32_t peers[SWAP_MAX_STEPS];
     const uint8_t *way = ways.view.buf;
-    int valid = steps == srcs && ways.view.len == steps && (data.view.len == 0 || (sc_has_loop(code, op) && data.view.len % size == 0)) &&
+    int valid = steps == srcs && ways.view.len == steps &&
+                (data.view.len == 0 || (sc_has_loop(code, op) && data.view.len % size == 0)) &&
                 header.view.len >= SWAP_SEQ_AT + 8 && header.view.len <= MAX_HEADER_BYTES && tag >= 0 &&
                 tag <= UINT32_MAX && seq >= 0 &&
                 inbound.view.len == header.view.len + data.view.len && spin_ns >= 0 && wait_ns >= 0 && left_ns >= 0;

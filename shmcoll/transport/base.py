@@ -108,8 +108,8 @@ class Transport(ABC):
         the array peer sends in the same call, data = own op theirs where own_first, else theirs
         op own (both ends then hold bitwise the same result); with an empty array the two only
         meet (a barrier's step)."""
-        self.exchanges(((peer, Way.OWN_FIRST if own_first else Way.THEIRS_FIRST),), tag, data, code, meta, deadline,
-                       op)
+        way = Way.OWN_FIRST if own_first else Way.THEIRS_FIRST
+        self.exchanges(((peer, way),), tag, data, code, meta, deadline, op)
 
     def exchanges(self, steps: Sequence[PeerStep], tag: int, data: np.ndarray, code: int, meta: Meta,
                   deadline: float, op: ReduceKind) -> None:
@@ -138,9 +138,11 @@ class Transport(ABC):
     def _fold_theirs(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
                      op: ReduceKind, way: Way) -> None:
         """A step's receive: peer's array folded into data in the order both ends use, or copied (TAKE)."""
-        if way is not Way.THEIRS_FIRST or not data.nbytes:
-            folds = data.nbytes and way is not Way.TAKE
-            self.recv_into(peer, tag, data, code, deadline, meta, op if folds else None)
+        if way is Way.TAKE or not data.nbytes:  # an empty frame only meets
+            self.recv_into(peer, tag, data, code, deadline, meta)
+            return
+        if way is not Way.THEIRS_FIRST:
+            self.recv_into(peer, tag, data, code, deadline, meta, op)
             return
         theirs = np.empty_like(data)
         self.recv_into(peer, tag, theirs, code, deadline, meta)

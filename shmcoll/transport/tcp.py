@@ -19,11 +19,11 @@ A pairwise exchange (Transport.exchange: the small all-reduce's step across host
 barrier; exchanges: recursive doubling's steps in a row, with the hand-offs of ranks past a power
 of two) goes further where it can have the connections at once: one native call runs the steps,
 each sending its frame, waiting as a caller does, reading the peer's frame of the same call and
-folding it in or copying it, as the step's way says (kernels.swap_row). So does a
-ring's or halving-doubling's step (Transport.send_recv), where it can have both connections: native
-calls send its frame while they read the peer's straight into place, or through a small scratch
-folded as it comes (kernels.duplex), with a look at the group's health between calls. Anything
-else on the socket first is left there for the paths above.
+folding it in or copying it, as the step's way says (kernels.swap_row). So does a ring's or
+halving-doubling's step (Transport.send_recv), where it can have both connections: native calls
+send its frame while they read the peer's straight into place, or through a small scratch folded
+as it comes (kernels.duplex), with a look at the group's health between calls. Anything else on
+the socket first is left there for the paths above.
 """
 
 from __future__ import annotations
@@ -186,8 +186,8 @@ class NetTransport(LinkTransport):
         """Exchanges in a row, in one native call (kernels.swap_row: each step sends, waits,
         reads and folds, as its way says, with no Python between), as far as this thread can have
         the steps' connections at once (_claim_row): all are claimed first, so no reader thread
-        takes a later step's frame meanwhile. Each wait is a caller's (spin, then up to CALLER_SLEEP_SECONDS
-        asleep); a peer's frame that is not there by then, or anything else on the socket first,
+        takes a later step's frame meanwhile. Each wait is a caller's (spin, then up to
+        CALLER_SLEEP_SECONDS asleep); a peer's frame that is not there by then, or anything else on the socket first,
         stops the row, and that step's receive is left to recv. The group's health is looked at
         closely only where the mailbox shows trouble: a fault elsewhere (this host's abort) shows
         in the receive of the first step that does not finish."""
