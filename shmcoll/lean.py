@@ -39,9 +39,9 @@ import numpy as np
 
 from . import kernels
 from .algorithms import two_level
-from .algorithms.barrier import dissemination_barrier
+from .algorithms.barrier import doubling_barrier
 from .algorithms.call import Call
-from .algorithms.doubling import partner_steps
+from .algorithms.doubling import doubling_steps
 from .algorithms.ring import summed
 from .algorithms.select import Algorithm, select
 from .errors import InvalidArgument
@@ -222,14 +222,13 @@ class LeanAcrossHosts(LeanPath):
 
     def _prepare_rows(self, transport: Transport) -> dict[int, tuple[Sequence[PeerStep], SwapRow]]:
         """Per collective, the column's exchanges across hosts where they run as one native call
-        (Transport.prepare_row), with their steps: the all-reduce's (column_steps) and, among a
-        power of two of hosts, the barrier's (the pairs dissemination_barrier meets in)."""
+        (Transport.prepare_row), with their steps: the all-reduce's (column_steps) and the
+        barrier's (those doubling_barrier meets in)."""
         if self._column is None:
             return {}
-        n = len(self._column)
         rows: dict[int, tuple[Sequence[PeerStep], SwapRow]] = {}
-        paired = partner_steps(self._column, self._column.index(transport.rank), n) if n & (n - 1) == 0 else None
-        for coll, steps in ((Collective.ALL_REDUCE, self._steps), (Collective.BARRIER, paired)):
+        meetings = doubling_steps(self._column, transport.rank)
+        for coll, steps in ((Collective.ALL_REDUCE, self._steps), (Collective.BARRIER, meetings)):
             row = transport.prepare_row(steps) if steps else None
             if steps and row is not None:
                 rows[int(coll)] = (steps, row)
@@ -280,6 +279,6 @@ class LeanAcrossHosts(LeanPath):
             return
         c = Call(self._t, tag, meta, p.code, deadline)
         if meta.coll == Collective.BARRIER:
-            dissemination_barrier(c, column)
+            doubling_barrier(c, column)
         else:
             self._reduce_across(c, flat, p.fold, column)

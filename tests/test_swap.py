@@ -427,16 +427,18 @@ def _barrier_swaps(pg) -> list[tuple[int, int]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, steps", [("halves", 1), ("each", 2)])
+@pytest.mark.parametrize("layout, steps", [("halves", [1] * 4), ("each", [2] * 4), ("each", [3, 1, 2])])
 def test_a_barrier_across_hosts_meets_in_one_call(layout, steps, monkeypatch):
     """2+2 ranks: after the host's board, each column's two ranks meet in one native call per
-    barrier; 4 hosts of one rank: both pairwise rounds in one call. (Or fewer steps, where a peer's
-    frame was in the mailbox first.)"""
+    barrier; 4 hosts of one rank: both pairwise rounds in one call; 3: the third says it arrived to
+    the first and hears back once the first met the second, each rank's steps in one call. (Or
+    fewer steps, where a peer's frame was in the mailbox first.)"""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    out = run_ranks(4, _barrier_swaps)
-    assert all(0 < len(rows) <= 4 * steps and all(done <= steps for _, done in rows) for rows in out)
-    assert any(row == (kernels.SWAP_DONE, steps) for rows in out for row in rows)
+    out = run_ranks(len(steps), _barrier_swaps)
+    for rows, most in zip(out, steps):
+        assert 0 < len(rows) <= 4 * most and all(done <= most for _, done in rows), rows
+    assert any(row == (kernels.SWAP_DONE, most) for rows, most in zip(out, steps) for row in rows)
 
 
 @pytest.mark.multiprocess

@@ -32,7 +32,7 @@ from ..transport.base import PeerStep, Transport
 from ..transport.shm_board import Board
 from ..transport.topology import Topology
 from ..types import ReduceKind
-from .barrier import dissemination_barrier
+from .barrier import dissemination_barrier, doubling_barrier
 from .board import host_board_all_reduce
 from .broadcast import chain_broadcast
 from .bruck import bruck_all_gather
@@ -266,22 +266,22 @@ def two_level_leaders_broadcast(c: Call, topo: Topology, root: int, data: np.nda
 
 def two_level_barrier(c: Call, topo: Topology) -> None:
     """Host barrier, then across hosts: nobody leaves before every host's ranks all arrived. On the
-    host's board that is one compiled step, then a dissemination barrier in each crossing column
+    host's board that is one compiled step, then a doubling barrier in each crossing column
     (small_crossing: each holds one rank of every host, which left its host's step), then the
     leader's word to the ranks of none; without a board (TCP only), dissemination barriers in the
-    host, among the leaders, and in the host again."""
+    host and a doubling barrier among the leaders between them."""
     host = topo.local_ranks(c.rank)
     board = host_board(c.t, host)
     if board is None:
         dissemination_barrier(c, host)
         if c.rank == host[0]:
-            dissemination_barrier(c, topo.leaders())
+            doubling_barrier(c, topo.leaders())
         dissemination_barrier(c, host)
         return
     host_board_all_reduce(c, _NOTHING, ReduceKind.SUM)
     column, first = small_crossing(topo, c.rank)
     if column is not None:
-        dissemination_barrier(c, column)
+        doubling_barrier(c, column)
     from_leader(c, host, board, _NOTHING, first)
 
 
