@@ -46,7 +46,7 @@ from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from ..net.congestion import paced
 from ..types import ReduceKind
 from . import frame
-from .base import NOT_STARTED, SENT, LinkTransport, PeerStep, Step, Transport
+from .base import NOT_STARTED, SENT, LinkTransport, PeerStep, Step, Transport, Way
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -177,9 +177,11 @@ class NetTransport(LinkTransport):
         if not reached:
             return None
         peers = [peer for peer, _ in reached]
-        return SwapRow(peers, bytes(way for _, way in reached), [way.sends for _, way in reached],
-                       [peers.index(peer) for peer in peers], [self._inboxes[peer] for peer in peers],
-                       [self._send_locks[peer] for peer in peers])
+        first = [peers.index(peer) for peer in peers]
+        senders = tuple(peer for peer, way in reached if way.sends)
+        return SwapRow(peers, bytes(way for _, way in reached), tuple(i for i, f in enumerate(first) if f == i), first,
+                       senders if len(senders) == len(peers) else None,
+                       [self._inboxes[peer] for peer in peers], [self._send_locks[peer] for peer in peers])
 
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
                  op: ReduceKind, deadline: float) -> tuple[int, int]:
@@ -187,10 +189,10 @@ class NetTransport(LinkTransport):
         reads and folds, as its way says, with no Python between), as far as this thread can have
         the steps' connections at once (_claim_row): all are claimed first, so no reader thread
         takes a later step's frame meanwhile. Each wait is a caller's (spin, then up to
-        CALLER_SLEEP_SECONDS asleep); a peer's frame that is not there by then, or anything else on the socket first,
-        stops the row, and that step's receive is left to recv. The group's health is looked at
-        closely only where the mailbox shows trouble: a fault elsewhere (this host's abort) shows
-        in the receive of the first step that does not finish."""
+        CALLER_SLEEP_SECONDS asleep); a peer's frame that is not there by then, or anything else on
+        the socket first, stops the row, and that step's receive is left to recv. The group's health
+        is looked at closely only where the mailbox shows trouble: a fault elsewhere (this host's
+        abort) shows in the receive of the first step that does not finish."""
         if data.nbytes > SWAP_MAX_BYTES:
             return 0, NOT_STARTED
         claimed = self._claim_row(row, tag)
@@ -202,11 +204,10 @@ class NetTransport(LinkTransport):
             if self._mailbox.troubled or time.monotonic() > deadline:  # where a send's checks fail
                 for peer in peers:
                     self._check_can_send(peer, deadline)
-            fds = []
-            for i, inbox in enumerate(row.inboxes[:claimed]):
-                if row.first[i] == i:
-                    inbox.quiet_reader()
-                fds.append(inbox.sock.fileno())
+            fds = [inbox.sock.fileno() for inbox in row.inboxes[:claimed]]
+            for i in row.claims:
+                if i < claimed:
+                    row.inboxes[i].quiet_reader()
             left_s = max(0.0, deadline - time.monotonic())
             inbound = np.empty(HEADER_SIZE + data.nbytes, np.uint8)
             status, swapped, sent = kernels.swap_row(
@@ -214,8 +215,7 @@ class NetTransport(LinkTransport):
                 int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
         finally:
             self._release_row(row, claimed, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
-        for peer, sends in zip(peers[:swapped], row.sends):
-            self.bytes_to[peer] += data.nbytes if sends else 0
+        self._count_sent(row, swapped, data.nbytes)
         if swapped == claimed:
             return swapped, NOT_STARTED
         peer = peers[swapped]
@@ -226,14 +226,24 @@ class NetTransport(LinkTransport):
                 row.send_locks[swapped].release()
         elif status < 0:
             raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
-        self.bytes_to[peer] += data.nbytes if row.sends[swapped] else 0
+        self.bytes_to[peer] += data.nbytes if Way(row.ways[swapped]).sends else 0
         return swapped, SENT
+
+    def _count_sent(self, row: SwapRow, swapped: int, nbytes: int) -> None:
+        """bytes_to after a row's first `swapped` steps: data's bytes to each step's peer that sends."""
+        if row.all_send is not None:
+            for peer in row.all_send[:swapped]:
+                self.bytes_to[peer] += nbytes
+            return
+        for i in range(swapped):
+            if Way(row.ways[i]).sends:
+                self.bytes_to[row.peers[i]] += nbytes
 
     def _claim_row(self, row: SwapRow, tag: int) -> int:
         """How many of row's first steps this thread now holds both connections of (_take, once per
         peer), in order until one it cannot have."""
-        for i, inbox in enumerate(row.inboxes):
-            if row.first[i] == i and not self._take(inbox, row.send_locks[i], row.peers[i], tag):
+        for i in row.claims:
+            if not self._take(row.inboxes[i], row.send_locks[i], row.peers[i], tag):
                 return i
         return len(row.inboxes)
 
@@ -242,9 +252,9 @@ class NetTransport(LinkTransport):
         thread napping) where its peer's frame was found; keep_send_lock: that of the step that
         stopped (`swapped`), whose frame is still to be sent."""
         kept = row.first[swapped] if keep_send_lock else -1
-        for i in range(claimed):
-            if row.first[i] != i:
-                continue
+        for i in row.claims:
+            if i >= claimed:
+                break
             inbox = row.inboxes[i]
             inbox.lock.release()
             inbox.leave(found=i < swapped)
@@ -581,8 +591,9 @@ class SwapRow(NamedTuple):
 
     peers: list[int]
     ways: bytes  # kernels.swap_row's: byte i, what step i does (Way)
-    sends: list[bool]  # whether step i sends
-    first: list[int]  # the first step with step i's peer, which claims its connections
+    claims: tuple[int, ...]  # the steps that take their peer's connections: each peer's first
+    first: list[int]  # for each step, the step that took its peer's connections
+    all_send: tuple[int, ...] | None  # the peers, where every step sends (exchanges only)
     inboxes: list[_Inbox]
     send_locks: list[threading.Lock]
 
