@@ -15,7 +15,7 @@ import numpy as np
 
 from ..types import ReduceKind
 from .call import Call
-from .doubling import doubling_steps, partner_steps
+from .doubling import doubling_steps
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 
@@ -25,7 +25,7 @@ def dissemination_barrier(c: Call, members: Sequence[int] | None = None) -> None
     ranks = range(c.size) if members is None else members
     n, p, distance = len(ranks), ranks.index(c.rank), 1
     if n & (n - 1) == 0:  # a power of two: pairs meet (r and r ^ 2^k), all in one call where they can
-        c.t.exchanges(partner_steps(ranks, p, n), c.tag, _EMPTY, c.code, c.meta, c.deadline, ReduceKind.SUM)
+        doubling_barrier(c, ranks)
         return
     while distance < n:
         c.t.send(ranks[(p + distance) % n], c.tag, _EMPTY, c.code, c.meta, c.deadline)
