@@ -18,6 +18,8 @@ with the loop shmcoll-bench uses (so the columns differ only in the library):
                      after the hostname, and hosts sharing the machine's name collide (the ranks segfault)
   gloo               shmcoll-run as above, -x GLOO_SOCKET_IFNAME=eth0, torch.distributed gloo
 
+--link-rate 10gbit gives every host a link of that rate each way (tools/netns.sh's NETNS_RATE), as
+a NIC has: veth alone moves bytes as fast as the CPU copies them, so its "wire" is CPU time.
 --rounds R runs every column R times, alternating, and keeps each size's best time. Then "the link":
 one Python socket stream from host 1 to host 2, and then one each way at once (GB/s per direction),
 under the congestion control shmcoll's connections take: the most one such connection carries here.
@@ -140,12 +142,15 @@ def reap(hosts: Hosts) -> None:
 
 
 @contextmanager
-def namespaces(count: int) -> Iterator[Hosts]:
-    """`count` fresh hosts under a unique prefix; always taken down, processes in them first."""
+def namespaces(count: int, link_rate: str | None = None) -> Iterator[Hosts]:
+    """`count` fresh hosts under a unique prefix, on links of link_rate each way where given (else
+    veth's own speed); always taken down, processes in them first."""
     prefix = "hc" + secrets.token_hex(3)
     hosts = Hosts(prefix, "", count)
     try:
-        up = sh("bash", str(NETNS), "up", str(count), prefix)
+        env = {**os.environ, "NETNS_RATE": link_rate or ""}
+        up = subprocess.run(["bash", str(NETNS), "up", str(count), prefix], capture_output=True, text=True,
+                            timeout=SETUP_S, stdin=subprocess.DEVNULL, env=env)
         found = re.search(r" on (\d+\.\d+\.\d+)\.0/24", up.stdout)
         if up.returncode != 0 or not found:
             raise SystemExit(f"hosts_compare.py: tools/netns.sh up {count} {prefix} failed: {tail(up.stderr)}")
@@ -400,6 +405,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="aim for this many seconds of timed calls per size (default 0.5)")
     p.add_argument("--link-seconds", dest="link_seconds", type=float, default=2.0,
                    help="how long each link stream sends (default 2)")
+    p.add_argument("--link-rate", dest="link_rate", default=None, metavar="RATE",
+                   help="give every host a link of RATE each way (tc's syntax: 10gbit; NETNS_RATE of tools/netns.sh)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before one job is killed (default 300)")
     p.add_argument("--mpirun", default="mpirun", help="the mpirun to use (default: mpirun on PATH)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every figure here")
@@ -431,8 +438,9 @@ def main(argv: list[str]) -> int:
     unwind_on_sigterm()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hosts-compare-") as tmp, \
-            namespaces(max(lay.hosts for lay in args.layouts)) as hosts:
-        print(f"# hosts {hosts.name(0)}..{hosts.name(hosts.count - 1)} on {hosts.subnet}.0/24 (tools/netns.sh)",
+            namespaces(max(lay.hosts for lay in args.layouts), args.link_rate) as hosts:
+        links = f", links of {args.link_rate} each way" if args.link_rate else ""
+        print(f"# hosts {hosts.name(0)}..{hosts.name(hosts.count - 1)} on {hosts.subnet}.0/24 (tools/netns.sh){links}",
               flush=True)
         cols = run_layouts(hosts, Path(tmp), args)
         link = measure_link(hosts, args)

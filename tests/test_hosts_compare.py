@@ -96,10 +96,14 @@ def test_the_link_is_measured_and_the_hosts_are_gone(run):
     assert one.group(2) == prefix + "2" and leftovers(prefix) == []
 
 
-def test_columns_left_out_are_never_started(tmp_path_factory):
+def test_columns_left_out_are_never_started_and_links_have_the_rate_asked(tmp_path_factory):
     """--columns hier,openmpi: the other two cells say skipped (no time, no job run for them), and
-    the JSON says why; shmcoll's two-level still has its times."""
-    out, doc = _run(tmp_path_factory, [*ARGS, "--columns", "hier,openmpi"])
+    the JSON says why; shmcoll's two-level still has its times. --link-rate 1gbit: the hosts say
+    so, and no stream between them moves more than 1 Gbit/s (125 MB/s) each way."""
+    out, doc = _run(tmp_path_factory, [*ARGS, "--columns", "hier,openmpi", "--link-rate", "1gbit"])
+    assert re.search(r"^# hosts \S+ on \S+ \(tools/netns.sh\), links of 1gbit each way$", out, re.M), out
+    assert doc["config"]["link_rate"] == "1gbit"
+    assert all(0 < x["gbps"] <= 0.13 for x in [doc["link"]["one_way"], *doc["link"]["both"]]), doc["link"]
     columns = doc["layouts"]["2x1"]["columns"]
     assert [columns[c]["status"] for c in ("tcp", GLOO)] == ["skipped", "skipped"], columns
     assert columns["tcp"]["commands"] == columns[GLOO]["commands"] == []

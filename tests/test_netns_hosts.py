@@ -127,6 +127,34 @@ def test_netns_tool_status_names_and_no_clobbering(hosts):
     assert again.returncode == 1 and "already up" in again.stderr
 
 
+def _netns_up(prefix: str, rate: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(NETNS), "up", "2", prefix], capture_output=True, text=True,
+                          timeout=RUN_HANG_S, env={**os.environ, "NETNS_RATE": rate})
+
+
+def test_hosts_get_links_of_a_rate_where_asked():
+    """NETNS_RATE puts a token bucket of that rate on both ends of each host's veth pair (its
+    sending and its receiving side); a rate tc would not read is refused before anything is made."""
+    require_netns()
+    if shutil.which("tc") is None:
+        pytest.fail("tools/netns.sh's NETNS_RATE needs tc, which comes with iproute2")
+    prefix = "sr" + secrets.token_hex(3)
+    try:
+        up = _netns_up(prefix, "200mbit")
+        assert up.returncode == 0 and "links of 200mbit" in up.stdout, up.stderr
+        for i in (1, 2):
+            for where in (["-n", f"{prefix}{i}", "qdisc", "show", "dev", "eth0"],
+                          ["-n", f"{prefix}sw", "qdisc", "show", "dev", f"h{i}"]):
+                shown = _sh("tc", *where).stdout
+                assert re.search(r"\btbf\b.* rate 200Mbit\b", shown), (where, shown)
+    finally:
+        assert _sh("bash", str(NETNS), "down", prefix).returncode == 0
+    assert leftovers(prefix) == []
+    bad = _netns_up(prefix, "fast")
+    assert bad.returncode == 1 and "NETNS_RATE" in bad.stderr, bad.stderr
+    assert leftovers(prefix) == []
+
+
 def test_two_hosts_two_ranks_each(hosts, tmp_path):
     oks = run_job(tmp_path, f"{hosts}1 slots=2\n{hosts}2 slots=2\n")
     check_layout(oks, [f"{hosts}1", f"{hosts}1", f"{hosts}2", f"{hosts}2"])

@@ -12,6 +12,11 @@
 # /etc/hosts, and a marked block in /etc/hosts serves this namespace. The subnet is 10.X.Y.0/24,
 # X.Y derived from PREFIX; set NETNS_SUBNET=10.77.3 to choose it. Needs root and iproute2.
 #
+# A veth pair moves bytes as fast as the kernel copies them, so the "wire" costs CPU time and
+# nothing else. NETNS_RATE=10gbit (tc's rate syntax) gives each host a link of that rate instead,
+# each way (a token bucket on both ends of its veth pair), as a real NIC has: then the link is
+# a resource of its own, and what a job does with the CPU while its bytes cross shows.
+#
 # Try a two-host job:  tools/netns.sh up 2 && printf 'ns1 slots=2\nns2 slots=2\n' > hosts &&
 #   shmcoll-run --hostfile hosts --rsh "ip netns exec" train.py; tools/netns.sh down
 set -eEuo pipefail  # -E: the ERR trap that undoes a failed `up` fires inside functions too
@@ -71,6 +76,10 @@ add_host() {  # PREFIX I SUBNET N: namespace PREFIXi, its hosts file, its port o
   ip -n "$ns" link set lo up
   ip -n "$ns" addr add "$3.$2/24" dev eth0
   ip -n "$ns" link set eth0 up
+  if [[ -n ${NETNS_RATE:-} ]]; then
+    tc -n "$ns" qdisc add dev eth0 root tbf rate "$NETNS_RATE" burst 256kb latency 20ms
+    tc -n "$sw" qdisc add dev "h$2" root tbf rate "$NETNS_RATE" burst 256kb latency 20ms
+  fi
 }
 
 cmd_up() {
@@ -84,6 +93,10 @@ cmd_up() {
   ! ns_exists "${prefix}sw" || die "namespace ${prefix}sw already exists"
   ! ip link show "$prefix-sw" >/dev/null 2>&1 || die "interface $prefix-sw already exists"
   [[ -z $(ip route show to "$subnet.0/24") ]] || die "$subnet.0/24 is in use here; set NETNS_SUBNET"
+  if [[ -n ${NETNS_RATE:-} ]]; then
+    [[ $NETNS_RATE =~ ^[0-9]+(\.[0-9]+)?[kmgt]?bit$ ]] || die "NETNS_RATE is a rate like 10gbit or 500mbit; got '$NETNS_RATE'"
+    command -v tc >/dev/null || die "NETNS_RATE needs tc (iproute2)"
+  fi
   echo "$n $subnet" >"$STATE_DIR/$prefix"  # first: from here on, `down` knows what to remove
   trap 'echo "netns.sh: up failed; undoing" >&2; teardown "$prefix"' ERR
   ip netns add "${prefix}sw"
@@ -96,7 +109,7 @@ cmd_up() {
   ip link set "$prefix-sw" up
   { echo "# BEGIN $MARK $prefix"; hosts_lines "$subnet" "$n" "$prefix"; echo "# END $MARK $prefix"; } >>/etc/hosts
   trap - ERR
-  echo "netns.sh: up: hosts ${prefix}1..$prefix$n on $subnet.0/24 (this machine: $subnet.254)"
+  echo "netns.sh: up: hosts ${prefix}1..$prefix$n on $subnet.0/24 (this machine: $subnet.254)${NETNS_RATE:+, links of $NETNS_RATE}"
 }
 
 teardown() {  # PREFIX: everything up may have made, in any state; never fails
