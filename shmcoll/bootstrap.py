@@ -21,7 +21,7 @@ import time
 import weakref
 from functools import partial
 
-from .config import Config, load_config, native_spin_seconds, spin_seconds, tcp_spin_seconds
+from .config import Config, load_config, native_spin_seconds, overlaps_across_hosts, spin_seconds, tcp_spin_seconds
 from .errors import (
     CollectiveError,
     CollectiveMismatch,
@@ -248,7 +248,7 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
     except BaseException:
         shm.close()
         raise
-    return HierarchicalTransport(shm, net, topology, mailbox)
+    return HierarchicalTransport(shm, net, topology, mailbox, overlaps_across_hosts(cfg.tuning, sharing))
 
 
 def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool, sharing: int,

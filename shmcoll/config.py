@@ -43,6 +43,7 @@ SPIN_US_VAR = "SHMCOLL_SPIN_US"
 BOARD_BYTES_VAR = "SHMCOLL_SHM_BOARD_BYTES"
 TRANSPORT_VAR = "SHMCOLL_TRANSPORT"
 SINGLE_COPY_VAR = "SHMCOLL_SINGLE_COPY"
+OVERLAP_VAR = "SHMCOLL_OVERLAP"
 TCP_CONGESTION_VAR = "SHMCOLL_TCP_CONGESTION"
 TRANSPORTS = ("auto", "hier", "tcp", "shm")
 
@@ -72,6 +73,9 @@ class Tuning:
     #: SHMCOLL_SINGLE_COPY: whether large all-reduces on one host read peers' arrays directly where
     #: the host allows it (algorithms/single_copy.py)
     single_copy: bool = True
+    #: SHMCOLL_OVERLAP: whether a large all-reduce across hosts works in its host while its pieces
+    #: cross hosts (algorithms/overlap.py); None: by the cores (overlaps_across_hosts)
+    overlap: bool | None = None
     #: SHMCOLL_TCP_CONGESTION: the TCP connections' congestion control: "auto", "system" or an
     #: algorithm's name (net/congestion.py)
     tcp_congestion: str = "auto"
@@ -226,6 +230,22 @@ def native_spin_seconds(tuning: Tuning) -> float:
     return TCP_SPIN_US_OWN_CORE * 1e-6 if tuning.spin_us is None else tuning.spin_us * 1e-6
 
 
+#: A large all-reduce across hosts overlaps its in-host phases with its pieces' step across hosts
+#: (algorithms/overlap.py) where the job's ranks on this machine have two cores each: the rank's and
+#: its helper thread's. Where they have fewer, the two threads take turns on the cores with the
+#: kernel's TCP copies: 2 + 2 namespace hosts on 2 cores, 16 MiB, 32-36 ms overlapped against 29-32
+#: in turn. Even on links slower than the veth pairs (a token bucket of 4 Gbit/s each way per host,
+#: tools/netns.sh's NETNS_RATE) it gained little there, 64 MiB 174-182 ms against 178-185, 16 MiB
+#: even: each rank took 85 ms of CPU per 64 MiB call (60 of them in the kernel), so the 4 ranks
+#: needed 170 ms of the 2 cores whatever overlapped.
+def overlaps_across_hosts(tuning: Tuning, sharing: int) -> bool:
+    """Whether this rank's large all-reduces across hosts overlap (SHMCOLL_OVERLAP, where set):
+    `sharing` as for spin_seconds."""
+    if tuning.overlap is not None:
+        return tuning.overlap
+    return 2 * sharing <= _cores()
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -244,6 +264,7 @@ def load_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
         shm_board_bytes=(_resolve_int_setting(env, BOARD_BYTES_VAR, 0, 0) // 64 * 64
                          if lookup(env, (BOARD_BYTES_VAR,)) else None),
         single_copy=_resolve_flag(env, SINGLE_COPY_VAR, True),
+        overlap=_resolve_flag(env, OVERLAP_VAR, False) if lookup(env, (OVERLAP_VAR,)) else None,
         tcp_congestion=_resolve_name(env, TCP_CONGESTION_VAR, Tuning.tcp_congestion),
     )
 

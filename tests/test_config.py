@@ -612,6 +612,19 @@ def test_native_exchanges_spin_unless_told_otherwise():
     assert cfg.native_spin_seconds(cfg.load_tuning({"SHMCOLL_SPIN_US": "30"})) == pytest.approx(30e-6)
 
 
+def test_large_calls_across_hosts_overlap_where_every_rank_has_two_cores(monkeypatch):
+    """Overlapping takes a helper thread per rank: by default only where the job's ranks on this
+    machine have two cores each; SHMCOLL_OVERLAP decides alone, and a typo is an error."""
+    monkeypatch.setattr(cfg, "_cores", lambda: 8)
+    unset = cfg.load_tuning({})
+    assert unset.overlap is None
+    assert cfg.overlaps_across_hosts(unset, 4) and not cfg.overlaps_across_hosts(unset, 5)
+    assert cfg.overlaps_across_hosts(cfg.load_tuning({"SHMCOLL_OVERLAP": "1"}), 64)
+    assert not cfg.overlaps_across_hosts(cfg.load_tuning({"SHMCOLL_OVERLAP": "off"}), 1)
+    with pytest.raises(cfg.InvalidArgument, match="SHMCOLL_OVERLAP"):
+        cfg.load_tuning({"SHMCOLL_OVERLAP": "sometimes"})
+
+
 def test_the_tcp_congestion_control_is_a_choice_or_a_name():
     assert cfg.load_tuning({}).tcp_congestion == "auto"
     assert cfg.load_tuning({"SHMCOLL_TCP_CONGESTION": " System "}).tcp_congestion == "system"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import shmcoll
-from shmcoll.algorithms import single_copy
+from shmcoll.algorithms import overlap, single_copy
 from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
 
@@ -184,6 +184,60 @@ def test_in_host_phases_read_what_the_ring_would_have_sent(layout, n, monkeypatc
         assert (reads[rank]["shm"], ring[rank]["read"]) == ([0] * n, [0] * n)
         assert reads[rank]["tcp"] == ring[rank]["tcp"]
     assert sum(sum(out["read"]) for out in reads) > 0
+
+
+BIG = 8 << 20  # bytes: in halves, each column's 4 MiB range crosses hosts in overlap.CROSSING_PIECES pieces
+HALF = BIG // 2
+
+
+def _large_all_reduce_in_pieces(pg, unreadable: int | None):
+    """A SUM of BIG bytes (its traffic) and an AVG of random values checked against numpy; both
+    results' digests, to compare across ranks and runs, and the pieces of each call that overlapped."""
+    if pg.rank == unreadable:  # as in _large_all_reduce_in_hosts: its host takes the rings
+        real_descriptor = single_copy._descriptor
+        single_copy._descriptor = lambda address: real_descriptor(address) + np.eye(1, 8, single_copy.TOKEN,
+                                                                                    dtype=np.int64)[0]
+    overlapped, real = [], overlap._overlapped
+    overlap._overlapped = lambda *args: (overlapped.append(len(args[0])), real(*args))[1]
+    inputs = [np.random.default_rng(r).standard_normal(BIG // 4).astype(np.float32) for r in range(pg.world_size)]
+    total = inputs[pg.rank].copy()
+    traffic = _traffic_of(pg, lambda pg: pg.all_reduce(total))
+    np.testing.assert_allclose(total, np.sum(inputs, axis=0), rtol=1e-4, atol=1e-4)
+    avg = inputs[pg.rank].copy()
+    pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
+    np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
+    return {**traffic, "digests": [hashlib.sha256(x.tobytes()).hexdigest() for x in (total, avg)],
+            "overlapped": overlapped}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n, unreadable, read, overlapping", [
+    ("halves", 4, None, [[0, HALF, 0, 0], [HALF, 0, 0, 0], [0, 0, 0, HALF], [0, 0, HALF, 0]], [0, 1, 2, 3]),
+    ("halves", 4, 1, [[0] * 4, [0] * 4, [0, 0, 0, HALF], [0, 0, HALF, 0]], [2, 3]),
+    ("first-alone", 3, None, [[0, 0, 0], [0, 0, BIG], [0, 0, 0]], [1]),
+])
+def test_large_ranges_cross_hosts_in_pieces_alike_overlapped_or_in_turn(layout, n, unreadable, read, overlapping,
+                                                                        monkeypatch):
+    """Each column's range crosses hosts in pieces: on a helper thread while the rank folds the next
+    piece and writes back the last (SHMCOLL_OVERLAP=1), or all on the calling thread (0). The same
+    frames cross either way, and whatever a host does inside (reads its peers' arrays, takes its
+    rings since one of its ranks cannot be read, or has a rank alone): exactly 2 BIG across hosts,
+    each byte read and written once inside a host that reads, bitwise the same results on every
+    rank and in both modes. Only ranks that read their host peers and own a range overlap."""
+    assert overlap.crossing_pieces((0, HALF), 4) == [(k * BIG // 8, (k + 1) * BIG // 8) for k in range(4)]
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    runs = {}
+    for overlapped in ("1", "0"):
+        monkeypatch.setenv("SHMCOLL_OVERLAP", overlapped)
+        runs[overlapped] = run_ranks(n, _large_all_reduce_in_pieces, unreadable)
+    for overlapped, results in runs.items():
+        assert _cross(results, _hosts(layout, n)) == 2 * BIG
+        assert [out["read"] for out in results] == read
+        assert [out["written"] for out in results] == read
+        assert [out["overlapped"] for out in results] == [  # pieces of each of the two calls
+            [4, 4] if overlapped == "1" and rank in overlapping else [] for rank in range(n)]
+    assert len({tuple(out["digests"]) for results in runs.values() for out in results}) == 1
 
 
 @pytest.mark.multiprocess
@@ -779,26 +833,29 @@ def test_small_all_gather_goes_through_the_leaders(layout, n, monkeypatch):
 
 def _spins(pg):
     """How long this rank's TCP waits, native exchanges and shared-memory waits spin before they
-    sleep (seconds)."""
+    sleep (seconds), and whether its large all-reduces overlap."""
     net = pg.transport.net
-    return {"tcp": net._spin_s, "native": net._native_spin_ns * 1e-9, "shm": pg.transport.shm.board.spin_ns * 1e-9}
+    return {"tcp": net._spin_s, "native": net._native_spin_ns * 1e-9, "shm": pg.transport.shm.board.spin_ns * 1e-9,
+            "overlap": pg.transport.overlap}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, n, cores, tcp_s, native_s, shm_s", [
-    ("each", 3, 2, 0.0, 200e-6, 200e-6), ("each", 3, 3, 200e-6, 200e-6, 2000e-6),
-    ("halves", 4, 2, 0.0, 200e-6, 200e-6)])
+@pytest.mark.parametrize("layout, n, cores, tcp_s, native_s, shm_s, overlap", [
+    ("each", 3, 2, 0.0, 200e-6, 200e-6, False), ("each", 3, 3, 200e-6, 200e-6, 2000e-6, False),
+    ("halves", 4, 2, 0.0, 200e-6, 200e-6, False), ("halves", 4, 8, 200e-6, 200e-6, 2000e-6, True)])
 def test_hosts_on_one_kernel_weigh_all_their_ranks_against_its_cores(layout, n, cores, tcp_s, native_s, shm_s,
-                                                                     monkeypatch):
+                                                                     overlap, monkeypatch):
     """Simulated hosts run on one kernel (as network namespaces do): each rank weighs all the job's
     ranks there against the cores (patched here), not its host's, so on 2 cores nobody's Python
-    polls its socket and shared-memory waits spin briefly. The native exchanges still poll."""
+    polls its socket and shared-memory waits spin briefly. The native exchanges still poll. Large
+    all-reduces overlap only where every rank there has two cores."""
     import shmcoll.config
 
     monkeypatch.delenv("SHMCOLL_SPIN_US", raising=False)
+    monkeypatch.delenv("SHMCOLL_OVERLAP", raising=False)
     monkeypatch.setattr(shmcoll.config, "_cores", lambda: cores)
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     for out in run_ranks(n, _spins):
         assert out == {"tcp": pytest.approx(tcp_s), "native": pytest.approx(native_s, abs=1e-8),
-                       "shm": pytest.approx(shm_s, abs=1e-8)}  # whole ns
+                       "shm": pytest.approx(shm_s, abs=1e-8), "overlap": overlap}  # whole ns

@@ -374,8 +374,8 @@ def test_ranks_that_reduce_different_lengths_fail_alike():
         assert out["kind"] == "CollectiveMismatch", out
 
 
-def _killed_in_step(pg, victim: int, call: str, step: str, agreed, finish):
-    data = np.ones(ELEMENTS, dtype=np.float32)
+def _killed_in_step(pg, victim: int, call: str, step: str, agreed, finish, elements: int = ELEMENTS):
+    data = np.ones(elements, dtype=np.float32)
     pg.all_reduce(data)  # the agreement, so the fault hits a call that reads peers
     # Every rank done with the agreement first: a victim that finished it early and died in the next
     # call would fail a peer still waiting inside the agreement, outside the call under test.
@@ -419,6 +419,21 @@ def test_a_rank_killed_inside_a_step_across_hosts_is_lost_to_those_that_need_it(
     n = 4
     results = run_ranks(n, _killed_in_step, victim, "all_reduce", step, CTX.Barrier(n), CTX.Barrier(n - 1),
                         env=ACROSS_HOSTS, may_die={victim})
+    assert_survivors({r: results[r] for r in losers}, victim)
+    for rank in set(range(n)) - losers - {victim}:
+        assert results[rank]["kind"] in ("returned", "PeerLost"), results[rank]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("victim, step, losers", [(1, "_reduce_range", {0, 2, 3}), (2, "_deliver", {3})])
+def test_a_rank_killed_while_its_pieces_cross_hosts_is_lost_to_those_that_need_it(victim, step, losers):
+    """As above with 8 MiB, whose ranges cross hosts in pieces on helper threads (algorithms/overlap.py):
+    a survivor whose helper waits across hosts for the victim's piece, and one whose own thread
+    reads the victim's array, both lose it; nobody hangs on a helper."""
+    n = 4
+    env = {**ACROSS_HOSTS, "SHMCOLL_OVERLAP": "1"}
+    results = run_ranks(n, _killed_in_step, victim, "all_reduce", step, CTX.Barrier(n), CTX.Barrier(n - 1),
+                        2 << 20, env=env, may_die={victim})
     assert_survivors({r: results[r] for r in losers}, victim)
     for rank in set(range(n)) - losers - {victim}:
         assert results[rank]["kind"] in ("returned", "PeerLost"), results[rank]

@@ -52,6 +52,7 @@ from ..transport.base import BoardGuard
 from ..transport.shm_board import Board
 from ..types import ReduceKind
 from .call import Call, segment_bounds
+from .overlap import Crossing, in_pieces
 from .ring import scale_if_avg
 
 #: Bytes of each peer's range read at a time: with the running fold, twice this stays in a core's cache.
@@ -117,22 +118,21 @@ def single_copy_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, fallback: 
 
 
 def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, ranges: Sequence[tuple[int, int]],
-                     fallback: Fallback, finish_range: Callable[[int, int], None] | None = None) -> None:
-    """data reduced in place among `among`'s ranks: the rank at position p folds bytes ranges[p] of
-    every rank's array (divided by their number, for AVG), runs finish_range(lo, hi) on them where
-    given (two_level.py: the range's all-reduce across hosts), then writes the finished range into
-    every peer's array, while it is still in cache; nobody reads a peer's range after folding it,
-    so no step word is needed between, and _finish's wait covers every write into this rank's
-    array. By fallback(c) where the ranks may not read each other."""
+                     fallback: Fallback, crossing: Crossing) -> None:
+    """data reduced in place among `among`'s ranks, one host's ranks of a group across hosts: the
+    rank at position p folds bytes ranges[p] of every rank's array (divided by their number, for
+    AVG), and each of crossing's pieces of it crosses hosts (two_level.py: its all-reduce across
+    hosts) between its fold and its write into every peer's array, while it is still in cache
+    (overlap.in_pieces); nobody reads a peer's range after folding it, so no step word is needed
+    between, and _finish's wait covers every write into this rank's array. By fallback(c) where
+    the ranks may not read each other."""
     peers = _publish_and_agree(c, among, data, fallback)
     if peers is None:
         return
     me = among.ranks.index(c.rank)
-    lo, hi = ranges[me]
-    _reduce_range(c, among, data, op, peers, (lo, hi))
-    if finish_range is not None:
-        finish_range(lo, hi)
-    _deliver(among, data.view(np.uint8), peers, me, (lo, hi))
+    own = data.view(np.uint8)
+    in_pieces(crossing.pieces, lambda piece: _reduce_range(c, among, data, op, peers, piece), crossing.far,
+              lambda piece: _deliver(among, own, peers, me, piece), c.deadline, crossing.overlap)
     _finish(c, among)
 
 

@@ -41,6 +41,7 @@ from .direct import INT64_CODE, SIGNAL_CODE, recv_stream, send_stream, shape_hea
 from .doubling import doubling_steps, recursive_doubling_all_reduce
 from .doubling_broadcast import doubling_broadcast, give, take
 from .halving import halving_doubling_all_reduce
+from .overlap import Crossing, crossing_pieces
 from .ring import (
     Bounds,
     one_shot_all_reduce,
@@ -66,23 +67,37 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     host, k = topo.local_ranks(c.rank), topo.min_local
     j = host.index(c.rank)
     owned, ranges = _owned(len(data), data.itemsize, k, len(host))
+    pieces = _crossing_pieces(topo, single_copy, ranges[j], data.itemsize)
 
-    def across(a: int, b: int) -> None:
+    def across(piece: tuple[int, int]) -> None:
+        """A piece of the owned range, in bytes (_crossing_pieces)."""
         if j < k:  # a larger host's extra ranks own nothing
-            _across(c, data[a:b], summed(op), topo.column(j), one_shot_bytes)
-            scale_if_avg(c, data[a:b], op, c.size)
+            lo, hi = piece[0] // data.itemsize, piece[1] // data.itemsize
+            _across(c, data[lo:hi], summed(op), topo.column(j), one_shot_bytes)
+            scale_if_avg(c, data[lo:hi], op, c.size)
 
     def over_rings(c: Call) -> None:
         ring_reduce_scatter(c, data, summed(op), host, owned)
-        across(*owned[j])
+        for piece in pieces:
+            across(piece)
         ring_all_gather_owned(c, data, host, owned)
 
     readers = readers_in_host(c, host, single_copy)
     if readers is None:
         over_rings(c)
         return
-    all_reduce_among(c, readers, data, summed(op), ranges, over_rings,
-                     lambda lo, hi: across(lo // data.itemsize, hi // data.itemsize))
+    all_reduce_among(c, readers, data, summed(op), ranges, over_rings, Crossing(pieces, across, c.t.overlap))
+
+
+def _crossing_pieces(topo: Topology, single_copy: bool, byte_range: tuple[int, int],
+                     itemsize: int) -> list[tuple[int, int]]:
+    """The pieces a column's range crosses hosts in, cut alike by every rank of the column
+    (whether its host reads its peers, takes its rings or has it alone): overlap.crossing_pieces
+    where some host may overlap them with reading its peers, else one, since pieces only add steps
+    across hosts (4 hosts of one rank, 4 MiB: 11.8-12.9 ms in pieces against 10.4-11.7)."""
+    if not single_copy or topo.n_hosts == topo.world_size:
+        return [byte_range]
+    return crossing_pieces(byte_range, itemsize)
 
 
 @functools.lru_cache(maxsize=256)

@@ -82,6 +82,7 @@ class Transport(ABC):
     board: Board | None = None  # the shared-memory board, where every rank of the group shares one host
     host_board: Board | None = None  # this host's board, where the group spans hosts (the in-host step)
     topology: Topology | None = None  # which ranks share a host, where the group spans hosts
+    overlap: bool = False  # config.overlaps_across_hosts, where the group spans hosts
 
     def tag_of(self, seq: int) -> int:
         """The tag of the group's collective number seq: the root group's range is

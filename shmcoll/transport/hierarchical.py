@@ -31,11 +31,14 @@ _ANY_SLICE = WAIT_SLICE / 4  # recv_any looks at the shared-memory rings this of
 class HierarchicalTransport(Transport):
     name = "hier"
 
-    def __init__(self, shm: ShmTransport, net: NetTransport, topology: Topology, mailbox: Mailbox):
+    def __init__(self, shm: ShmTransport, net: NetTransport, topology: Topology, mailbox: Mailbox,
+                 overlap: bool = False):
         """shm and net must have been built with `mailbox` (and net with `local=shm`, so a blocked
-        TCP send ends on this host's abort flag); net reaches exactly the remote ranks."""
+        TCP send ends on this host's abort flag); net reaches exactly the remote ranks. overlap:
+        config.overlaps_across_hosts."""
         self.rank, self.world_size, self.timeout = shm.rank, shm.world_size, shm.timeout
         self.shm, self.net, self.topology, self._mailbox = shm, net, topology, mailbox
+        self.overlap = overlap
         self._local = frozenset(topology.local_ranks(self.rank))
         self.host_board = shm.board
 
