@@ -126,8 +126,9 @@ class Column:
 
 # ---- processes ----
 
-def sh(*cmd: str, timeout: float = SETUP_S) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+def sh(*cmd: str, timeout: float = SETUP_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          env=env)
 
 
 def reap(hosts: Hosts) -> None:
@@ -148,9 +149,7 @@ def namespaces(count: int, link_rate: str | None = None) -> Iterator[Hosts]:
     prefix = "hc" + secrets.token_hex(3)
     hosts = Hosts(prefix, "", count)
     try:
-        env = {**os.environ, "NETNS_RATE": link_rate or ""}
-        up = subprocess.run(["bash", str(NETNS), "up", str(count), prefix], capture_output=True, text=True,
-                            timeout=SETUP_S, stdin=subprocess.DEVNULL, env=env)
+        up = sh("bash", str(NETNS), "up", str(count), prefix, env={**os.environ, "NETNS_RATE": link_rate or ""})
         found = re.search(r" on (\d+\.\d+\.\d+)\.0/24", up.stdout)
         if up.returncode != 0 or not found:
             raise SystemExit(f"hosts_compare.py: tools/netns.sh up {count} {prefix} failed: {tail(up.stderr)}")

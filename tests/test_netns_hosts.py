@@ -28,8 +28,8 @@ API_CHECK = REPO / "tests" / "programs" / "api_check.py"
 OK_LINE = re.compile(r"^\[(\d+)\] OK rank=(\d+) world=(\d+) host=(\S+) transport=(\S+) netns=(\S+)$")
 
 
-def _sh(*args: str, timeout: float = RUN_HANG_S) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+def _sh(*args: str, timeout: float = RUN_HANG_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def netns_unavailable() -> str | None:
@@ -128,8 +128,7 @@ def test_netns_tool_status_names_and_no_clobbering(hosts):
 
 
 def _netns_up(prefix: str, rate: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(NETNS), "up", "2", prefix], capture_output=True, text=True,
-                          timeout=RUN_HANG_S, env={**os.environ, "NETNS_RATE": rate})
+    return _sh("bash", str(NETNS), "up", "2", prefix, env={**os.environ, "NETNS_RATE": rate})
 
 
 def test_hosts_get_links_of_a_rate_where_asked():
