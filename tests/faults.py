@@ -16,6 +16,7 @@ import posix_ipc
 
 import shmcoll
 from shmcoll import CollectiveError, kernels
+from shmcoll.algorithms import single_copy
 
 from bounds import BROKEN_CALL_S, CLOSE_S, FAULT_NOTICE_S, NEVER_S, WAIT_HANG_S
 from harness import CTX, WaitTimedOut, attempt, child_processes, run_ranks, shm_names_of, wait_until
@@ -37,6 +38,14 @@ def init_group(rank: int, n: int, port: int, timeout: float = NEVER_S):
 def call_after_failure(pg) -> dict:
     """The next call on a group that just failed: must raise at once, same class, saying 'broken'."""
     return attempt(lambda: pg.barrier())
+
+
+def cannot_be_read() -> None:
+    """From now on this process publishes a token its peers do not find where it says, as a rank in
+    another pid namespace would: large calls that read peers' arrays (single_copy.py) agree on their
+    fallback."""
+    real = single_copy._descriptor
+    single_copy._descriptor = lambda address: real(address) + np.eye(1, 8, single_copy.TOKEN, dtype=np.int64)[0]
 
 
 def shmcoll_threads() -> list[str]:

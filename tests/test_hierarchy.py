@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import shmcoll
-from shmcoll.algorithms import overlap, single_copy
+from shmcoll.algorithms import overlap
 from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
 
 from bounds import MISMATCH_NOTICE_S
+from faults import cannot_be_read
 from harness import attempt, run_ranks, simulated_host_id
 
 S = 1 << 20  # bytes of float32 data in the bandwidth case (1 MiB: the ring, not the one-shot path)
@@ -125,9 +126,8 @@ def _large_all_reduce_in_hosts(pg, unreadable: int | None):
     """The bytes a 1 MiB SUM moves (checked exact by _all_reduce), then an AVG of random values and
     an int64 MAX, each checked against numpy; the AVG's result, to compare across ranks, and whether
     this rank's host read peers' arrays."""
-    if pg.rank == unreadable:  # as a rank in another pid namespace would be
-        real = single_copy._descriptor
-        single_copy._descriptor = lambda address: real(address) + np.eye(1, 8, single_copy.TOKEN, dtype=np.int64)[0]
+    if pg.rank == unreadable:
+        cannot_be_read()
     traffic = _traffic_of(pg, _all_reduce)
     inputs = [np.random.default_rng(r).standard_normal(S // 4).astype(np.float32) for r in range(pg.world_size)]
     avg = inputs[pg.rank].copy()
@@ -193,10 +193,8 @@ HALF = BIG // 2
 def _large_all_reduce_in_pieces(pg, unreadable: int | None):
     """A SUM of BIG bytes (its traffic) and an AVG of random values checked against numpy; both
     results' digests, to compare across ranks and runs, and the pieces of each call that overlapped."""
-    if pg.rank == unreadable:  # as in _large_all_reduce_in_hosts: its host takes the rings
-        real_descriptor = single_copy._descriptor
-        single_copy._descriptor = lambda address: real_descriptor(address) + np.eye(1, 8, single_copy.TOKEN,
-                                                                                    dtype=np.int64)[0]
+    if pg.rank == unreadable:  # its host takes the rings
+        cannot_be_read()
     overlapped, real = [], overlap._overlapped
     overlap._overlapped = lambda *args: (overlapped.append(len(args[0])), real(*args))[1]
     inputs = [np.random.default_rng(r).standard_normal(BIG // 4).astype(np.float32) for r in range(pg.world_size)]

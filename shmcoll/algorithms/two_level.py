@@ -72,9 +72,9 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     def across(piece: tuple[int, int]) -> None:
         """A piece of the owned range, in bytes (_crossing_pieces)."""
         if j < k:  # a larger host's extra ranks own nothing
-            lo, hi = piece[0] // data.itemsize, piece[1] // data.itemsize
-            _across(c, data[lo:hi], summed(op), topo.column(j), one_shot_bytes)
-            scale_if_avg(c, data[lo:hi], op, c.size)
+            part = data[piece[0] // data.itemsize:piece[1] // data.itemsize]
+            _across(c, part, summed(op), topo.column(j), one_shot_bytes)
+            scale_if_avg(c, part, op, c.size)
 
     def over_rings(c: Call) -> None:
         ring_reduce_scatter(c, data, summed(op), host, owned)
