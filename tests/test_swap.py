@@ -290,16 +290,15 @@ def test_a_frame_from_another_source_is_not_taken(pair):
 def test_a_prepared_row_is_the_steps_up_to_the_first_peer_out_of_reach():
     """NetTransport.prepare_row: the first steps whose peers it has a connection to, each step's
     way as a byte of ways, the steps that take their peer's connections (each peer's first) and
-    which took each step's; the peers where every step sends; None where the first step's peer is
-    out of reach."""
+    which took each step's; which steps send; None where the first step's peer is out of reach."""
     pairs = [connected_pair() for _ in range(2)]
     t = NetTransport(0, 4, {1: pairs[0][0], 3: pairs[1][0]}, timeout=bounds.WAIT_HANG_S)
     try:
         row = t.prepare_row(((1, Way.FOLD_IN), (3, Way.THEIRS_FIRST), (1, Way.GIVE), (2, Way.OWN_FIRST)))
         assert row is not None and (row.peers, row.claims, row.first) == ([1, 3, 1], (0, 1), [0, 1, 0])
-        assert row.ways == bytes([Way.FOLD_IN, Way.THEIRS_FIRST, Way.GIVE]) and row.all_send is None
+        assert row.ways == bytes([Way.FOLD_IN, Way.THEIRS_FIRST, Way.GIVE]) and row.sends == (False, True, True)
         exchanges = t.prepare_row(((3, Way.OWN_FIRST), (1, Way.THEIRS_FIRST)))
-        assert exchanges is not None and exchanges.all_send == (3, 1) and exchanges.claims == (0, 1)
+        assert exchanges is not None and exchanges.sends == (True, True) and exchanges.claims == (0, 1)
         assert t.prepare_row(((2, Way.OWN_FIRST), (1, Way.OWN_FIRST))) is None
     finally:
         t.close()

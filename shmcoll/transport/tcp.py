@@ -46,7 +46,7 @@ from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from ..net.congestion import paced
 from ..types import ReduceKind
 from . import frame
-from .base import NOT_STARTED, SENT, LinkTransport, PeerStep, Step, Transport, Way
+from .base import NOT_STARTED, SENT, LinkTransport, PeerStep, Step, Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -178,9 +178,8 @@ class NetTransport(LinkTransport):
             return None
         peers = [peer for peer, _ in reached]
         first = [peers.index(peer) for peer in peers]
-        senders = tuple(peer for peer, way in reached if way.sends)
         return SwapRow(peers, bytes(way for _, way in reached), tuple(i for i, f in enumerate(first) if f == i), first,
-                       senders if len(senders) == len(peers) else None,
+                       tuple(way.sends for _, way in reached),
                        [self._inboxes[peer] for peer in peers], [self._send_locks[peer] for peer in peers])
 
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
@@ -226,18 +225,14 @@ class NetTransport(LinkTransport):
                 row.send_locks[swapped].release()
         elif status < 0:
             raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
-        self.bytes_to[peer] += data.nbytes if Way(row.ways[swapped]).sends else 0
+        self.bytes_to[peer] += data.nbytes if row.sends[swapped] else 0
         return swapped, SENT
 
     def _count_sent(self, row: SwapRow, swapped: int, nbytes: int) -> None:
         """bytes_to after a row's first `swapped` steps: data's bytes to each step's peer that sends."""
-        if row.all_send is not None:
-            for peer in row.all_send[:swapped]:
+        for peer, sends in zip(row.peers[:swapped], row.sends):
+            if sends:
                 self.bytes_to[peer] += nbytes
-            return
-        for i in range(swapped):
-            if Way(row.ways[i]).sends:
-                self.bytes_to[row.peers[i]] += nbytes
 
     def _claim_row(self, row: SwapRow, tag: int) -> int:
         """How many of row's first steps this thread now holds both connections of (_take, once per
@@ -593,7 +588,7 @@ class SwapRow(NamedTuple):
     ways: bytes  # kernels.swap_row's: byte i, what step i does (Way)
     claims: tuple[int, ...]  # the steps that take their peer's connections: each peer's first
     first: list[int]  # for each step, the step that took its peer's connections
-    all_send: tuple[int, ...] | None  # the peers, where every step sends (exchanges only)
+    sends: tuple[bool, ...]  # whether step i sends
     inboxes: list[_Inbox]
     send_locks: list[threading.Lock]
 
