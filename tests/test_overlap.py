@@ -112,13 +112,19 @@ def test_a_helper_past_the_deadline_is_a_timeout(monkeypatch):
 
 
 def test_calls_on_two_threads_have_a_helper_each():
-    """Calls of different groups on different threads never queue behind each other's pieces."""
+    """Calls of different groups on different threads never queue behind each other's pieces: each
+    piece of one call waits across for the other call's, so both helpers live at once (one helper
+    for both would break the barrier) and their thread ids cannot be one reused."""
     names: dict[str, set[int]] = {}
+    both = threading.Barrier(2, timeout=10)
+
+    def across(seen: set[int]) -> None:
+        seen.add(threading.get_ident())
+        both.wait()
 
     def call(tag: str) -> None:
         seen: set[int] = set()
-        overlap.in_pieces(PIECES, lambda p: None, lambda p: seen.add(threading.get_ident()),
-                          lambda p: None, time.monotonic() + 30, True)
+        overlap.in_pieces(PIECES, lambda p: None, lambda p: across(seen), lambda p: None, time.monotonic() + 30, True)
         names[tag] = seen
 
     threads = [threading.Thread(target=call, args=(tag,)) for tag in "ab"]
