@@ -4,7 +4,9 @@ ProcessGroup over the chosen transport.
 Rank 0 serves the store. Every rank publishes its host id and release (ranks running different
 installs fail here, before anything is built); when all ranks share a host (and the
 transport allows it) they build shared memory; across hosts the hierarchy: shared memory per host
-plus TCP between hosts (transport="tcp": TCP between every pair). Each rank listens on the
+plus TCP between hosts (transport="tcp": TCP between every pair), each rank saying whether it
+overlaps its large all-reduces' in-host phases with their steps across hosts, since the ranges are
+cut in pieces for that only where some rank does. Each rank listens on the
 interface it used to reach rank 0 (so multi-homed hosts pick a routable one). Rank 0 shuts the
 store down as soon as the new transport has carried one barrier: by then every rank is done with it.
 Everything after the store is up is join_over_store, which takes any store with set/get/wait: the
@@ -242,13 +244,15 @@ def _hier_transport(cfg: Config, client: RendezvousStore, hosts: dict[int, str],
     mailbox = Mailbox(cfg.rank, cfg.world_size)
     shm = _shm_transport(cfg, client, hosts, pids, deadline, sharing, mailbox)
     try:
+        overlap = overlaps_across_hosts(cfg.tuning, sharing)
+        overlap_in_group = "1" in _gather(cfg, client, "overlap", str(int(overlap)), deadline).values()
         host = topology.local_ranks(cfg.rank)
         net = _tcp_transport(cfg, client, deadline, spans_hosts=True, sharing=sharing,
                              peers=set(range(cfg.world_size)) - set(host), mailbox=mailbox, local=shm)
     except BaseException:
         shm.close()
         raise
-    return HierarchicalTransport(shm, net, topology, mailbox, overlaps_across_hosts(cfg.tuning, sharing))
+    return HierarchicalTransport(shm, net, topology, mailbox, overlap, overlap_in_group)
 
 
 def _tcp_transport(cfg: Config, client: RendezvousStore, deadline: float, *, spans_hosts: bool, sharing: int,

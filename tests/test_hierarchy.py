@@ -9,16 +9,17 @@ them), and the test compares those counts with what the algorithm must send, exa
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 import pytest
 
 import shmcoll
-from shmcoll.algorithms import overlap
+from shmcoll.algorithms import overlap, two_level
 from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
 
-from bounds import MISMATCH_NOTICE_S
+from bounds import MISMATCH_NOTICE_S, WAIT_HANG_S
 from faults import cannot_be_read
 from harness import attempt, run_ranks, simulated_host_id
 
@@ -190,13 +191,33 @@ BIG = 8 << 20  # bytes: in halves, each column's 4 MiB range crosses hosts in ov
 HALF = BIG // 2
 
 
+def _record_calls(module, name: str, note) -> None:
+    """Wrap module.name (in this rank's process) so that note(args, result) sees every call."""
+    real = getattr(module, name)
+
+    def recorded(*args):
+        result = real(*args)
+        note(args, result)
+        return result
+    setattr(module, name, recorded)
+
+
+def _large_all_reduce_overlapping(rank: int, n: int, port: int, unreadable: int | None, overlapping: set[int]):
+    """_large_all_reduce_in_pieces where SHMCOLL_OVERLAP is 1 on the ranks in `overlapping` only."""
+    os.environ["SHMCOLL_OVERLAP"] = str(int(rank in overlapping))
+    with shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port, timeout=WAIT_HANG_S) as pg:
+        return _large_all_reduce_in_pieces(pg, unreadable)
+
+
 def _large_all_reduce_in_pieces(pg, unreadable: int | None):
     """A SUM of BIG bytes (its traffic) and an AVG of random values checked against numpy; both
-    results' digests, to compare across ranks and runs, and the pieces of each call that overlapped."""
+    results' digests, to compare across ranks and runs, how many pieces each call cut its range
+    into, and the pieces of each call that overlapped."""
     if pg.rank == unreadable:  # its host takes the rings
         cannot_be_read()
-    overlapped, real = [], overlap._overlapped
-    overlap._overlapped = lambda *args: (overlapped.append(len(args[0])), real(*args))[1]
+    cuts, overlapped = [], []
+    _record_calls(two_level, "_crossing_pieces", lambda args, pieces: cuts.append(len(pieces)))
+    _record_calls(overlap, "_overlapped", lambda args, result: overlapped.append(len(args[0])))
     inputs = [np.random.default_rng(r).standard_normal(BIG // 4).astype(np.float32) for r in range(pg.world_size)]
     total = inputs[pg.rank].copy()
     traffic = _traffic_of(pg, lambda pg: pg.all_reduce(total))
@@ -205,36 +226,39 @@ def _large_all_reduce_in_pieces(pg, unreadable: int | None):
     pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
     np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
     return {**traffic, "digests": [hashlib.sha256(x.tobytes()).hexdigest() for x in (total, avg)],
-            "overlapped": overlapped}
+            "cuts": cuts, "overlapped": overlapped}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, n, unreadable, read, overlapping", [
-    ("halves", 4, None, [[0, HALF, 0, 0], [HALF, 0, 0, 0], [0, 0, 0, HALF], [0, 0, HALF, 0]], [0, 1, 2, 3]),
-    ("halves", 4, 1, [[0] * 4, [0] * 4, [0, 0, 0, HALF], [0, 0, HALF, 0]], [2, 3]),
-    ("first-alone", 3, None, [[0, 0, 0], [0, 0, BIG], [0, 0, 0]], [1]),
+@pytest.mark.parametrize("layout, n, unreadable, read, owners, overlapping", [
+    ("halves", 4, None, [[0, HALF, 0, 0], [HALF, 0, 0, 0], [0, 0, 0, HALF], [0, 0, HALF, 0]], [0, 1, 2, 3],
+     [0, 1, 2, 3]),
+    ("halves", 4, 1, [[0] * 4, [0] * 4, [0, 0, 0, HALF], [0, 0, HALF, 0]], [0, 1, 2, 3], [2, 3]),
+    ("first-alone", 3, None, [[0, 0, 0], [0, 0, BIG], [0, 0, 0]], [0, 1], [1]),
 ])
-def test_large_ranges_cross_hosts_in_pieces_alike_overlapped_or_in_turn(layout, n, unreadable, read, overlapping,
-                                                                        monkeypatch):
-    """Each column's range crosses hosts in pieces: on a helper thread while the rank folds the next
-    piece and writes back the last (SHMCOLL_OVERLAP=1), or all on the calling thread (0). The same
-    frames cross either way, and whatever a host does inside (reads its peers' arrays, takes its
-    rings since one of its ranks cannot be read, or has a rank alone): exactly 2 BIG across hosts,
-    each byte read and written once inside a host that reads, bitwise the same results on every
-    rank and in both modes. Only ranks that read their host peers and own a range overlap."""
+def test_large_ranges_cross_hosts_in_pieces_where_any_rank_overlaps(layout, n, unreadable, read, owners,
+                                                                    overlapping, monkeypatch):
+    """Where some rank of the group overlaps (SHMCOLL_OVERLAP=1 on every rank, or on the last one
+    alone), every column's range crosses hosts in pieces, cut alike by every rank: on a helper
+    thread while the rank folds the next piece and writes back the last, where that rank overlaps,
+    else on the calling thread. Where none does (0 everywhere), each range crosses whole. The same
+    bytes cross in all three, whatever a host does inside (reads its peers' arrays, takes its rings
+    since one of its ranks cannot be read, or has a rank alone): exactly 2 BIG across hosts, each
+    byte read and written once inside a host that reads, bitwise the same results on every rank
+    and in every mode. Only ranks that read their host peers and own a range overlap."""
     assert overlap.crossing_pieces((0, HALF), 4) == [(k * BIG // 8, (k + 1) * BIG // 8) for k in range(4)]
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     runs = {}
-    for overlapped in ("1", "0"):
-        monkeypatch.setenv("SHMCOLL_OVERLAP", overlapped)
-        runs[overlapped] = run_ranks(n, _large_all_reduce_in_pieces, unreadable)
-    for overlapped, results in runs.items():
+    for on in (set(range(n)), {n - 1}, set()):
+        runs[tuple(on)] = results = run_ranks(n, _large_all_reduce_overlapping, unreadable, on, init=False)
         assert _cross(results, _hosts(layout, n)) == 2 * BIG
         assert [out["read"] for out in results] == read
         assert [out["written"] for out in results] == read
+        pieces = overlap.CROSSING_PIECES if on else 1
+        assert [out["cuts"] for out in results] == [[pieces if r in owners else 1] * 2 for r in range(n)], on
         assert [out["overlapped"] for out in results] == [  # pieces of each of the two calls
-            [4, 4] if overlapped == "1" and rank in overlapping else [] for rank in range(n)]
+            [4, 4] if r in on and r in overlapping else [] for r in range(n)], on
     assert len({tuple(out["digests"]) for results in runs.values() for out in results}) == 1
 
 
@@ -831,10 +855,10 @@ def test_small_all_gather_goes_through_the_leaders(layout, n, monkeypatch):
 
 def _spins(pg):
     """How long this rank's TCP waits, native exchanges and shared-memory waits spin before they
-    sleep (seconds), and whether its large all-reduces overlap."""
+    sleep (seconds), and whether its large all-reduces overlap (and any rank's in the group)."""
     net = pg.transport.net
     return {"tcp": net._spin_s, "native": net._native_spin_ns * 1e-9, "shm": pg.transport.shm.board.spin_ns * 1e-9,
-            "overlap": pg.transport.overlap}
+            "overlap": pg.transport.overlap, "in group": pg.transport.overlap_in_group}
 
 
 @pytest.mark.multiprocess
@@ -856,4 +880,4 @@ def test_hosts_on_one_kernel_weigh_all_their_ranks_against_its_cores(layout, n, 
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     for out in run_ranks(n, _spins):
         assert out == {"tcp": pytest.approx(tcp_s), "native": pytest.approx(native_s, abs=1e-8),
-                       "shm": pytest.approx(shm_s, abs=1e-8), "overlap": overlap}  # whole ns
+                       "shm": pytest.approx(shm_s, abs=1e-8), "overlap": overlap, "in group": overlap}  # whole ns

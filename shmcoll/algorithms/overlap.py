@@ -9,7 +9,8 @@ piece i + 1 and writes back the pieces that came back. The C calls on both threa
 GIL, so the two really run at once. Where the cores are too few for a second thread per rank
 (config.overlaps_across_hosts), the pieces go in turn on the calling thread: the same frames cross
 hosts either way, so each rank chooses for itself. Every rank of a column cuts its range alike
-(crossing_pieces), also where its host takes its rings or it is alone on its host.
+(crossing_pieces), also where its host takes its rings or it is alone on its host; in a group where
+no rank overlaps (the ranks say at start-up), nobody cuts.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     host, k = topo.local_ranks(c.rank), topo.min_local
     j = host.index(c.rank)
     owned, ranges = _owned(len(data), data.itemsize, k, len(host))
-    pieces = _crossing_pieces(topo, single_copy, ranges[j], data.itemsize)
+    pieces = _crossing_pieces(topo, single_copy and c.t.overlap_in_group, ranges[j], data.itemsize)
 
     def across(piece: tuple[int, int]) -> None:
         """A piece of the owned range, in bytes (_crossing_pieces)."""
@@ -89,13 +89,15 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     all_reduce_among(c, readers, data, summed(op), ranges, over_rings, Crossing(pieces, across, c.t.overlap))
 
 
-def _crossing_pieces(topo: Topology, single_copy: bool, byte_range: tuple[int, int],
+def _crossing_pieces(topo: Topology, may_overlap: bool, byte_range: tuple[int, int],
                      itemsize: int) -> list[tuple[int, int]]:
     """The pieces a column's range crosses hosts in, cut alike by every rank of the column
     (whether its host reads its peers, takes its rings or has it alone): overlap.crossing_pieces
-    where some host may overlap them with reading its peers, else one, since pieces only add steps
-    across hosts (4 hosts of one rank, 4 MiB: 11.8-12.9 ms in pieces against 10.4-11.7)."""
-    if not single_copy or topo.n_hosts == topo.world_size:
+    where some host may overlap them with reading its peers (may_overlap: single copy is on and
+    some rank of the group overlaps, alike on every rank), else one, since in turn pieces only add
+    steps across hosts (4 hosts of one rank, 4 MiB: 11.8-12.9 ms in pieces against 10.4-11.7; 2 + 2
+    ranks on 2 cores, 16 MiB, alternating: 27.6-31.2 ms whole against 28.0-34.0)."""
+    if not may_overlap or topo.n_hosts == topo.world_size:
         return [byte_range]
     return crossing_pieces(byte_range, itemsize)
 

@@ -83,6 +83,7 @@ class Transport(ABC):
     host_board: Board | None = None  # this host's board, where the group spans hosts (the in-host step)
     topology: Topology | None = None  # which ranks share a host, where the group spans hosts
     overlap: bool = False  # config.overlaps_across_hosts, where the group spans hosts
+    overlap_in_group: bool = False  # whether any rank of the group overlaps: then ranges cross hosts in pieces
 
     def tag_of(self, seq: int) -> int:
         """The tag of the group's collective number seq: the root group's range is

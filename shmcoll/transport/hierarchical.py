@@ -32,13 +32,13 @@ class HierarchicalTransport(Transport):
     name = "hier"
 
     def __init__(self, shm: ShmTransport, net: NetTransport, topology: Topology, mailbox: Mailbox,
-                 overlap: bool = False):
+                 overlap: bool = False, overlap_in_group: bool = False):
         """shm and net must have been built with `mailbox` (and net with `local=shm`, so a blocked
         TCP send ends on this host's abort flag); net reaches exactly the remote ranks. overlap:
-        config.overlaps_across_hosts."""
+        config.overlaps_across_hosts for this rank; overlap_in_group: for any rank of the group."""
         self.rank, self.world_size, self.timeout = shm.rank, shm.world_size, shm.timeout
         self.shm, self.net, self.topology, self._mailbox = shm, net, topology, mailbox
-        self.overlap = overlap
+        self.overlap, self.overlap_in_group = overlap, overlap_in_group
         self._local = frozenset(topology.local_ranks(self.rank))
         self.host_board = shm.board
 
