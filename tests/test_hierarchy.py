@@ -150,14 +150,13 @@ def _run_in_hosts(layout: str, n: int, unreadable: int | None, monkeypatch) -> l
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n, read", [
     ("halves", 4, [[0, S // 2, 0, 0], [S // 2, 0, 0, 0], [0, 0, 0, S // 2], [0, 0, S // 2, 0]]),
-    ("first-alone", 3, [[0, 0, 0], [0, 0, S], [0, 0, 0]]),
+    ("first-alone", 3, [[0, 0, 0], [0, 0, S // 2], [0, S // 2, 0]]),
 ])
 def test_large_all_reduce_moves_each_byte_inside_a_host_once(layout, n, read, monkeypatch):
     """A rank reads the half it owns of its host peer's array to fold it in, and writes the finished
     half into the peer's array (the rings would copy each byte twice: into a slot and out of it):
-    it writes what it read. In 1+2 the second host's extra rank (2) owns nothing: the other reads
-    its whole array and writes the result into it. Across hosts: exactly 2S. Results are alike
-    bitwise everywhere."""
+    it writes what it read, also in 1+2, where the lone rank owns both halves. Across hosts:
+    exactly 2S. Results are alike bitwise everywhere."""
     hosts = _hosts(layout, n)
     results = _run_in_hosts(layout, n, None, monkeypatch)
     assert [out["read"] for out in results] == read
@@ -187,7 +186,7 @@ def test_in_host_phases_read_what_the_ring_would_have_sent(layout, n, monkeypatc
     assert sum(sum(out["read"]) for out in reads) > 0
 
 
-BIG = 8 << 20  # bytes: in halves, each column's 4 MiB range crosses hosts in overlap.CROSSING_PIECES pieces
+BIG = 8 << 20  # bytes: 2 slices of 4 MiB, each crossing hosts in overlap.CROSSING_PIECES pieces where cut
 HALF = BIG // 2
 
 
@@ -211,12 +210,12 @@ def _large_all_reduce_overlapping(rank: int, n: int, port: int, unreadable: int 
 
 def _large_all_reduce_in_pieces(pg, unreadable: int | None):
     """A SUM of BIG bytes (its traffic) and an AVG of random values checked against numpy; both
-    results' digests, to compare across ranks and runs, how many pieces each call cut its range
-    into, and the pieces of each call that overlapped."""
+    results' digests, to compare across ranks and runs, how many pieces this rank took across hosts
+    in both calls, and the pieces of each call that overlapped."""
     if pg.rank == unreadable:  # its host takes the rings
         cannot_be_read()
-    cuts, overlapped = [], []
-    _record_calls(two_level, "_crossing_pieces", lambda args, pieces: cuts.append(len(pieces)))
+    crossed, overlapped = [0], []
+    _record_calls(two_level, "_across", lambda args, result: crossed.__setitem__(0, crossed[0] + 1))
     _record_calls(overlap, "_overlapped", lambda args, result: overlapped.append(len(args[0])))
     inputs = [np.random.default_rng(r).standard_normal(BIG // 4).astype(np.float32) for r in range(pg.world_size)]
     total = inputs[pg.rank].copy()
@@ -226,26 +225,26 @@ def _large_all_reduce_in_pieces(pg, unreadable: int | None):
     pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
     np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
     return {**traffic, "digests": [hashlib.sha256(x.tobytes()).hexdigest() for x in (total, avg)],
-            "cuts": cuts, "overlapped": overlapped}
+            "crossed": crossed[0], "overlapped": overlapped}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, n, unreadable, read, owners, overlapping", [
-    ("halves", 4, None, [[0, HALF, 0, 0], [HALF, 0, 0, 0], [0, 0, 0, HALF], [0, 0, HALF, 0]], [0, 1, 2, 3],
+@pytest.mark.parametrize("layout, n, unreadable, read, slices, overlapping", [
+    ("halves", 4, None, [[0, HALF, 0, 0], [HALF, 0, 0, 0], [0, 0, 0, HALF], [0, 0, HALF, 0]], [1, 1, 1, 1],
      [0, 1, 2, 3]),
-    ("halves", 4, 1, [[0] * 4, [0] * 4, [0, 0, 0, HALF], [0, 0, HALF, 0]], [0, 1, 2, 3], [2, 3]),
-    ("first-alone", 3, None, [[0, 0, 0], [0, 0, BIG], [0, 0, 0]], [0, 1], [1]),
+    ("halves", 4, 1, [[0] * 4, [0] * 4, [0, 0, 0, HALF], [0, 0, HALF, 0]], [1, 1, 1, 1], [2, 3]),
+    ("first-alone", 3, None, [[0, 0, 0], [0, 0, HALF], [0, HALF, 0]], [2, 1, 1], [1, 2]),
 ])
-def test_large_ranges_cross_hosts_in_pieces_where_any_rank_overlaps(layout, n, unreadable, read, owners,
+def test_large_slices_cross_hosts_in_pieces_where_any_rank_overlaps(layout, n, unreadable, read, slices,
                                                                     overlapping, monkeypatch):
     """Where some rank of the group overlaps (SHMCOLL_OVERLAP=1 on every rank, or on the last one
-    alone), every column's range crosses hosts in pieces, cut alike by every rank: on a helper
-    thread while the rank folds the next piece and writes back the last, where that rank overlaps,
-    else on the calling thread. Where none does (0 everywhere), each range crosses whole. The same
-    bytes cross in all three, whatever a host does inside (reads its peers' arrays, takes its rings
-    since one of its ranks cannot be read, or has a rank alone): exactly 2 BIG across hosts, each
-    byte read and written once inside a host that reads, bitwise the same results on every rank
-    and in every mode. Only ranks that read their host peers and own a range overlap."""
+    alone), every slice crosses hosts in pieces, cut alike by all its owners: on a helper thread
+    while the rank folds the next piece and writes back the last, where that rank overlaps, else on
+    the calling thread. Where none does (0 everywhere), each slice crosses whole. The same bytes
+    cross in all three, whatever a host does inside (reads its peers' arrays, takes its rings since
+    one of its ranks cannot be read, or has a rank alone, who owns both slices): exactly 2 BIG
+    across hosts, each byte read and written once inside a host that reads, bitwise the same
+    results on every rank and in every mode. Only ranks that read their host peers overlap."""
     assert overlap.crossing_pieces((0, HALF), 4) == [(k * BIG // 8, (k + 1) * BIG // 8) for k in range(4)]
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
@@ -256,9 +255,9 @@ def test_large_ranges_cross_hosts_in_pieces_where_any_rank_overlaps(layout, n, u
         assert [out["read"] for out in results] == read
         assert [out["written"] for out in results] == read
         pieces = overlap.CROSSING_PIECES if on else 1
-        assert [out["cuts"] for out in results] == [[pieces if r in owners else 1] * 2 for r in range(n)], on
+        assert [out["crossed"] for out in results] == [2 * pieces * s for s in slices], on
         assert [out["overlapped"] for out in results] == [  # pieces of each of the two calls
-            [4, 4] if r in on and r in overlapping else [] for r in range(n)], on
+            [pieces * s] * 2 if r in on and r in overlapping else [] for r, s in enumerate(slices)], on
     assert len({tuple(out["digests"]) for results in runs.values() for out in results}) == 1
 
 
@@ -272,6 +271,58 @@ def test_a_host_whose_rank_cannot_be_read_takes_its_rings_alone(monkeypatch):
     assert [out["read"] for out in results[2:]] == [[0, 0, 0, S // 2], [0, 0, S // 2, 0]]
     assert [out["written"] for out in results[2:]] == [[0, 0, 0, S // 2], [0, 0, S // 2, 0]]
     assert len({out["avg"] for out in results}) == 1
+
+
+UNEVEN = 6 * (256 << 10)  # bytes: 2 or 3 slices, each past the one-step size across hosts
+
+
+def _uneven_all_reduce(pg, unreadable: int | None):
+    """The bytes a SUM of UNEVEN moves, checked exact; an AVG of random values checked against
+    numpy, and its result, to compare across ranks and runs."""
+    if pg.rank == unreadable:  # its host takes the rings
+        cannot_be_read()
+    x = np.full(UNEVEN // 4, pg.rank + 1.0, dtype=np.float32)
+    traffic = _traffic_of(pg, lambda pg: pg.all_reduce(x))
+    n = pg.world_size
+    assert np.all(x == n * (n + 1) / 2)
+    inputs = [np.random.default_rng(r).standard_normal(UNEVEN // 4).astype(np.float32) for r in range(n)]
+    avg = inputs[pg.rank].copy()
+    pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
+    np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
+    return {**traffic, "avg": hashlib.sha256(avg.tobytes()).hexdigest()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n, slices, read, tcp", [
+    ("first-alone", 3, 2, [[0, 0, 0], [0, 0, 1], [0, 1, 0]], [[0, 1, 1], [1, 0, 0], [1, 0, 0]]),
+    ("first-alone", 4, 3, [[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 0, 1], [0, 1, 1, 0]],
+     [[0, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]]),
+    ("halves", 5, 3, [[0, 1, 1, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 2, 0]],
+     [[0, 0, 0, 1, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 1], [1, 0, 0, 0, 0], [0, 1, 1, 0, 0]]),
+])
+def test_every_rank_of_uneven_hosts_takes_slices_across(layout, n, slices, read, tcp, monkeypatch):
+    """A large all-reduce cuts its array into as many slices as the largest host has ranks (read
+    and tcp count them in slices); each rank of a smaller host owns a run of them, so no rank of a
+    larger host idles across hosts. Each rank folds its slices out of its host peers' arrays,
+    sends each whole to the slice's owner on the other host (two hosts: the ring's two halves) and
+    writes it finished into its peers' arrays: in 1 + 2 and 1 + 3 the lone rank crosses a slice
+    with every rank of the other host; in 3 + 2 rank 4 owns slices 1 and 2, crossing them with
+    ranks 1 and 2. Where the larger host's last rank cannot be read, that host takes its rings:
+    the same bytes cross. Every rank ends bitwise alike (between the two runs the fold's order
+    in a host of three differs)."""
+    piece, hosts = UNEVEN // slices, _hosts(layout, n)
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _uneven_all_reduce, None)
+    assert [out["read"] for out in results] == [[piece * k for k in row] for row in read]
+    assert [out["written"] for out in results] == [[piece * k for k in row] for row in read]
+    assert [out["tcp"] for out in results] == [[piece * k for k in row] for row in tcp]
+    larger = max(hosts, key=hosts.count)
+    on_rings = run_ranks(n, _uneven_all_reduce, max(r for r in range(n) if hosts[r] == larger))
+    assert [out["read"] for out in on_rings] == [
+        [0] * n if hosts[r] == larger else [piece * k for k in read[r]] for r in range(n)]
+    assert [out["tcp"] for out in on_rings] == [out["tcp"] for out in results]
+    assert len({out["avg"] for out in results}) == len({out["avg"] for out in on_rings}) == 1
 
 
 def _small_all_reduce(pg):
@@ -428,6 +479,25 @@ def test_topology_groups_ranks_by_host(ids, hosts, columns):
     assert topo.leaders() == tuple(h[0] for h in hosts)
     for rank in ids:
         assert rank in topo.local_ranks(rank) and topo.local_ranks(rank)[topo.local_index(rank)] == rank
+
+
+@pytest.mark.parametrize("sizes, runs, slice_columns", [
+    ((2, 2), [[[0], [1]], [[0], [1]]], [(0, 2), (1, 3)]),
+    ((1, 3), [[[0, 1, 2]], [[0], [1], [2]]], [(0, 1), (0, 2), (0, 3)]),
+    ((3, 2), [[[0], [1], [2]], [[0], [1, 2]]], [(0, 3), (1, 4), (2, 4)]),
+    ((1, 2, 3), [[[0, 1, 2]], [[0], [1, 2]], [[0], [1], [2]]], [(0, 1, 3), (0, 2, 4), (0, 2, 5)]),
+])
+def test_every_rank_owns_a_run_of_the_largest_hosts_slices(sizes, runs, slice_columns):
+    """As many slices as the largest host has ranks; on each host every local index owns a run of
+    consecutive ones, as even as can be (runs, per host); each slice's owners, one per host, are
+    its column. On hosts of one size, slice j is column j."""
+    ids = {r: str(h) for h, size in enumerate(sizes) for r in range(sum(sizes[:h]), sum(sizes[:h + 1]))}
+    topo = Topology.from_host_ids(ids)
+    assert topo.max_local == max(sizes)
+    assert [[list(run) for run in topo.slice_runs(size)] for size in sizes] == runs
+    assert [topo.slice_column(s) for s in range(max(sizes))] == slice_columns
+    if len(set(sizes)) == 1:
+        assert slice_columns == [topo.column(j) for j in range(max(sizes))]
 
 
 def _disagree(pg, calls):

@@ -41,7 +41,7 @@ import errno
 import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -117,15 +117,15 @@ def single_copy_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, fallback: 
     _finish(c, among)
 
 
-def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, ranges: Sequence[tuple[int, int]],
-                     fallback: Fallback, crossing: Crossing) -> None:
-    """data reduced in place among `among`'s ranks, one host's ranks of a group across hosts: the
-    rank at position p folds bytes ranges[p] of every rank's array (divided by their number, for
-    AVG), and each of crossing's pieces of it crosses hosts (two_level.py: its all-reduce across
-    hosts) between its fold and its write into every peer's array, while it is still in cache
-    (overlap.in_pieces); nobody reads a peer's range after folding it, so no step word is needed
-    between, and _finish's wait covers every write into this rank's array. By fallback(c) where
-    the ranks may not read each other."""
+def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, fallback: Fallback,
+                     crossing: Crossing) -> None:
+    """data reduced in place among `among`'s ranks, one host's ranks of a group across hosts: each
+    rank folds crossing's pieces (byte ranges, its own, disjoint from its peers') of every rank's
+    array, and each piece crosses hosts (two_level.py: its all-reduce across hosts) between its
+    fold and its write into every peer's array, while it is still in cache (overlap.in_pieces);
+    nobody reads a peer's range after folding it, so no step word is needed between, and _finish's
+    wait covers every write into this rank's array. By fallback(c) where the ranks may not read
+    each other."""
     peers = _publish_and_agree(c, among, data, fallback)
     if peers is None:
         return

@@ -6,14 +6,16 @@ boundary, not one per rank. The transport routes every send by peer, so the phas
 talks to whom. All phases share the call's tag: messages of one (source, tag) arrive in order and
 every rank runs the phases in the same order, so a phase never takes a later phase's message.
 
-Uneven hosts: K = the smallest host's rank count. A large all-reduce is cut into K slices; local
-rank j < K of every host owns slice j and all-reduces it across hosts with its peers of the same
-local rank (K rings busy at once); a larger host's extra ranks only take part inside their host.
-Its in-host phases read the host's peers' arrays directly where the host allows it (single_copy.py:
-each rank folds its slice out of its peers' arrays, and writes it, finished, into theirs),
-else they go around the host's shared-memory ring.
-A small all-reduce and the barrier meet on each host's board first; then between 2 hosts local
-rank j < K of every host crosses with its peers of the same local rank (its column: K exchanges at
+A large all-reduce is cut into as many slices as the largest host has ranks; on each host every
+rank owns a run of them (Topology.slice_runs: one each on the largest host, several on a smaller
+one), and each slice is all-reduced across hosts among its owners, one per host (its rings busy
+at once), so no rank of a larger host idles while its peers cross. Its in-host phases read the
+host's peers' arrays directly where the host allows it (single_copy.py: each rank folds its
+slices out of its peers' arrays, and writes them, finished, into theirs), else they go around the
+host's shared-memory ring.
+K = the smallest host's rank count. A small all-reduce and the barrier meet on each host's board
+first; then between 2 hosts local rank j < K of every host crosses with its peers of the same
+local rank (its column: K exchanges at
 once, each rank holding its host's result already), among more only the leaders (each host's
 lowest rank, column 0) do (select.crossing_columns); the ranks of no column hear from their
 leader. All-gather goes through one leader per host; a large broadcast is one chain that
@@ -41,7 +43,7 @@ from .direct import INT64_CODE, SIGNAL_CODE, recv_stream, send_stream, shape_hea
 from .doubling import doubling_steps, recursive_doubling_all_reduce
 from .doubling_broadcast import doubling_broadcast, give, take
 from .halving import halving_doubling_all_reduce
-from .overlap import Crossing, crossing_pieces
+from .overlap import Crossing, Piece, crossing_pieces
 from .ring import (
     Bounds,
     one_shot_all_reduce,
@@ -63,22 +65,24 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     Each element is reduced at one place and copied from there: bitwise identical everywhere.
     With single_copy (config.Tuning.single_copy, alike on every rank), the host's ranks read each
     other's arrays for the in-host phases where the host allows it (single_copy.all_reduce_among):
-    every byte crosses between the host's processes once, where the rings copy it twice."""
-    host, k = topo.local_ranks(c.rank), topo.min_local
-    j = host.index(c.rank)
-    owned, ranges = _owned(len(data), data.itemsize, k, len(host))
-    pieces = _crossing_pieces(topo, single_copy and c.t.overlap_in_group, ranges[j], data.itemsize)
+    every byte crosses between the host's processes once, where the rings copy it twice.
+    Each rank owns a run of the topology's slices (Topology.slice_runs) and takes them across
+    hosts one after another, each among its slice's owners: every rank orders its slices alike, so
+    the lowest slice not yet across always has all its owners at it."""
+    host = topo.local_ranks(c.rank)
+    may_overlap = single_copy and c.t.overlap_in_group and topo.n_hosts < topo.world_size
+    owned, pieces = _slices(len(data), data.itemsize, topo.max_local, topo.slice_runs(len(host)), may_overlap)
+    mine = pieces[host.index(c.rank)]
 
-    def across(piece: tuple[int, int]) -> None:
-        """A piece of the owned range, in bytes (_crossing_pieces)."""
-        if j < k:  # a larger host's extra ranks own nothing
-            part = data[piece[0] // data.itemsize:piece[1] // data.itemsize]
-            _across(c, part, summed(op), topo.column(j), one_shot_bytes)
-            scale_if_avg(c, part, op, c.size)
+    def across(piece: Piece) -> None:
+        """A piece of one of this rank's slices, in bytes (_slices), across hosts among the slice's owners."""
+        part = data[piece[0] // data.itemsize:piece[1] // data.itemsize]
+        _across(c, part, summed(op), topo.slice_column(mine[piece]), one_shot_bytes)
+        scale_if_avg(c, part, op, c.size)
 
     def over_rings(c: Call) -> None:
         ring_reduce_scatter(c, data, summed(op), host, owned)
-        for piece in pieces:
+        for piece in mine:
             across(piece)
         ring_all_gather_owned(c, data, host, owned)
 
@@ -86,29 +90,32 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     if readers is None:
         over_rings(c)
         return
-    all_reduce_among(c, readers, data, summed(op), ranges, over_rings, Crossing(pieces, across, c.t.overlap))
-
-
-def _crossing_pieces(topo: Topology, may_overlap: bool, byte_range: tuple[int, int],
-                     itemsize: int) -> list[tuple[int, int]]:
-    """The pieces a column's range crosses hosts in, cut alike by every rank of the column
-    (whether its host reads its peers, takes its rings or has it alone): overlap.crossing_pieces
-    where some host may overlap them with reading its peers (may_overlap: single copy is on and
-    some rank of the group overlaps, alike on every rank), else one, since in turn pieces only add
-    steps across hosts (4 hosts of one rank, 4 MiB: 11.8-12.9 ms in pieces against 10.4-11.7; 2 + 2
-    ranks on 2 cores, 16 MiB, alternating: 27.6-31.2 ms whole against 28.0-34.0)."""
-    if not may_overlap or topo.n_hosts == topo.world_size:
-        return [byte_range]
-    return crossing_pieces(byte_range, itemsize)
+    all_reduce_among(c, readers, data, summed(op), over_rings, Crossing(tuple(mine), across, c.t.overlap))
 
 
 @functools.lru_cache(maxsize=256)
-def _owned(count: int, itemsize: int, k: int, ranks: int) -> tuple[tuple[Bounds, ...], tuple[Bounds, ...]]:
-    """The element range each local index of a host of `ranks` owns in a large all-reduce of count
-    elements (the first k share them, the rest own nothing), and the same in bytes: alike for every
-    call of a kind, so kept."""
-    owned = tuple(segment_bounds(count, k)) + ((count, count),) * (ranks - k)
-    return owned, tuple((a * itemsize, b * itemsize) for a, b in owned)
+def _slices(count: int, itemsize: int, slices: int, runs: tuple[range, ...],
+            may_overlap: bool) -> tuple[tuple[Bounds, ...], tuple[dict[Piece, int], ...]]:
+    """For a large all-reduce of count elements cut into `slices`, of which each local index of a
+    host owns a run (`runs`): the element range each owns, and the pieces (in bytes) its slices
+    cross hosts in, each with its slice, empty slices left out (nothing crosses for them). Alike
+    for every call of a kind, so kept."""
+    bounds = segment_bounds(count, slices)
+    owned = tuple((bounds[run[0]][0], bounds[run[-1]][1]) for run in runs)
+    pieces = tuple({piece: s for s in run if bounds[s][1] > bounds[s][0]
+                    for piece in _crossing_pieces(may_overlap, (bounds[s][0] * itemsize, bounds[s][1] * itemsize),
+                                                  itemsize)} for run in runs)
+    return owned, pieces
+
+
+def _crossing_pieces(may_overlap: bool, byte_range: Piece, itemsize: int) -> list[Piece]:
+    """The pieces a slice crosses hosts in, cut alike by all its owners (whether their hosts read
+    their peers, take their rings or have them alone): overlap.crossing_pieces where some host may
+    overlap them with reading its peers (may_overlap: single copy is on, some host has several
+    ranks and some rank of the group overlaps, alike on every rank), else one, since in turn pieces
+    only add steps across hosts (4 hosts of one rank, 4 MiB: 11.8-12.9 ms in pieces against
+    10.4-11.7; 2 + 2 ranks on 2 cores, 16 MiB, alternating: 27.6-31.2 ms whole against 28.0-34.0)."""
+    return crossing_pieces(byte_range, itemsize) if may_overlap else [byte_range]
 
 
 def readers_in_host(c: Call, host: tuple[int, ...], single_copy: bool) -> Readers | None:

@@ -8,7 +8,7 @@ every rank folds the other hosts' partial sums into its own, in host order. Each
 (hosts - 1) host boundaries, once per other host: (hosts - 1) * S bytes in all for S bytes per
 rank, against a flat ring's (n - 1) / n * S per boundary it crosses.
 
-Reduce. As the large all-reduce (two_level.py): K = min_local slices, reduce-scattered inside each host;
+Reduce. K = min_local slices (the smallest host's rank count), reduce-scattered inside each host;
 local rank j of every host sends slice j to local rank j of the root's host, which folds them in
 host order and passes the finished slice to the root. A rooted call has senders that hear from
 nobody outside their host, so it starts with the hierarchy's barrier: a rank that disagrees about

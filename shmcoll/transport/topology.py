@@ -2,7 +2,10 @@
 
 Hosts are numbered by their lowest rank, and the ranks of a host are listed in rank order, so every
 rank computes the same topology from the same host ids without talking. A rank's "local index" is
-its position on its host; the "column" j is local index j of every host that has one.
+its position on its host; the "column" j is local index j of every host that has one. A large
+all-reduce across hosts cuts its array into as many slices as the largest host has ranks; on each
+host every rank owns a run of them (slice_runs), and each slice crosses hosts among its owners
+(slice_column): on hosts of one size, slice j is column j's.
 """
 
 from __future__ import annotations
@@ -51,6 +54,26 @@ class Topology:
     def min_local(self) -> int:
         """Ranks on the smallest host: how many columns every host can take part in."""
         return min(len(h) for h in self.hosts)
+
+    @functools.cached_property
+    def max_local(self) -> int:
+        """Ranks on the largest host: how many slices a large all-reduce across hosts cuts its array into."""
+        return max(len(h) for h in self.hosts)
+
+    def slice_runs(self, ranks: int) -> tuple[range, ...]:
+        """The slices (of max_local) each local index of a host of `ranks` owns: a run of consecutive
+        ones each, as even as can be, so no rank of a smaller host idles (one each on the largest)."""
+        m = self.max_local
+        return tuple(range(m * i // ranks, m * (i + 1) // ranks) for i in range(ranks))
+
+    def slice_column(self, s: int) -> tuple[int, ...]:
+        """The rank of every host that owns slice s, in host order: those it crosses hosts among."""
+        return self._slice_columns[s]
+
+    @functools.cached_property
+    def _slice_columns(self) -> tuple[tuple[int, ...], ...]:
+        owners = [{s: h[i] for i, run in enumerate(self.slice_runs(len(h))) for s in run} for h in self.hosts]
+        return tuple(tuple(owner[s] for owner in owners) for s in range(self.max_local))
 
     def local_ranks(self, rank: int) -> tuple[int, ...]:
         return self.hosts[self.host_of[rank]]
