@@ -289,6 +289,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.command == "measure":
         if any(a not in ALGORITHMS for a in args.algorithms) or args.rounds < 1 or args.timeout <= 0:
             p.error(f"--algorithms from {','.join(ALGORITHMS)}, --rounds >= 1, --timeout > 0")
+        if any(lay.sizes for lay in args.layouts):
+            p.error("the model's layouts are HOSTSxRANKS: hosts of one size")
         if os.geteuid() != 0 or shutil.which("ip") is None:
             p.error("measure needs root and iproute2 (the 'ip' command): the hosts are network namespaces")
     elif args.ranks_per_host < 1 or args.top < 2:

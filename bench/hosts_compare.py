@@ -6,7 +6,8 @@ Run as root on one machine (iproute2; OpenMPI with mpi4py, and torch, are option
     python bench/hosts_compare.py --layout 2x2,4x1,8x1 --rounds 3 --json /tmp/hosts.json
 
 tools/netns.sh makes the hosts (PREFIX1..PREFIXn, a fresh prefix per run; taken down at the end, also
-after a failure or Ctrl-C). A layout HxK is H hosts with K ranks each. Every column of its table is
+after a failure or Ctrl-C). A layout HxK is H hosts with K ranks each; A+B+... is hosts of A, B, ...
+ranks (uneven hosts, say 1+3). Every column of its table is
 one job per round, each rank bench/hosts_rank.py timing a float32 SUM all_reduce (or --collective C)
 with the loop shmcoll-bench uses (so the columns differ only in the library):
 
@@ -79,16 +80,33 @@ exec ip netns exec "$host" unshare --uts sh -c "hostname $host && $*"
 
 @dataclass(frozen=True)
 class Layout:
+    """`hosts` hosts of `per_host` ranks each; or, where `sizes` says, of those many ranks each
+    (uneven hosts: per_host is then the largest)."""
+
     hosts: int
     per_host: int
+    sizes: tuple[int, ...] = ()
+
+    @classmethod
+    def of_sizes(cls, sizes: tuple[int, ...]) -> Layout:
+        return cls(len(sizes), sizes[0]) if len(set(sizes)) == 1 else cls(len(sizes), max(sizes), sizes)
+
+    def ranks_on(self, host: int) -> int:
+        return self.sizes[host] if self.sizes else self.per_host
 
     @property
     def name(self) -> str:
-        return f"{self.hosts}x{self.per_host}"
+        return "+".join(map(str, self.sizes)) if self.sizes else f"{self.hosts}x{self.per_host}"
+
+    @property
+    def title(self) -> str:
+        if self.sizes:
+            return f"{self.hosts} hosts of {' + '.join(map(str, self.sizes))} ranks"
+        return f"{self.hosts} hosts x {self.per_host} rank{'s' * (self.per_host > 1)}"
 
     @property
     def world(self) -> int:
-        return self.hosts * self.per_host
+        return sum(self.ranks_on(h) for h in range(self.hosts))
 
 
 @dataclass(frozen=True)
@@ -210,12 +228,12 @@ def job_command(column: str, layout: Layout, hosts: Hosts, out: Path, tmp: Path,
     if column == OPENMPI:
         subnet = f"{hosts.subnet}.0/24"
         return [shutil.which(args.mpirun) or args.mpirun, "--allow-run-as-root", "-np", str(layout.world),
-                "--host", ",".join(f"{h}:{layout.per_host}" for h in names),
+                "--host", ",".join(f"{h}:{layout.ranks_on(i)}" for i, h in enumerate(names)),
                 "--mca", "plm_rsh_agent", str(tmp / "agent.sh"), "--mca", "btl", "self,vader,tcp",
                 "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
                 "--mca", "mpi_yield_when_idle", "1", "--bind-to", "none", sys.executable, *rank]
     hostfile = tmp / f"hosts-{layout.name}"
-    hostfile.write_text("".join(f"{h} slots={layout.per_host}\n" for h in names))
+    hostfile.write_text("".join(f"{h} slots={layout.ranks_on(i)}\n" for i, h in enumerate(names)))
     exports = ["-x", "GLOO_SOCKET_IFNAME=eth0", "-x", "OMP_NUM_THREADS=1"] if column == GLOO else []
     return [sys.executable, "-m", "shmcoll.launch.run_cli", "--hostfile", str(hostfile), "--rsh", "ip netns exec",
             "--timeout", f"{args.timeout:g}", *exports, *rank]
@@ -326,7 +344,7 @@ def call_title(collective: str) -> str:
 
 def table(layout: Layout, cols: dict[str, Column], rows: list[dict[str, Any]], rounds: int,
           collective: str = "all_reduce") -> list[str]:
-    lines = [f"## {layout.hosts} hosts x {layout.per_host} rank{'s' * (layout.per_host > 1)} ({layout.name}): "
+    lines = [f"## {layout.title} ({layout.name}): "
              f"{call_title(collective)}, time per call in us, best of {rounds} "
              f"round{'s' * (rounds > 1)}", "",
              "| size | " + " | ".join(f"{t} (us)" for t in COLUMNS.values())
@@ -358,10 +376,17 @@ def layouts_arg(text: str) -> list[Layout]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"(\d+)x(\d+)", part)
-        if not m or not 2 <= int(m.group(1)) <= 200 or int(m.group(2)) < 1:
-            raise argparse.ArgumentTypeError(f"a layout is HOSTSxRANKS with 2..200 hosts, like 2x2: {part!r}")
-        out.append(Layout(int(m.group(1)), int(m.group(2))))
+        sizes = tuple(int(m.group(2)) for _ in range(int(m.group(1)))) if m else _uneven(part)
+        if not 2 <= len(sizes) <= 200 or min(sizes) < 1:
+            raise argparse.ArgumentTypeError(f"a layout is HOSTSxRANKS or RANKS+RANKS+... with 2..200 hosts, "
+                                             f"like 2x2 or 1+3: {part!r}")
+        out.append(Layout.of_sizes(sizes))
     return out
+
+
+def _uneven(part: str) -> tuple[int, ...]:
+    """The host sizes of A+B+...; () where part is not such."""
+    return tuple(map(int, part.split("+"))) if re.fullmatch(r"\d+(\+\d+)+", part) else ()
 
 
 def columns_arg(text: str) -> list[str]:
@@ -387,8 +412,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="What is measured and how: bench/README.md.")
     p.add_argument("--layout", dest="layouts", type=layouts_arg, default=layouts_arg(default_layout),
-                   metavar="LIST", help=f"HOSTSxRANKS, comma-separated (default here {default_layout}: 8x1 only "
-                                        "on 8 CPUs or more, where 8 ranks do not just queue for the cores)")
+                   metavar="LIST", help=f"HOSTSxRANKS or RANKS+RANKS+... (uneven hosts), comma-separated "
+                                        f"(default here {default_layout}: 8x1 only on 8 CPUs or more, where 8 "
+                                        "ranks do not just queue for the cores)")
     p.add_argument("--sizes", type=sizes_arg, default=sizes_arg(DEFAULT_SIZES), metavar="LIST",
                    help=f"bytes, K/M/G suffixes allowed (default {DEFAULT_SIZES})")
     p.add_argument("--collective", choices=TIMED, default="all_reduce",
@@ -449,7 +475,8 @@ def main(argv: list[str]) -> int:
     for lay in args.layouts:
         rows = table_rows(cols[lay.name], args.sizes)
         print("\n" + "\n".join(table(lay, cols[lay.name], rows, args.rounds, args.collective)), flush=True)
-        doc["layouts"][lay.name] = {"hosts": lay.hosts, "ranks_per_host": lay.per_host, "rows": rows,
+        doc["layouts"][lay.name] = {"hosts": lay.hosts, "ranks_per_host": lay.per_host,
+                                    "ranks_on_hosts": [lay.ranks_on(h) for h in range(lay.hosts)], "rows": rows,
                                     "columns": {c.name: c.describe() for c in cols[lay.name].values()}}
     print("\n".join(link_lines(link, hosts)), flush=True)
     doc["seconds"] = time.monotonic() - t0

@@ -99,8 +99,10 @@ def test_the_link_is_measured_and_the_hosts_are_gone(run):
 def test_columns_left_out_are_never_started_and_links_have_the_rate_asked(tmp_path_factory):
     """--columns hier,openmpi: the other two cells say skipped (no time, no job run for them), and
     the JSON says why; shmcoll's two-level still has its times. --link-rate 1gbit: the hosts say
-    so, and no stream between them moves more than 1 Gbit/s (125 MB/s) each way."""
-    out, doc = _run(tmp_path_factory, [*ARGS, "--columns", "hier,openmpi", "--link-rate", "1gbit"])
+    so, and no stream between them moves more than 1 Gbit/s (125 MB/s) each way. An uneven layout
+    (1+2) runs its ranks on hosts of those sizes: its table says so, and has its own times."""
+    args = ["--layout", "2x1,1+2", *ARGS[2:], "--columns", "hier,openmpi", "--link-rate", "1gbit"]
+    out, doc = _run(tmp_path_factory, args)
     assert re.search(r"^# hosts \S+ on \S+ \(tools/netns.sh\), links of 1gbit each way$", out, re.M), out
     assert doc["config"]["link_rate"] == "1gbit"
     assert all(0 < x["gbps"] <= 0.13 for x in [doc["link"]["one_way"], *doc["link"]["both"]]), doc["link"]
@@ -109,7 +111,12 @@ def test_columns_left_out_are_never_started_and_links_have_the_rate_asked(tmp_pa
     assert columns["tcp"]["commands"] == columns[GLOO]["commands"] == []
     assert all(r["hier"] > 0 and r["tcp"] is None and r[GLOO] is None for r in doc["layouts"]["2x1"]["rows"])
     rows = [line for line in out.splitlines() if line.startswith("| 8 B") or line.startswith("| 64 KiB")]
-    assert len(rows) == 2 and all(line.split(" | ")[2] == "skipped" == line.split(" | ")[4] for line in rows), out
+    assert len(rows) == 4 and all(line.split(" | ")[2] == "skipped" == line.split(" | ")[4] for line in rows), out
+    uneven = doc["layouts"]["1+2"]
+    assert "## 2 hosts of 1 + 2 ranks (1+2): float32 SUM all_reduce" in out, out
+    assert (uneven["hosts"], uneven["ranks_on_hosts"]) == (2, [1, 2])
+    assert all(r["hier"] > 0 for r in uneven["rows"]), uneven["rows"]
+    assert uneven["columns"]["hier"]["transport"] == "hier (1 + 2 ranks on 2 hosts)"
 
 
 @pytest.mark.parametrize("collective, sizes, timed", [("broadcast", "64K", 65536), ("barrier", "8,64K", 0)])
