@@ -150,12 +150,13 @@ def _run_in_hosts(layout: str, n: int, unreadable: int | None, monkeypatch) -> l
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n, read", [
     ("halves", 4, [[0, S // 2, 0, 0], [S // 2, 0, 0, 0], [0, 0, 0, S // 2], [0, 0, S // 2, 0]]),
-    ("first-alone", 3, [[0, 0, 0], [0, 0, S // 2], [0, S // 2, 0]]),
+    ("first-alone", 3, [[0, 0, 0], [0, 0, S], [0, 0, 0]]),
 ])
 def test_large_all_reduce_moves_each_byte_inside_a_host_once(layout, n, read, monkeypatch):
     """A rank reads the half it owns of its host peer's array to fold it in, and writes the finished
     half into the peer's array (the rings would copy each byte twice: into a slot and out of it):
-    it writes what it read, also in 1+2, where the lone rank owns both halves. Across hosts:
+    it writes what it read. In 1+2, below two_level.SPREAD_FROM_BYTES, the second host's extra rank
+    (2) owns nothing: the other reads its whole array and writes the result into it. Across hosts:
     exactly 2S. Results are alike bitwise everywhere."""
     hosts = _hosts(layout, n)
     results = _run_in_hosts(layout, n, None, monkeypatch)
@@ -186,7 +187,7 @@ def test_in_host_phases_read_what_the_ring_would_have_sent(layout, n, monkeypatc
     assert sum(sum(out["read"]) for out in reads) > 0
 
 
-BIG = 8 << 20  # bytes: 2 slices of 4 MiB, each crossing hosts in overlap.CROSSING_PIECES pieces where cut
+BIG = 8 << 20  # bytes: in halves, 2 slices of 4 MiB, each crossing hosts in overlap.CROSSING_PIECES pieces where cut
 HALF = BIG // 2
 
 
@@ -233,7 +234,7 @@ def _large_all_reduce_in_pieces(pg, unreadable: int | None):
     ("halves", 4, None, [[0, HALF, 0, 0], [HALF, 0, 0, 0], [0, 0, 0, HALF], [0, 0, HALF, 0]], [1, 1, 1, 1],
      [0, 1, 2, 3]),
     ("halves", 4, 1, [[0] * 4, [0] * 4, [0, 0, 0, HALF], [0, 0, HALF, 0]], [1, 1, 1, 1], [2, 3]),
-    ("first-alone", 3, None, [[0, 0, 0], [0, 0, HALF], [0, HALF, 0]], [2, 1, 1], [1, 2]),
+    ("first-alone", 3, None, [[0, 0, 0], [0, 0, BIG], [0, 0, 0]], [1, 1, 0], [1]),
 ])
 def test_large_slices_cross_hosts_in_pieces_where_any_rank_overlaps(layout, n, unreadable, read, slices,
                                                                     overlapping, monkeypatch):
@@ -242,7 +243,7 @@ def test_large_slices_cross_hosts_in_pieces_where_any_rank_overlaps(layout, n, u
     while the rank folds the next piece and writes back the last, where that rank overlaps, else on
     the calling thread. Where none does (0 everywhere), each slice crosses whole. The same bytes
     cross in all three, whatever a host does inside (reads its peers' arrays, takes its rings since
-    one of its ranks cannot be read, or has a rank alone, who owns both slices): exactly 2 BIG
+    one of its ranks cannot be read, or has a rank alone, and a rank of no slice): exactly 2 BIG
     across hosts, each byte read and written once inside a host that reads, bitwise the same
     results on every rank and in every mode. Only ranks that read their host peers overlap."""
     assert overlap.crossing_pieces((0, HALF), 4) == [(k * BIG // 8, (k + 1) * BIG // 8) for k in range(4)]
@@ -278,9 +279,11 @@ UNEVEN = 6 * (256 << 10)  # bytes: 2 or 3 slices, each past the one-step size ac
 
 def _uneven_all_reduce(pg, unreadable: int | None):
     """The bytes a SUM of UNEVEN moves, checked exact; an AVG of random values checked against
-    numpy, and its result, to compare across ranks and runs."""
+    numpy, and its result, to compare across ranks and runs. Slices follow the largest host from
+    UNEVEN bytes here (two_level.SPREAD_FROM_BYTES)."""
     if pg.rank == unreadable:  # its host takes the rings
         cannot_be_read()
+    two_level.SPREAD_FROM_BYTES = UNEVEN
     x = np.full(UNEVEN // 4, pg.rank + 1.0, dtype=np.float32)
     traffic = _traffic_of(pg, lambda pg: pg.all_reduce(x))
     n = pg.world_size
@@ -301,7 +304,8 @@ def _uneven_all_reduce(pg, unreadable: int | None):
      [[0, 0, 0, 1, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 1], [1, 0, 0, 0, 0], [0, 1, 1, 0, 0]]),
 ])
 def test_every_rank_of_uneven_hosts_takes_slices_across(layout, n, slices, read, tcp, monkeypatch):
-    """A large all-reduce cuts its array into as many slices as the largest host has ranks (read
+    """A large all-reduce from SPREAD_FROM_BYTES (lowered in the ranks to this test's array) cuts
+    its array into as many slices as the largest host has ranks (read
     and tcp count them in slices); each rank of a smaller host owns a run of them, so no rank of a
     larger host idles across hosts. Each rank folds its slices out of its host peers' arrays,
     sends each whole to the slice's owner on the other host (two hosts: the ring's two halves) and
@@ -488,16 +492,21 @@ def test_topology_groups_ranks_by_host(ids, hosts, columns):
     ((1, 2, 3), [[[0, 1, 2]], [[0], [1, 2]], [[0], [1], [2]]], [(0, 1, 3), (0, 2, 4), (0, 2, 5)]),
 ])
 def test_every_rank_owns_a_run_of_the_largest_hosts_slices(sizes, runs, slice_columns):
-    """As many slices as the largest host has ranks; on each host every local index owns a run of
-    consecutive ones, as even as can be (runs, per host); each slice's owners, one per host, are
-    its column. On hosts of one size, slice j is column j."""
+    """Cut into as many slices as the largest host has ranks, every local index of each host owns a
+    run of consecutive ones, as even as can be (runs, per host); each slice's owners, one per host,
+    are its column. Cut into as many as the smallest host has, local index j owns slice j and the
+    larger hosts' other ranks none: the columns. On hosts of one size both are the columns."""
     ids = {r: str(h) for h, size in enumerate(sizes) for r in range(sum(sizes[:h]), sum(sizes[:h + 1]))}
     topo = Topology.from_host_ids(ids)
-    assert topo.max_local == max(sizes)
-    assert [[list(run) for run in topo.slice_runs(size)] for size in sizes] == runs
-    assert [topo.slice_column(s) for s in range(max(sizes))] == slice_columns
-    if len(set(sizes)) == 1:
-        assert slice_columns == [topo.column(j) for j in range(max(sizes))]
+    most, least = max(sizes), min(sizes)
+    assert (topo.max_local, topo.min_local) == (most, least)
+    assert [[list(run) for run in topo.slice_runs(most, size)] for size in sizes] == runs
+    assert [topo.slice_column(s, most) for s in range(most)] == slice_columns
+    assert [[list(run) for run in topo.slice_runs(least, size)] for size in sizes] == [
+        [[j] if j < least else [] for j in range(size)] for size in sizes]
+    assert [topo.slice_column(j, least) for j in range(least)] == [topo.column(j) for j in range(least)]
+    if most == least:
+        assert slice_columns == [topo.column(j) for j in range(most)]
 
 
 def _disagree(pg, calls):

@@ -6,16 +6,17 @@ boundary, not one per rank. The transport routes every send by peer, so the phas
 talks to whom. All phases share the call's tag: messages of one (source, tag) arrive in order and
 every rank runs the phases in the same order, so a phase never takes a later phase's message.
 
-A large all-reduce is cut into as many slices as the largest host has ranks; on each host every
-rank owns a run of them (Topology.slice_runs: one each on the largest host, several on a smaller
-one), and each slice is all-reduced across hosts among its owners, one per host (its rings busy
-at once), so no rank of a larger host idles while its peers cross. Its in-host phases read the
-host's peers' arrays directly where the host allows it (single_copy.py: each rank folds its
-slices out of its peers' arrays, and writes them, finished, into theirs), else they go around the
-host's shared-memory ring.
-K = the smallest host's rank count. A small all-reduce and the barrier meet on each host's board
-first; then between 2 hosts local rank j < K of every host crosses with its peers of the same
-local rank (its column: K exchanges at
+A large all-reduce is cut into K slices, K = the smallest host's rank count: local rank j < K of
+every host owns slice j and all-reduces it across hosts with its peers of the same local rank (K
+rings busy at once); a larger host's extra ranks only take part inside their host. From
+SPREAD_FROM_BYTES it is cut into as many slices as the largest host has ranks instead; on each
+host every rank owns a run of them (Topology.slice_runs: one each on the largest host, several on
+a smaller one), and each slice is all-reduced among its owners, one per host, so no rank of a
+larger host idles while its peers cross. Its in-host phases read the host's peers' arrays
+directly where the host allows it (single_copy.py: each rank folds its slices out of its peers'
+arrays, and writes them, finished, into theirs), else they go around the host's shared-memory ring.
+A small all-reduce and the barrier meet on each host's board first; then between 2 hosts local
+rank j < K of every host crosses with its peers of the same local rank (its column: K exchanges at
 once, each rank holding its host's result already), among more only the leaders (each host's
 lowest rank, column 0) do (select.crossing_columns); the ranks of no column hear from their
 leader. All-gather goes through one leader per host; a large broadcast is one chain that
@@ -66,18 +67,19 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     With single_copy (config.Tuning.single_copy, alike on every rank), the host's ranks read each
     other's arrays for the in-host phases where the host allows it (single_copy.all_reduce_among):
     every byte crosses between the host's processes once, where the rings copy it twice.
-    Each rank owns a run of the topology's slices (Topology.slice_runs) and takes them across
-    hosts one after another, each among its slice's owners: every rank orders its slices alike, so
-    the lowest slice not yet across always has all its owners at it."""
+    Each rank owns a run of slices (Topology.slice_runs; slices_for) and takes them across hosts
+    one after another, each among its slice's owners: every rank orders its slices alike, so the
+    lowest slice not yet across always has all its owners at it."""
     host = topo.local_ranks(c.rank)
+    slices = slices_for(topo, data.nbytes)
     may_overlap = single_copy and c.t.overlap_in_group and topo.n_hosts < topo.world_size
-    owned, pieces = _slices(len(data), data.itemsize, topo.max_local, topo.slice_runs(len(host)), may_overlap)
+    owned, pieces = _slices(len(data), data.itemsize, slices, topo.slice_runs(slices, len(host)), may_overlap)
     mine = pieces[host.index(c.rank)]
 
     def across(piece: Piece) -> None:
         """A piece of one of this rank's slices, in bytes (_slices), across hosts among the slice's owners."""
         part = data[piece[0] // data.itemsize:piece[1] // data.itemsize]
-        _across(c, part, summed(op), topo.slice_column(mine[piece]), one_shot_bytes)
+        _across(c, part, summed(op), topo.slice_column(mine[piece], slices), one_shot_bytes)
         scale_if_avg(c, part, op, c.size)
 
     def over_rings(c: Call) -> None:
@@ -93,6 +95,25 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     all_reduce_among(c, readers, data, summed(op), over_rings, Crossing(tuple(mine), across, c.t.overlap))
 
 
+#: Bytes from which a large all-reduce across uneven hosts cuts as many slices as the largest host
+#: has ranks, so each rank of a larger host takes one across, where below it the larger host's
+#: ranks past the smallest host's count idle across hosts while one peer folds, carries and writes
+#: back their share too. Spread, the smaller host's ranks cross several slices one after another:
+#: more steps, which a small call pays for (`--layout 1+3,1+2 --columns hier,openmpi --rounds 2`,
+#: alternating, ms, spread / not): on links of 4 Gbit/s, 1 + 3 64 MiB 184-188 / 197-213, 32 MiB
+#: 92-99 / 99-102, 16 MiB 47.5-50.8 / 51.3-51.7, 1 MiB 4.4-4.6 / 4.0-4.4; 1 + 2 64 MiB 164-169 /
+#: 181. Between namespaces on 2 cores, where the copies of the link take the cores the spread ranks
+#: want: 1 + 3 1 MiB 3.2-3.9 / 2.9-3.2, 16 MiB 34-40 / 30-32, 32 MiB 61-63 / 57-66, 64 MiB 111-128
+#: / 117-122; 1 + 2 1 MiB 2.3-3.0 / 1.9-2.0.
+SPREAD_FROM_BYTES = 32 << 20
+
+
+def slices_for(topo: Topology, nbytes: int) -> int:
+    """How many slices a large all-reduce of nbytes per rank cuts its array into across hosts: one
+    per rank of the smallest host, or from SPREAD_FROM_BYTES one per rank of the largest."""
+    return topo.max_local if nbytes >= SPREAD_FROM_BYTES else topo.min_local
+
+
 @functools.lru_cache(maxsize=256)
 def _slices(count: int, itemsize: int, slices: int, runs: tuple[range, ...],
             may_overlap: bool) -> tuple[tuple[Bounds, ...], tuple[dict[Piece, int], ...]]:
@@ -101,7 +122,7 @@ def _slices(count: int, itemsize: int, slices: int, runs: tuple[range, ...],
     cross hosts in, each with its slice, empty slices left out (nothing crosses for them). Alike
     for every call of a kind, so kept."""
     bounds = segment_bounds(count, slices)
-    owned = tuple((bounds[run[0]][0], bounds[run[-1]][1]) for run in runs)
+    owned = tuple((bounds[run[0]][0], bounds[run[-1]][1]) if run else (count, count) for run in runs)
     pieces = tuple({piece: s for s in run if bounds[s][1] > bounds[s][0]
                     for piece in _crossing_pieces(may_overlap, (bounds[s][0] * itemsize, bounds[s][1] * itemsize),
                                                   itemsize)} for run in runs)

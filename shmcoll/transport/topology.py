@@ -3,9 +3,9 @@
 Hosts are numbered by their lowest rank, and the ranks of a host are listed in rank order, so every
 rank computes the same topology from the same host ids without talking. A rank's "local index" is
 its position on its host; the "column" j is local index j of every host that has one. A large
-all-reduce across hosts cuts its array into as many slices as the largest host has ranks; on each
-host every rank owns a run of them (slice_runs), and each slice crosses hosts among its owners
-(slice_column): on hosts of one size, slice j is column j's.
+all-reduce across hosts cuts its array into slices (as many as the smallest host has ranks, or the
+largest); on each host every rank owns a run of them (slice_runs), and each slice crosses hosts
+among its owners (slice_column): on hosts of one size, slice j is column j's.
 """
 
 from __future__ import annotations
@@ -57,23 +57,30 @@ class Topology:
 
     @functools.cached_property
     def max_local(self) -> int:
-        """Ranks on the largest host: how many slices a large all-reduce across hosts cuts its array into."""
+        """Ranks on the largest host."""
         return max(len(h) for h in self.hosts)
 
-    def slice_runs(self, ranks: int) -> tuple[range, ...]:
-        """The slices (of max_local) each local index of a host of `ranks` owns: a run of consecutive
-        ones each, as even as can be, so no rank of a smaller host idles (one each on the largest)."""
-        m = self.max_local
-        return tuple(range(m * i // ranks, m * (i + 1) // ranks) for i in range(ranks))
+    @staticmethod
+    def slice_runs(slices: int, ranks: int) -> tuple[range, ...]:
+        """The slices each local index of a host of `ranks` owns, of `slices` (min_local or max_local):
+        local index j < slices owns slice j where there are fewer slices than ranks (the rest own
+        none), else each owns a run of consecutive ones, as even as can be."""
+        if slices < ranks:
+            return tuple(range(i, i + 1) if i < slices else range(slices, slices) for i in range(ranks))
+        return tuple(range(slices * i // ranks, slices * (i + 1) // ranks) for i in range(ranks))
 
-    def slice_column(self, s: int) -> tuple[int, ...]:
-        """The rank of every host that owns slice s, in host order: those it crosses hosts among."""
-        return self._slice_columns[s]
+    def slice_column(self, s: int, slices: int) -> tuple[int, ...]:
+        """The rank of every host that owns slice s of `slices`, in host order: those it crosses hosts among."""
+        return self._slice_columns[slices][s]
 
     @functools.cached_property
-    def _slice_columns(self) -> tuple[tuple[int, ...], ...]:
-        owners = [{s: h[i] for i, run in enumerate(self.slice_runs(len(h))) for s in run} for h in self.hosts]
-        return tuple(tuple(owner[s] for owner in owners) for s in range(self.max_local))
+    def _slice_columns(self) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """slice_column for both cuts, worked out once: a large call across hosts asks every time."""
+        return {m: self._columns_of_slices(m) for m in (self.min_local, self.max_local)}
+
+    def _columns_of_slices(self, slices: int) -> tuple[tuple[int, ...], ...]:
+        owners = [{s: h[i] for i, run in enumerate(self.slice_runs(slices, len(h))) for s in run} for h in self.hosts]
+        return tuple(tuple(owner[s] for owner in owners) for s in range(slices))
 
     def local_ranks(self, rank: int) -> tuple[int, ...]:
         return self.hosts[self.host_of[rank]]
