@@ -70,17 +70,16 @@ class Topology:
         return tuple(range(slices * i // ranks, slices * (i + 1) // ranks) for i in range(ranks))
 
     def slice_column(self, s: int, slices: int) -> tuple[int, ...]:
-        """The rank of every host that owns slice s of `slices`, in host order: those it crosses hosts among."""
-        return self._slice_columns[slices][s]
+        """The rank of every host that owns slice s of `slices` (min_local or max_local), in host
+        order: those it crosses hosts among. Of min_local slices, slice s is column s."""
+        return self._spread_columns[s] if slices > self.min_local else self.column(s)
 
     @functools.cached_property
-    def _slice_columns(self) -> dict[int, tuple[tuple[int, ...], ...]]:
-        """slice_column for both cuts, worked out once: a large call across hosts asks every time."""
-        return {m: self._columns_of_slices(m) for m in (self.min_local, self.max_local)}
-
-    def _columns_of_slices(self, slices: int) -> tuple[tuple[int, ...], ...]:
-        owners = [{s: h[i] for i, run in enumerate(self.slice_runs(slices, len(h))) for s in run} for h in self.hosts]
-        return tuple(tuple(owner[s] for owner in owners) for s in range(slices))
+    def _spread_columns(self) -> tuple[tuple[int, ...], ...]:
+        """slice_column of max_local slices, worked out once: a large call across hosts asks every time."""
+        m = self.max_local
+        owners = [{s: h[i] for i, run in enumerate(self.slice_runs(m, len(h))) for s in run} for h in self.hosts]
+        return tuple(tuple(owner[s] for owner in owners) for s in range(m))
 
     def local_ranks(self, rank: int) -> tuple[int, ...]:
         return self.hosts[self.host_of[rank]]
