@@ -130,15 +130,25 @@ def _large_all_reduce_in_hosts(pg, unreadable: int | None):
     if pg.rank == unreadable:
         cannot_be_read()
     traffic = _traffic_of(pg, _all_reduce)
-    inputs = [np.random.default_rng(r).standard_normal(S // 4).astype(np.float32) for r in range(pg.world_size)]
-    avg = inputs[pg.rank].copy()
-    pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
-    np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
+    avg = _checked_avg(pg, _random_inputs(pg.world_size, S))
     top = (np.arange(S // 8, dtype=np.int64) * (pg.rank + 3)) % 1009
     pg.all_reduce(top, shmcoll.ReduceKind.MAX)
     assert np.array_equal(top, np.max([(np.arange(S // 8) * (r + 3)) % 1009 for r in range(pg.world_size)], axis=0))
-    return {**traffic, "avg": hashlib.sha256(avg.tobytes()).hexdigest(),
-            "read_directly": pg.transport.host_board.single_copy_agreed}
+    return {**traffic, "avg": avg, "read_directly": pg.transport.host_board.single_copy_agreed}
+
+
+def _random_inputs(n: int, nbytes: int) -> list[np.ndarray]:
+    """Each of n ranks' float32 input of nbytes, alike in every process."""
+    return [np.random.default_rng(r).standard_normal(nbytes // 4).astype(np.float32) for r in range(n)]
+
+
+def _checked_avg(pg, inputs: list[np.ndarray]) -> str:
+    """An AVG all-reduce of this rank's input, checked against numpy; the result's digest, to
+    compare across ranks and runs."""
+    avg = inputs[pg.rank].copy()
+    pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
+    np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
+    return hashlib.sha256(avg.tobytes()).hexdigest()
 
 
 def _run_in_hosts(layout: str, n: int, unreadable: int | None, monkeypatch) -> list[dict]:
@@ -218,14 +228,11 @@ def _large_all_reduce_in_pieces(pg, unreadable: int | None):
     crossed, overlapped = [0], []
     _record_calls(two_level, "_across", lambda args, result: crossed.__setitem__(0, crossed[0] + 1))
     _record_calls(overlap, "_overlapped", lambda args, result: overlapped.append(len(args[0])))
-    inputs = [np.random.default_rng(r).standard_normal(BIG // 4).astype(np.float32) for r in range(pg.world_size)]
+    inputs = _random_inputs(pg.world_size, BIG)
     total = inputs[pg.rank].copy()
     traffic = _traffic_of(pg, lambda pg: pg.all_reduce(total))
     np.testing.assert_allclose(total, np.sum(inputs, axis=0), rtol=1e-4, atol=1e-4)
-    avg = inputs[pg.rank].copy()
-    pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
-    np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
-    return {**traffic, "digests": [hashlib.sha256(x.tobytes()).hexdigest() for x in (total, avg)],
+    return {**traffic, "digests": [hashlib.sha256(total.tobytes()).hexdigest(), _checked_avg(pg, inputs)],
             "crossed": crossed[0], "overlapped": overlapped}
 
 
@@ -288,11 +295,7 @@ def _uneven_all_reduce(pg, unreadable: int | None):
     traffic = _traffic_of(pg, lambda pg: pg.all_reduce(x))
     n = pg.world_size
     assert np.all(x == n * (n + 1) / 2)
-    inputs = [np.random.default_rng(r).standard_normal(UNEVEN // 4).astype(np.float32) for r in range(n)]
-    avg = inputs[pg.rank].copy()
-    pg.all_reduce(avg, shmcoll.ReduceKind.AVG)
-    np.testing.assert_allclose(avg, np.mean(inputs, axis=0), rtol=1e-4, atol=1e-5)
-    return {**traffic, "avg": hashlib.sha256(avg.tobytes()).hexdigest()}
+    return {**traffic, "avg": _checked_avg(pg, _random_inputs(n, UNEVEN))}
 
 
 @pytest.mark.multiprocess
