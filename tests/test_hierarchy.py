@@ -833,6 +833,65 @@ def test_large_all_reduce_among_many_hosts_halves_then_doubles(n, monkeypatch):
         assert out["avg"] == [n + 1.0]
 
 
+# ---- many hosts: a large reduce down a binomial tree, or by halving ----
+
+def _large_reduce(pg, root, elems):
+    """The bytes sent to each rank during a SUM reduce of `elems` float32 to root; then an AVG of an
+    odd length (uneven segments). The root checks both results."""
+    n = pg.world_size
+    x = (pg.rank + 1 + np.arange(elems) % 7).astype(np.float32)
+    traffic = _traffic_of(pg, lambda _: pg.reduce(root, x))
+    averaged = np.full(elems + 3, 2.0 * (pg.rank + 1))
+    pg.reduce(root, averaged, shmcoll.ReduceKind.AVG)
+    if pg.rank == root:
+        assert np.array_equal(x, (n * (n + 1) / 2 + n * (np.arange(elems) % 7)).astype(np.float32))
+        assert np.all(averaged == n + 1.0)
+    return traffic["tcp"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n, root, sends", [
+    (5, 2, {3: 2, 4: 2, 0: 4, 1: 2}),
+    (8, 3, {4: 3, 5: 3, 6: 5, 7: 3, 0: 7, 1: 7, 2: 1}),
+])
+def test_large_reduce_among_many_hosts_goes_down_a_binomial_tree(n, root, sends, monkeypatch):
+    """One rank per host, past the one-step size and below REDUCE_HALVING_FROM_BYTES: counted from
+    the root, position q folds in q + 1, q + 2, q + 4, ... while those bits of q are clear, then
+    sends its partial sum once, to q with its lowest set bit cleared. The root takes in
+    ceil(log2 n) arrays, not n - 1; n - 1 cross in all."""
+    from shmcoll.algorithms.select import REDUCE_HALVING_FROM_BYTES
+    from shmcoll.config import ONE_SHOT_BYTES_ACROSS_HOSTS
+
+    size = (ONE_SHOT_BYTES_ACROSS_HOSTS + REDUCE_HALVING_FROM_BYTES) // 2
+    assert ONE_SHOT_BYTES_ACROSS_HOSTS < size < REDUCE_HALVING_FROM_BYTES
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    results = run_ranks(n, _large_reduce, root, size // 4)
+    assert results == [[size if sends.get(r) == p else 0 for p in range(n)] for r in range(n)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n, root, sent", [
+    (4, 1, [{2: S // 2, 1: S // 2}, {3: S // 2, 0: S // 4}, {0: S // 2, 3: S // 4, 1: S // 4},
+            {1: 3 * S // 4, 2: S // 4}]),
+    (5, 4, [{2: S // 2, 1: S // 4, 4: S // 4}, {3: S // 2, 0: S // 4, 4: S // 4},
+            {0: S // 2, 3: S // 4, 4: S // 4}, {1: S // 2, 2: S // 4, 4: S // 4}, {0: S}]),
+])
+def test_large_reduce_among_many_hosts_halves_then_sends_each_quarter_to_the_root(n, root, sent, monkeypatch):
+    """One rank per host, S per rank (REDUCE_HALVING_FROM_BYTES or more) among HALVING_FROM_HOSTS
+    hosts: position p swaps half of S with p XOR 2 and a quarter with p XOR 1, as the all-reduce's
+    halving does, then sends its finished quarter to the root, which takes in 3S/2 where a tree
+    would bring it 2S. At 5 hosts the root is the fifth: it gives its S to the first, then takes
+    every quarter."""
+    from shmcoll.algorithms.select import HALVING_FROM_HOSTS, REDUCE_HALVING_FROM_BYTES
+
+    assert n >= HALVING_FROM_HOSTS and S >= REDUCE_HALVING_FROM_BYTES
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    results = run_ranks(n, _large_reduce, root, S // 4)
+    assert results == [[sent[r].get(p, 0) for p in range(n)] for r in range(n)]
+
+
 # ---- many hosts: a small broadcast doubles among the leaders ----
 
 def _small_broadcasts(pg, root):

@@ -12,12 +12,14 @@ from shmcoll.algorithms.select import (
     HALVING_FROM_HOSTS,
     NEIGHBOURHOOD,
     ONE_SHOT_MAX_HOSTS,
+    REDUCE_HALVING_FROM_BYTES,
     SMALL_BROADCAST_BYTES,
     SMALL_GATHER_BYTES,
     SPLIT_HOST_AT,
     Algorithm,
     Setting,
     across_hosts,
+    reduce_across_hosts,
     select,
     small_across_hosts,
     without_single_copy,
@@ -146,6 +148,14 @@ def test_two_level_slices_cross_hosts_in_few_steps_while_small(hosts, small):
                                          (HALVING_FROM_HOSTS, A.HALVING_DOUBLING), (1024, A.HALVING_DOUBLING)])
 def test_large_two_level_slices_cross_many_hosts_by_halving_and_doubling(hosts, large):
     assert across_hosts(ONE_SHOT + 1, ONE_SHOT, hosts) is large
+
+
+@pytest.mark.parametrize("hosts, slice_bytes, expected", [
+    (2, 1 << 30, A.BINOMIAL), (HALVING_FROM_HOSTS - 1, 1 << 30, A.BINOMIAL),
+    (HALVING_FROM_HOSTS, REDUCE_HALVING_FROM_BYTES - 1, A.BINOMIAL),
+    (HALVING_FROM_HOSTS, REDUCE_HALVING_FROM_BYTES, A.HALVING_DOUBLING), (1024, 1 << 30, A.HALVING_DOUBLING)])
+def test_a_large_reduce_crosses_hosts_down_a_tree_or_by_halving_when_large_among_many(hosts, slice_bytes, expected):
+    assert reduce_across_hosts(slice_bytes, hosts) is expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,9 @@ column (local rank j of every host) or, among more than COLUMNS_UP_TO_HOSTS host
 leaders alone (`crossing_columns`), each choosing as a small slice does (`small_across_hosts`).
 TWO_LEVEL_LEADERS hands a small call's data to each host's leader and back, the leaders taking
 ceil(log2 hosts) steps among them (a doubling broadcast, a Bruck all-gather); TWO_LEVEL
-all-gather takes that form once its total is known (`gather_across_hosts`).
+all-gather takes that form once its total is known (`gather_across_hosts`). TWO_LEVEL reduce
+folds each slice into the root's host down a binomial tree, or, large among many hosts, by
+halving (`reduce_across_hosts`).
 A group with no board (TCP only, or a sub-group) takes the large column's algorithm, SINGLE_COPY's
 fallback where it says so, except all_reduce's ONE_SHOT, and for small calls DOUBLING (broadcast)
 and BRUCK (all_gather), which take ceil(log2 n) steps where the chain and the ring take n - 1.
@@ -73,6 +75,16 @@ ONE_SHOT_MAX_HOSTS = 2
 #: Hosts from which a large slice crosses by HALVING_DOUBLING rather than around a ring: the same
 #: bytes, in 2 log2(hosts) steps instead of 2 (hosts - 1).
 HALVING_FROM_HOSTS = 4
+#: Slice bytes from which a large reduce among HALVING_FROM_HOSTS hosts or more reduce-scatters by
+#: halving and sends each finished segment to the target, which takes in 2(H-1)/H of the slice,
+#: rather than down a binomial tree, where it takes in ceil(log2 H) slices: the halving moves a
+#: quarter more bytes in all at 4 hosts, and takes one step more. 4 hosts of one rank, links of
+#: 1 Gbit/s (`bench/hosts_compare.py --layout 4x1 --collective reduce --link-rate 1gbit`), ms,
+#: halving / tree / every slice straight to the target: 16 MiB 211 / 280 / 427 (OpenMPI 431),
+#: 1 MiB 13.2 / 17.5 / 26.3 (OpenMPI 26.3), 512 KiB 6.6-7.0 / 8.8. Between namespaces without a
+#: rate limit, where the 2 cores bound every call, all three were within the noise (512 KiB
+#: 2.7-3.4, 1 MiB 2.8-3.9, 16 MiB 27-39).
+REDUCE_HALVING_FROM_BYTES = 512 << 10
 #: Hosts up to which a small all-reduce or barrier crosses by column (local rank j of every host,
 #: every j < K at once), not only through each host's leader. Between 2 hosts both send K messages
 #: per host, and columns save the leader's hand-on to its ranks. Among H > 2 hosts a host's columns
@@ -102,6 +114,7 @@ class Algorithm(enum.Enum):
     BRUCK = "bruck"  # bruck.py: a small all-gather in log2 n steps
     RECURSIVE_DOUBLING = "recursive doubling"  # doubling.py: log2 n exchanges of the whole array
     HALVING_DOUBLING = "halving-doubling"  # halving.py: a ring's bytes in 2 log2 n steps (Rabenseifner)
+    BINOMIAL = "binomial"  # binomial.py: a reduce in log2 n steps, each rank sending once
     SINGLE_COPY = "single copy"  # single_copy.py: each rank reads what it needs straight from its peers' arrays
     CHAIN = "chain"  # broadcast.py: pipelined chain from the root
     DISSEMINATION = "dissemination"  # barrier.py: ceil(log2 n) rounds of signals
@@ -148,6 +161,15 @@ def across_hosts(slice_bytes: int, one_shot_bytes: int, hosts: int) -> Algorithm
     if slice_bytes <= one_shot_bytes:
         return small_across_hosts(hosts)
     return Algorithm.HALVING_DOUBLING if hosts >= HALVING_FROM_HOSTS else Algorithm.RING
+
+
+def reduce_across_hosts(slice_bytes: int, hosts: int) -> Algorithm:
+    """TWO_LEVEL reduce's middle phase: each column of ranks folds its slice into the root's host:
+    down a binomial tree, or from HALVING_FROM_HOSTS hosts and REDUCE_HALVING_FROM_BYTES by
+    halving.py's reduce (the halving steps, then each finished segment to the target)."""
+    if hosts >= HALVING_FROM_HOSTS and slice_bytes >= REDUCE_HALVING_FROM_BYTES:
+        return Algorithm.HALVING_DOUBLING
+    return Algorithm.BINOMIAL
 
 
 def gather_across_hosts(total_bytes: int) -> Algorithm:

@@ -9,8 +9,11 @@ every rank folds the other hosts' partial sums into its own, in host order. Each
 rank, against a flat ring's (n - 1) / n * S per boundary it crosses.
 
 Reduce. K = min_local slices (the smallest host's rank count), reduce-scattered inside each host;
-local rank j of every host sends slice j to local rank j of the root's host, which folds them in
-host order and passes the finished slice to the root. A rooted call has senders that hear from
+local rank j of every host folds slice j into local rank j of the root's host (its target) across
+hosts, and the target passes the finished slice to the root. Across hosts the slice goes down a
+binomial tree (binomial.py: the target takes in ceil(log2 H) slices of H hosts' one after another,
+not H - 1), or, large among many hosts, by halving.py's reduce (the target takes in 2(H-1)/H of
+one slice): select.reduce_across_hosts. A rooted call has senders that hear from
 nobody outside their host, so it starts with the hierarchy's barrier: a rank that disagrees about
 the call (root, size, dtype) fails every rank there instead of leaving one waiting.
 """
@@ -21,9 +24,12 @@ import numpy as np
 
 from ..transport.topology import Topology
 from ..types import ReduceKind
+from .binomial import binomial_reduce
 from .call import Call, segment_bounds
 from .direct import recv_stream, send_stream
+from .halving import halving_reduce
 from .ring import ring_reduce_scatter, scale_if_avg, summed
+from .select import Algorithm, reduce_across_hosts
 from .two_level import two_level_agree
 
 
@@ -79,14 +85,16 @@ def two_level_reduce(c: Call, topo: Topology, root: int, data: np.ndarray, op: R
 
 
 def _column_reduce(c: Call, topo: Topology, piece: np.ndarray, op: ReduceKind, target: int, root: int) -> None:
-    """Local rank j of every host sends its host's sum of slice j to `target` (local rank j of the
-    root's host), which folds them in host order and hands the finished slice to the root."""
+    """Local rank j of every host folds its host's sum of slice j into `target` (local rank j of the
+    root's host) as select.reduce_across_hosts says, and the target hands the finished slice to
+    the root."""
+    column = topo.column(topo.local_index(target))
+    _REDUCE_ACROSS[reduce_across_hosts(piece.nbytes, len(column))](c, piece, summed(op), column, target)
     if c.rank != target:
-        send_stream(c, target, piece)
         return
-    for src in topo.column(topo.local_index(target)):
-        if src != target:
-            recv_stream(c, src, piece, summed(op))
     scale_if_avg(c, piece, op, c.size)
     if target != root:
         send_stream(c, root, piece)
+
+
+_REDUCE_ACROSS = {Algorithm.BINOMIAL: binomial_reduce, Algorithm.HALVING_DOUBLING: halving_reduce}
