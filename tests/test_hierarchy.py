@@ -332,6 +332,35 @@ def test_every_rank_of_uneven_hosts_takes_slices_across(layout, n, slices, read,
     assert len({out["avg"] for out in results}) == len({out["avg"] for out in on_rings}) == 1
 
 
+def _uneven_reduce(pg, root):
+    """_large_reduce of UNEVEN bytes, with slices following the largest host from there."""
+    two_level.SPREAD_FROM_BYTES = UNEVEN
+    return _large_reduce(pg, root, UNEVEN // 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n, root, unit, tcp", [
+    ("first-alone", 4, 1, 3, [[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]),
+    ("first-alone", 4, 0, 3, [[0, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]]),
+    ("halves", 5, 1, 3, [[0] * 5, [0] * 5, [0] * 5, [1, 0, 0, 0, 0], [0, 1, 1, 0, 0]]),
+    ("halves", 5, 4, 3, [[0, 0, 0, 1, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 1], [0] * 5, [0] * 5]),
+    ("pairs", 7, 6, 8, [[0, 0, 1, 0, 2, 0, 1], [0, 0, 0, 1, 0, 2, 1], [1, 0, 0, 0, 0, 0, 3], [0, 1, 0, 0, 0, 0, 3],
+                        [2, 0, 0, 0, 0, 0, 2], [0, 2, 0, 0, 0, 0, 2], [0, 0, 2, 2, 1, 1, 0]]),
+])
+def test_a_large_reduce_over_uneven_hosts_takes_the_all_reduces_slices(layout, n, root, unit, tcp, monkeypatch):
+    """From SPREAD_FROM_BYTES a reduce cuts its array as the all-reduce does (tcp counts UNEVEN /
+    unit): each slice crosses from its owner on every other host to its owner on the root's host.
+    In 1 + 3 the lone rank sends one slice to each rank of the other host (root 1), or takes one
+    from each (root 0), where below the threshold one rank carries the whole array; in 3 + 2 rank 4
+    owns slices 1 and 2. In 2 + 2 + 2 + 1 each of the 2 slices (of UNEVEN / 2, past
+    REDUCE_HALVING_FROM_BYTES) is halved among its 4 owners, the lone rank 6 owning both and
+    taking them in turn, and each owner sends its finished quarter to rank 6, the root."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _uneven_reduce, root)
+    assert results == [[UNEVEN // unit * k for k in row] for row in tcp]
+
+
 def _small_all_reduce(pg):
     x = np.full(2, pg.rank + 1.0, dtype=np.float32)  # 8 bytes
     pg.all_reduce(x)

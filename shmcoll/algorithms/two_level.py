@@ -122,11 +122,17 @@ def _slices(count: int, itemsize: int, slices: int, runs: tuple[range, ...],
     cross hosts in, each with its slice, empty slices left out (nothing crosses for them). Alike
     for every call of a kind, so kept."""
     bounds = segment_bounds(count, slices)
-    owned = tuple((bounds[run[0]][0], bounds[run[-1]][1]) if run else (count, count) for run in runs)
+    owned = runs_owned(bounds, runs, count)
     pieces = tuple({piece: s for s in run if bounds[s][1] > bounds[s][0]
                     for piece in _crossing_pieces(may_overlap, (bounds[s][0] * itemsize, bounds[s][1] * itemsize),
                                                   itemsize)} for run in runs)
     return owned, pieces
+
+
+def runs_owned(bounds: Sequence[Bounds], runs: Sequence[range], count: int) -> tuple[Bounds, ...]:
+    """The element range each run of slices (of `bounds`, cutting count elements) covers; an empty
+    run, an empty range at the end."""
+    return tuple((bounds[run[0]][0], bounds[run[-1]][1]) if run else (count, count) for run in runs)
 
 
 def _crossing_pieces(may_overlap: bool, byte_range: Piece, itemsize: int) -> list[Piece]:

@@ -8,14 +8,16 @@ every rank folds the other hosts' partial sums into its own, in host order. Each
 (hosts - 1) host boundaries, once per other host: (hosts - 1) * S bytes in all for S bytes per
 rank, against a flat ring's (n - 1) / n * S per boundary it crosses.
 
-Reduce. K = min_local slices (the smallest host's rank count), reduce-scattered inside each host;
-local rank j of every host folds slice j into local rank j of the root's host (its target) across
-hosts, and the target passes the finished slice to the root. Across hosts the slice goes down a
-binomial tree (binomial.py: the target takes in ceil(log2 H) slices of H hosts' one after another,
-not H - 1), or, large among many hosts, by halving.py's reduce (the target takes in 2(H-1)/H of
-one slice): select.reduce_across_hosts. A rooted call has senders that hear from
-nobody outside their host, so it starts with the hierarchy's barrier: a rank that disagrees about
-the call (root, size, dtype) fails every rank there instead of leaving one waiting.
+Reduce. Slices as the large all-reduce cuts them (two_level.py: K = min_local, one per column, or
+from SPREAD_FROM_BYTES one per rank of the largest host, a smaller host's ranks owning runs of
+them), reduce-scattered inside each host; each slice's owners, one per host, fold it into its
+owner on the root's host (its target) across hosts, and the target passes the finished slice to
+the root. Across hosts the slice goes down a binomial tree (binomial.py: the target takes in
+ceil(log2 H) slices of H hosts' one after another, not H - 1), or, large among many hosts, by
+halving.py's reduce (the target takes in 2(H-1)/H of one slice): select.reduce_across_hosts. A
+rooted call has senders that hear from nobody outside their host, so it starts with the
+hierarchy's barrier: a rank that disagrees about the call (root, size, dtype) fails every rank
+there instead of leaving one waiting.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .direct import recv_stream, send_stream
 from .halving import halving_reduce
 from .ring import ring_reduce_scatter, scale_if_avg, summed
 from .select import Algorithm, reduce_across_hosts
-from .two_level import two_level_agree
+from .two_level import runs_owned, slices_for, two_level_agree
 
 
 def staging_order(topo: Topology, rank: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -70,31 +72,39 @@ def two_level_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: n
 
 
 def two_level_reduce(c: Call, topo: Topology, root: int, data: np.ndarray, op: ReduceKind) -> None:
-    """In place on root; every rank's data is scratch."""
+    """In place on root; every rank's data is scratch. Cut into slices as the large all-reduce is
+    (two_level.slices_for, Topology.slice_runs), each rank takes its slices across in slice order,
+    and hands those it finished to the root only after all of them: the lowest slice not yet across
+    always has all its owners at it, none held up by a root still busy with its own."""
     two_level_agree(c, topo)
-    host, k = topo.local_ranks(c.rank), topo.min_local
-    slices = segment_bounds(len(data), k)
-    ring_reduce_scatter(c, data, summed(op), host, slices + [(len(data), len(data))] * (len(host) - k))
-    home, j = topo.local_ranks(root), host.index(c.rank)
-    if j < k:
-        _column_reduce(c, topo, data[slice(*slices[j])], op, home[j], root)
+    host = topo.local_ranks(c.rank)
+    slices = slices_for(topo, data.nbytes)
+    bounds, runs = segment_bounds(len(data), slices), topo.slice_runs(slices, len(host))
+    ring_reduce_scatter(c, data, summed(op), host, runs_owned(bounds, runs, len(data)))
+    targets = [_on_host_of(topo, root, topo.slice_column(s, slices)) for s in range(slices)]
+    mine = runs[host.index(c.rank)]
+    for s in mine:
+        _column_reduce(c, data[slice(*bounds[s])], op, topo.slice_column(s, slices), targets[s])
+    for s in mine:
+        if targets[s] == c.rank != root:
+            send_stream(c, root, data[slice(*bounds[s])])
     if c.rank == root:
-        for jj, src in enumerate(home[:k]):
-            if src != root:
-                recv_stream(c, src, data[slice(*slices[jj])])
+        for s, target in enumerate(targets):
+            if target != root:
+                recv_stream(c, target, data[slice(*bounds[s])])
 
 
-def _column_reduce(c: Call, topo: Topology, piece: np.ndarray, op: ReduceKind, target: int, root: int) -> None:
-    """Local rank j of every host folds its host's sum of slice j into `target` (local rank j of the
-    root's host) as select.reduce_across_hosts says, and the target hands the finished slice to
-    the root."""
-    column = topo.column(topo.local_index(target))
+def _on_host_of(topo: Topology, rank: int, column: tuple[int, ...]) -> int:
+    """The rank of `column` (one per host) on `rank`'s host."""
+    return next(r for r in column if topo.host_of[r] == topo.host_of[rank])
+
+
+def _column_reduce(c: Call, piece: np.ndarray, op: ReduceKind, column: tuple[int, ...], target: int) -> None:
+    """The slice's owners (`column`, one per host) fold their hosts' sums of it into `target` (its
+    owner on the root's host) as select.reduce_across_hosts says; the target finishes it."""
     _REDUCE_ACROSS[reduce_across_hosts(piece.nbytes, len(column))](c, piece, summed(op), column, target)
-    if c.rank != target:
-        return
-    scale_if_avg(c, piece, op, c.size)
-    if target != root:
-        send_stream(c, root, piece)
+    if c.rank == target:
+        scale_if_avg(c, piece, op, c.size)
 
 
 _REDUCE_ACROSS = {Algorithm.BINOMIAL: binomial_reduce, Algorithm.HALVING_DOUBLING: halving_reduce}
