@@ -44,6 +44,12 @@ load_word = _native.load_word
 #: rank computes bitwise the same result. Returns BOARD_DONE, -(2 + r) when rank r made another
 #: call, or a position to call again with after a wait slice ran out.
 board_all_reduce = _native.board_all_reduce
+#: board_broadcast(mem, data, header, where, rank, seq, code, source, position, spin_ns, slice_ns,
+#: done_sleepers) -> status: one broadcast on the board, as board_all_reduce but for args[7]: only
+#: board rank `source` publishes its payload (data, which only it may pass read-only), and every other
+#: rank copies it into data; a source past the last rank publishes nothing, and the ranks only meet.
+#: Every rank still waits for every entry and compares its call.
+board_broadcast = _native.board_broadcast
 #: address_of(buffer) -> the address of a contiguous buffer's first byte in this process: what a
 #: rank publishes for peers to read or write (numpy's __array_interface__ builds a dict each time).
 address_of = _native.address_of

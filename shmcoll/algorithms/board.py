@@ -49,14 +49,10 @@ def _compiled_step(c: Call, data: np.ndarray, op: ReduceKind, board: Board | Non
 
 
 def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:
-    """The root publishes its array, the others only their call; all check all, then copy the root's."""
-    board, guard = c.board, c.board_guard()
-    board.publish(c.meta, c.code, data, c.deadline, guard, with_payload=c.rank == root)
-    for src in range(c.size):
-        entry = board.read(src, c.meta.seq, c.meta, c.deadline, guard)
-        if src == root and src != c.rank:
-            data[...] = entry.view(data.dtype)
-    board.finish(c.meta.seq)
+    """The root publishes its array, the others only their call; all check all, and the others copy
+    the root's: one compiled step (Board.broadcast)."""
+    header = entry_header(c.rank, c.meta, c.code, data)
+    c.board.broadcast(c.meta.seq, data, header, c.code, root, c.deadline, c.board_guard, c.meta)
 
 
 def board_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:

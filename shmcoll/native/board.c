@@ -1,5 +1,6 @@
-/* The board's all-reduce in one call: publish our entry, wait for every peer's, fold them all in
-   rank order (so every rank computes bitwise the same result), mark our reading done.
+/* The board's one-step calls: publish our entry, wait for every peer's, fold them all in rank
+   order (an all-reduce: every rank computes bitwise the same result) or copy the source's payload
+   (a broadcast), mark our reading done.
 
    Ordering: an entry's header and payload are written before its published word is stored
    (sequentially consistent, words.c); a reader loads the word with acquire ordering before it
@@ -34,7 +35,8 @@ static void write_entry(const struct board_call *c, int64_t at) {
     memcpy(head, c->header, BOARD_HEADER_BYTES);
     for (int k = 0; k < 8; k++)
         head[SEQ_AT + k] = (uint8_t)(c->seq >> (8 * k));
-    memcpy(c->mem + at + BOARD_PAYLOAD_AT, c->data, c->nbytes);
+    if (c->source == BOARD_FOLD_ALL || c->source == c->rank)
+        memcpy(c->mem + at + BOARD_PAYLOAD_AT, c->data, c->nbytes);
     sc_store_and_wake(word_at(c->mem, at), c->seq + 1, sleepers_of(c->mem, at));
 }
 
@@ -45,7 +47,21 @@ static bool same_call(const uint8_t *mem, int64_t theirs, int64_t mine) {
            memcmp(a + SRC_FIELD_END, b + SRC_FIELD_END, BOARD_HEADER_BYTES - SRC_FIELD_END) == 0;
 }
 
-int64_t sc_board_all_reduce(const struct board_call *c, int64_t position, int64_t spin_ns, int64_t slice_ns) {
+/* Entry r's payload into data, as the call's source says: kept (r = 0), copied or folded in (an
+   all-reduce), or copied from the source alone (a broadcast). */
+static void take_entry(const struct board_call *c, int r, const uint8_t *payload, size_t size) {
+    if (c->source != BOARD_FOLD_ALL) {
+        if (r == c->source && r != c->rank)
+            memcpy(c->data, payload, c->nbytes);
+    } else if (r == 0) {
+        if (c->rank != 0)
+            memcpy(c->data, payload, c->nbytes);
+    } else if (c->nbytes > 0) {
+        sc_reduce(c->data, payload, c->nbytes / size, c->code, c->op);
+    }
+}
+
+int64_t sc_board_step(const struct board_call *c, int64_t position, int64_t spin_ns, int64_t slice_ns) {
     int parity = (int)(c->seq % 2);
     int64_t mine = c->where[3 * c->rank + parity];
     size_t size = sc_element_size(c->code);
@@ -64,12 +80,7 @@ int64_t sc_board_all_reduce(const struct board_call *c, int64_t position, int64_
             if (!same_call(c->mem, at, mine))
                 return -2 - r;
         }
-        if (r == 0) {
-            if (c->rank != 0)
-                memcpy(c->data, payload, c->nbytes);
-        } else if (c->nbytes > 0) {
-            sc_reduce(c->data, payload, c->nbytes / size, c->code, c->op);
-        }
+        take_entry(c, r, payload, size);
     }
     sc_store_and_wake(done_word(c, c->rank), c->seq + 1, c->done_sleepers);
     return BOARD_DONE;

@@ -1,4 +1,5 @@
-/* The shared-memory board's all-reduce step, whole: publish, wait for every entry, fold, finish. */
+/* The shared-memory board's one-step calls, whole: publish, wait for every entry, fold (an
+   all-reduce) or copy one rank's payload (a broadcast), finish. */
 #ifndef SHMCOLL_BOARD_H
 #define SHMCOLL_BOARD_H
 
@@ -11,6 +12,7 @@ enum { BOARD_HEADER_AT = 8, BOARD_HEADER_BYTES = 116, BOARD_SLEEPERS_AT = 124, B
 enum { SRC_FIELD_START = 12, SRC_FIELD_END = 16 }; /* header bytes naming the source rank: the one field ranks differ in */
 enum { SEQ_AT = 28 };                              /* the header's sequence number (8 bytes, little-endian) */
 #define BOARD_DONE (-1)                            /* else -(2 + r): rank r's entry describes another call */
+#define BOARD_FOLD_ALL (-1)                        /* board_call.source of an all-reduce */
 
 /* What one call of the step works on. where[3 * r + k]: rank r's entry offset for even (k = 0) and
    odd (k = 1) sequence numbers, and the index of its "done" u64 word (k = 2). */
@@ -24,10 +26,15 @@ struct board_call {
     const uint8_t *header; /* our BOARD_HEADER_BYTES frame header; the step fills in the sequence number */
     uint64_t seq;
     int code, op;
+    /* BOARD_FOLD_ALL: every entry is folded in (op); a rank r in [0, ranks): only r publishes its
+       payload, which the others copy (a broadcast); any other: entries carry no payload (the ranks
+       only meet: a broadcast's hosts other than the root's). Every entry is waited for and its
+       call compared alike. */
+    int source;
 };
 
 /* From `position` (0 at first): BOARD_DONE, -(2 + r), or a position to call again with after a
    wait slice (slice_ns) ran out. */
-int64_t sc_board_all_reduce(const struct board_call *call, int64_t position, int64_t spin_ns, int64_t slice_ns);
+int64_t sc_board_step(const struct board_call *call, int64_t position, int64_t spin_ns, int64_t slice_ns);
 
 #endif

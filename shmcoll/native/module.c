@@ -234,34 +234,39 @@ static int where_fits(const struct board_call *c, Py_ssize_t mem_len) {
     return 1;
 }
 
-static PyObject *board_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* board_all_reduce's and board_broadcast's arguments, alike but for args[7]: an all-reduce's op, or a
+   broadcast's source (the board rank whose payload the others copy; past the last, nobody's). */
+static PyObject *board_step(PyObject *const *args, Py_ssize_t nargs, const char *name, int broadcast) {
     held_buffer mem = {0}, data = {0}, header = {0}, where = {0};
-    int64_t rank, seq, code, op, position, spin_ns, slice_ns, done_sleepers;
+    int64_t rank, seq, code, op_or_source, position, spin_ns, slice_ns, done_sleepers;
     PyObject *result = NULL;
-    if (check_count(nargs, 12, "board_all_reduce") || as_i64(args[4], &rank) || as_i64(args[5], &seq) ||
-        as_i64(args[6], &code) || as_i64(args[7], &op) || as_i64(args[8], &position) ||
+    if (check_count(nargs, 12, name) || as_i64(args[4], &rank) || as_i64(args[5], &seq) ||
+        as_i64(args[6], &code) || as_i64(args[7], &op_or_source) || as_i64(args[8], &position) ||
         as_i64(args[9], &spin_ns) || as_i64(args[10], &slice_ns) || as_i64(args[11], &done_sleepers) ||
-        hold(args[0], &mem, 1, "board mem") || hold(args[1], &data, 1, "board data") ||
+        hold(args[0], &mem, 1, "board mem") ||
+        hold(args[1], &data, !broadcast || rank != op_or_source, "board data") ||
         hold(args[2], &header, 0, "board header") || hold(args[3], &where, 0, "board where"))
         goto done;
     struct board_call call = {
         .mem = mem.view.buf, .where = where.view.buf, .ranks = (int)(where.view.len / (3 * 8)), .rank = (int)rank,
         .data = data.view.buf, .nbytes = (size_t)data.view.len, .header = header.view.buf, .seq = (uint64_t)seq,
-        .code = (int)code, .op = (int)op,
+        .code = (int)code, .op = broadcast ? 0 : (int)op_or_source,
+        .source = broadcast ? (int)(op_or_source < INT32_MAX ? op_or_source : INT32_MAX) : BOARD_FOLD_ALL,
     };
     size_t size = sc_element_size(call.code);
+    int folds_valid = broadcast ? op_or_source >= 0
+                                : call.nbytes == 0 || (sc_has_loop(code, op_or_source) && call.nbytes % size == 0);
     if (header.view.len != BOARD_HEADER_BYTES || where.view.len % 24 || (uintptr_t)call.where % 8 ||
-        rank < 0 || rank >= call.ranks || seq < 0 || position < 0 || position > call.ranks ||
-        (call.nbytes > 0 && (!sc_has_loop(code, op) || call.nbytes % size)) ||
+        rank < 0 || rank >= call.ranks || seq < 0 || position < 0 || position > call.ranks || !folds_valid ||
         !where_fits(&call, mem.view.len) || (uintptr_t)call.mem % 8 ||
         !(call.done_sleepers = item(&mem, done_sleepers, 4, "board done sleepers"))) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "board_all_reduce: arguments do not describe a board call");
+            PyErr_Format(PyExc_ValueError, "%s: arguments do not describe a board call", name);
         goto done;
     }
     int64_t status;
     Py_BEGIN_ALLOW_THREADS
-    status = sc_board_all_reduce(&call, position, spin_ns, slice_ns);
+    status = sc_board_step(&call, position, spin_ns, slice_ns);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLongLong(status);
 done:
@@ -270,6 +275,14 @@ done:
     release(&header);
     release(&where);
     return result;
+}
+
+static PyObject *board_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return board_step(args, nargs, "board_all_reduce", 0);
+}
+
+static PyObject *board_broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return board_step(args, nargs, "board_broadcast", 1);
 }
 
 static PyObject *read_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -495,6 +508,9 @@ static PyMethodDef methods[] = {
      "wait_word(mem, word, target, at_least, sleepers, spin_ns, slice_ns) -> reached"},
     {"board_all_reduce", (PyCFunction)(void (*)(void))board_all_reduce, METH_FASTCALL,
      "board_all_reduce(mem, data, header, where, rank, seq, code, op, position, spin_ns, slice_ns, done_sleepers)"},
+    {"board_broadcast", (PyCFunction)(void (*)(void))board_broadcast, METH_FASTCALL,
+     "board_broadcast(mem, data, header, where, rank, seq, code, source, position, spin_ns, slice_ns, "
+     "done_sleepers)"},
     {"address_of", (PyCFunction)(void (*)(void))address_of, METH_FASTCALL,
      "address_of(buffer) -> the address of a contiguous buffer's first byte in this process"},
     {"read_peer", (PyCFunction)(void (*)(void))read_peer, METH_FASTCALL,

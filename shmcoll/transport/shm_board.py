@@ -14,9 +14,10 @@ Ordering, on any CPU (the words are loaded and stored by kernels.py's atomics):
     peer's done word with acquire before it overwrites its entry, so no peer still reads the old one.
 Waits spin briefly, then sleep on a futex of the word that the writer wakes (kernels.wait_word),
 in slices of at most WAIT_SLICE_NS, between which aborts, dead peers and the deadline are checked.
-The all-reduce runs as one compiled step (kernels.board_all_reduce); the other calls publish and
-read through the methods below. A large all-reduce publishes only where its array is, for peers
-to read directly (algorithms/single_copy.py), and signals its steps on words of its entry.
+The all-reduce and the broadcast run as one compiled step each (kernels.board_all_reduce and
+board_broadcast); the other calls publish and read through the methods below. A large all-reduce
+publishes only where its array is, for peers to read directly (algorithms/single_copy.py), and
+signals its steps on words of its entry.
 """
 
 from __future__ import annotations
@@ -103,12 +104,35 @@ class Board:
 
     def all_reduce_rest(self, status: int, seq: int, data: np.ndarray, header: np.ndarray, code: int, op: int,
                         deadline: float, check: Callable[[int], None], want: Meta) -> None:
-        """Finish an all-reduce whose first step returned `status`: check (check(src) raises on
-        failure) between compiled wait slices, until done or the deadline."""
+        """Finish an all-reduce whose first step returned `status` (_finish_step)."""
+        self._finish_step(status, lambda position, spin, wait: kernels.board_all_reduce(
+            self.mem, data, header, self.host_where, self._me, seq, code, op, position, spin, wait, DONE_SLEEPERS),
+            seq, data, deadline, check, want)
+
+    def broadcast(self, seq: int, data: np.ndarray, header: np.ndarray, code: int, source: int | None,
+                  deadline: float, guard: Callable[[], Callable[[int], None]], want: Meta) -> None:
+        """Group rank source's data (1-D storage array, wire type `code`) into every other board
+        rank's data in one compiled call, as all_reduce does an all-reduce (kernels.board_broadcast);
+        with source None nobody's, and the board's ranks only meet. Every rank has seen every
+        board rank's call when it returns."""
+        board_source = len(self.host_ranks) if source is None else self._local_of[source]
+
+        def step(position: int, spin: int, wait: int) -> int:
+            return kernels.board_broadcast(self.mem, data, header, self.host_where, self._me, seq, code, board_source,
+                                           position, spin, wait, DONE_SLEEPERS)
+
+        status = step(0, self.spin_ns, WAIT_SLICE_NS)
+        if status != kernels.BOARD_DONE:
+            self._finish_step(status, step, seq, data, deadline, guard(), want)
+
+    def _finish_step(self, status: int, step: Callable[[int, int, int], int], seq: int, data: np.ndarray,
+                     deadline: float, check: Callable[[int], None], want: Meta) -> None:
+        """Go on with a compiled board step (step(position, spin_ns, slice_ns) -> status) that returned
+        `status`: check (check(src) raises on failure) between wait slices, until done or the deadline."""
         position, failure = 0, None
         while status != kernels.BOARD_DONE:
             if status < 0:
-                self._all_reduce_mismatch(self.host_ranks[-2 - status], seq, data, want)
+                self._step_mismatch(self.host_ranks[-2 - status], seq, data, want)
             if failure is not None and status == position:
                 raise failure  # a failure seen after the awaited entry came (a peer that published, then left) is none
             position, failure = status, None
@@ -120,20 +144,18 @@ class Board:
             if failure is None and time.monotonic() > deadline:
                 raise CollectiveTimeout(f"waited for rank {src}'s board entry until the deadline")
             spin, wait = (0, 0) if failure is not None else (0, WAIT_SLICE_NS)
-            status = kernels.board_all_reduce(self.mem, data, header, self.host_where, self._me, seq, code, op,
-                                              position, spin, wait, DONE_SLEEPERS)
+            status = step(position, spin, wait)
 
-    def _all_reduce_mismatch(self, src: int, seq: int, data: np.ndarray, want: Meta) -> None:
+    def _step_mismatch(self, src: int, seq: int, data: np.ndarray, want: Meta) -> None:
         self._mismatch(self._read_header(self._entry(src, seq)), src, want, data.nbytes)
 
     # ---- publishing and reading, for the other board calls ----
     def publish(self, meta: Meta, code: int, data: np.ndarray, deadline: float, check: Callable[[], None],
-                with_payload: bool = True, payload: np.ndarray | None = None) -> None:
+                payload: np.ndarray | None = None) -> None:
         """Write our entry for meta.seq (data: a 1-D array of wire type `code`) once no peer can
-        still be reading the entry it replaces. Without payload only the call's description goes
-        out (a broadcast's receivers: everyone still checks that everyone made the same call).
-        `payload`, where given, is what the entry carries instead of data (every rank of the call
-        publishes one of the same size); the header still describes data."""
+        still be reading the entry it replaces. `payload`, where given, is what the entry carries
+        instead of data (every rank of the call publishes one of the same size); the header still
+        describes data."""
         seq = meta.seq
         header = self._header = entry_header(self._rank, meta, code, data).tobytes()
         payload = (data if payload is None else payload).view(np.uint8)
@@ -143,8 +165,7 @@ class Board:
         if previous:
             self._wait_all_done(previous, deadline, check, "peers to finish reading our board entry")
         self.mem[at + BOARD_HEADER_OFFSET:at + BOARD_HEADER_OFFSET + HEADER_SIZE] = np.frombuffer(header, np.uint8)
-        if with_payload:
-            self.mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + len(payload)] = payload
+        self.mem[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + len(payload)] = payload
         kernels.store_and_wake(self.mem, at // 8, seq + 1, (at + BOARD_SLEEPERS_OFFSET) // 4)
 
     def read(self, src: int, seq: int, want: Meta, deadline: float, check: Callable[[int], None]) -> np.ndarray:
