@@ -56,6 +56,7 @@ from .algorithms.two_level import (
     two_level_exchange_shapes,
     two_level_leaders_broadcast,
     two_level_one_shot_all_reduce,
+    two_level_one_shot_broadcast,
 )
 from .algorithms.two_level_reduce import stage_for_reduce_scatter, two_level_reduce, two_level_reduce_scatter
 from .config import Tuning, one_shot_bytes_for
@@ -198,6 +199,8 @@ def broadcast(w: Where, root: int, flat: np.ndarray, code: int, result: object) 
         cast = lambda c: two_level_broadcast(c, w.hosts, root, flat)
     elif algorithm is Algorithm.TWO_LEVEL_LEADERS:
         cast = lambda c: two_level_leaders_broadcast(c, w.hosts, root, flat)
+    elif algorithm is Algorithm.TWO_LEVEL_ONE_SHOT:
+        cast = lambda c: two_level_one_shot_broadcast(c, w.hosts, root, flat)
     elif algorithm is Algorithm.BOARD:
         cast = lambda c: board_broadcast(c, root, flat)
     elif algorithm is Algorithm.DOUBLING:

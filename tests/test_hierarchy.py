@@ -958,6 +958,64 @@ def test_small_broadcast_among_many_hosts_doubles(n, root, sends, transport, mon
         assert out["y"] == [0.0, float(n), 2.0 * n]
 
 
+# ---- a small broadcast across hosts: each host's board, then its columns ----
+
+def _one_step_broadcast(pg, root, nbytes):
+    """A broadcast of nbytes from root (its array read-only), checked everywhere; the bytes each
+    rank sent to each rank meanwhile."""
+    x = np.full(nbytes // 4, float(pg.rank + 1), dtype=np.float32)
+    if pg.rank == root:
+        x.flags.writeable = False
+    traffic = _traffic_of(pg, lambda _: pg.broadcast(root, x))
+    assert np.all(x == root + 1.0)
+    return {"tcp": traffic["tcp"], "shm": traffic["shm"]}
+
+
+def _sent(n, sends):
+    """sends: {(src, dst): bytes} as each rank's row of bytes sent to every rank."""
+    return [[sends.get((src, dst), 0) for dst in range(n)] for src in range(n)]
+
+
+B = 12  # bytes of the small broadcasts below
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n, root, tcp, shm", [
+    # 2 + 2, root 1: the board gives host {0, 1} the data; column 0 (0, 2) and column 1 (1, 3) cross
+    ("halves", 4, 1, {(0, 2): B, (1, 3): B}, {}),
+    # 1 + 3, root 3: host {1, 2, 3}'s board; only column 0 (0, 1) crosses; leader 1 hands the data to
+    # rank 2, and root 3, which has it, an empty frame
+    ("first-alone", 4, 3, {(1, 0): B}, {(1, 2): B}),
+    # 2 + 2 + 1, root 4: among more than 2 hosts only the leaders (0, 2, 4) cross, by doubling (4 joins
+    # through 0), and hand on
+    ("pairs", 5, 4, {(4, 0): B, (0, 2): B}, {(0, 1): B, (2, 3): B}),
+])
+def test_a_small_broadcast_crosses_hosts_after_one_step_on_each_board(layout, n, root, tcp, shm, monkeypatch):
+    """As the small all-reduce: one compiled step on each host's board (the root's host takes the
+    root's array there, the others only meet, sending nothing), then the crossing columns double
+    from the root's host, and a leader hands the result to the ranks of no column."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _one_step_broadcast, root, B)
+    assert [r["tcp"] for r in results] == _sent(n, tcp)
+    assert [r["shm"] for r in results] == _sent(n, shm)
+
+
+@pytest.mark.multiprocess
+def test_a_small_broadcast_larger_than_a_board_entry_doubles_inside_the_root_host(monkeypatch):
+    """An array past the board's entry (one-step threshold raised above it): the root's host doubles
+    over its rings, the other host meets with empty frames, then both columns cross."""
+    entry = 256 << 10
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
+    monkeypatch.setenv("SHMCOLL_SHM_BOARD_BYTES", str(entry))
+    monkeypatch.setenv("SHMCOLL_ONE_SHOT_BYTES", str(4 * entry))
+    big = 2 * entry
+    results = run_ranks(4, _one_step_broadcast, 1, big)
+    assert [r["tcp"] for r in results] == _sent(4, {(0, 2): big, (1, 3): big})
+    assert [r["shm"] for r in results] == _sent(4, {(1, 0): big})
+
+
 # ---- a small all-gather: through the leaders, Bruck among them ----
 
 def _small_all_gathers(pg):

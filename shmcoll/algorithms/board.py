@@ -55,6 +55,17 @@ def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:
     c.board.broadcast(c.meta.seq, data, header, c.code, root, c.deadline, c.board_guard, c.meta)
 
 
+def host_board_broadcast(c: Call, data: np.ndarray, root: int | None) -> None:
+    """data from root (a rank of this host, or None: the host's ranks only meet) to this host's
+    ranks of a group across hosts, in one compiled step on the host's board (the in-host step of
+    two_level.py's small broadcast)."""
+    board = c.t.host_board
+    assert board is not None
+    header = entry_header(c.rank, c.meta, c.code, data)
+    board.broadcast(c.meta.seq, data, header, c.code, root, c.deadline, lambda: c.t.host_board_guard(c.tag, c.meta),
+                    c.meta)
+
+
 def board_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:
     """Every rank publishes its block; every rank copies every block into place."""
     board, guard = c.board, c.board_guard()

@@ -92,10 +92,10 @@ REDUCE_HALVING_FROM_BYTES = 512 << 10
 #: alternating runs: 2x2, 8 B: 275-292 us by column, 307-340 by leaders; 4x2, 8 B: even (1.46-1.47
 #: against 1.28-1.51 ms), 64 KiB: 2.24-2.42 against 1.71-1.93 ms.
 COLUMNS_UP_TO_HOSTS = 2
-#: Largest root array a broadcast without a board sends by doubling (DOUBLING, or among the hosts'
-#: leaders TWO_LEVEL_LEADERS: ceil(log2 n) steps, the whole array in each) rather than down a
-#: pipelined chain (one step per rank, in chunks of call.DEFAULT_CHUNK_BYTES, so no faster for an
-#: array of one chunk).
+#: Largest root array a broadcast without a board sends by doubling (DOUBLING, or across hosts
+#: TWO_LEVEL_ONE_SHOT and TWO_LEVEL_LEADERS: ceil(log2 n) steps, the whole array in each) rather
+#: than down a pipelined chain (one step per rank, in chunks of call.DEFAULT_CHUNK_BYTES, so no
+#: faster for an array of one chunk).
 SMALL_BROADCAST_BYTES = 1 << 20
 #: Largest gathered array (every rank's block together) an all-gather without a board collects by
 #: Bruck (BRUCK, or among the hosts' leaders TWO_LEVEL_LEADERS: ceil(log2 n) steps) rather than
@@ -234,9 +234,14 @@ def _single_copy_or_else(coll: Collective) -> Callable[[int, Setting], Algorithm
 
 
 def _broadcast(nbytes: int, where: Setting) -> Algorithm:
+    """Across hosts, an array up to one_shot_bytes goes the small all-reduce's way
+    (TWO_LEVEL_ONE_SHOT: a compiled step on each host's board, then every crossing column), which
+    takes no Python hand-offs inside the hosts: 2 + 2 ranks on 2 cores, loopback, 8 B 279-316 us
+    against 462-532 through the leaders, 256 KiB 387-396 against 527-594. It carries the array
+    across once per column, so up to SMALL_BROADCAST_BYTES only the leaders cross."""
     if nbytes <= SMALL_BROADCAST_BYTES:
         if where.hosts > 1:
-            return Algorithm.TWO_LEVEL_LEADERS
+            return Algorithm.TWO_LEVEL_ONE_SHOT if nbytes <= where.one_shot_bytes else Algorithm.TWO_LEVEL_LEADERS
         if where.board_bytes is None:
             return Algorithm.DOUBLING
     return _single_copy_or_else(Collective.BROADCAST)(nbytes, where)

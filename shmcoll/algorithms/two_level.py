@@ -19,8 +19,10 @@ A small all-reduce and the barrier meet on each host's board first; then between
 rank j < K of every host crosses with its peers of the same local rank (its column: K exchanges at
 once, each rank holding its host's result already), among more only the leaders (each host's
 lowest rank, column 0) do (select.crossing_columns); the ranks of no column hear from their
-leader. All-gather goes through one leader per host; a large broadcast is one chain that
-visits the hosts one after another, a small one goes from leader to leader by doubling.
+leader. A small broadcast takes the same way, the board step and the columns' exchanges passing
+the root's array instead of folding. All-gather goes through one leader per host; a large
+broadcast is one chain that visits the hosts one after another, a middling one goes from leader to
+leader by doubling.
 Reduce-scatter and reduce are in two_level_reduce.py.
 """
 
@@ -36,7 +38,7 @@ from ..transport.shm_board import Board
 from ..transport.topology import Topology
 from ..types import ReduceKind
 from .barrier import dissemination_barrier, doubling_barrier
-from .board import host_board_all_reduce
+from .board import host_board_all_reduce, host_board_broadcast
 from .broadcast import chain_broadcast
 from .bruck import bruck_all_gather
 from .call import Call, segment_bounds
@@ -219,18 +221,20 @@ def host_board(t: Transport, host: tuple[int, ...]) -> Board | None:
     return t.host_board if len(host) > 1 else None
 
 
-def from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray, first: int = 1) -> None:
+def from_leader(c: Call, host: tuple[int, ...], board: Board | None, data: np.ndarray, first: int = 1,
+                keeps: int | None = None) -> None:
     """The host's leader hands data to the host's ranks from local index `first` on (those of no
-    crossing column), which receive it. Where the host step ran on
-    `board`, the leader first waits for them to leave it: a rank still between board waits would
+    crossing column), which receive it; `keeps` (a broadcast's root) has it already and gets an
+    empty frame, which still tells it that the call went through everywhere. Where the host step ran
+    on `board`, the leader first waits for them to leave it: a rank still between board waits would
     take these frames for another call's."""
     if c.rank == host[0] and first < len(host):
         if board is not None:
             board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
         for peer in host[first:]:
-            c.t.send(peer, c.tag, data, c.code, c.meta, c.deadline)
+            c.t.send(peer, c.tag, _NOTHING if peer == keeps else data, c.code, c.meta, c.deadline)
     elif host.index(c.rank) >= first:
-        c.t.recv_into(host[0], c.tag, data, c.code, c.deadline, c.meta)
+        c.t.recv_into(host[0], c.tag, _NOTHING if c.rank == keeps else data, c.code, c.deadline, c.meta)
 
 
 def two_level_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray) -> None:
@@ -294,6 +298,38 @@ def two_level_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) ->
     order = [root, *(r for r in home if r != root)]
     order += [r for h in topo.hosts if h is not home for r in h]
     chain_broadcast(c, root, data, order=order)
+
+
+def two_level_one_shot_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
+    """A small array the way the small all-reduce goes: one step in each host (_in_host_broadcast:
+    the root's host takes the root's array, the other hosts' ranks only meet), then each crossing
+    column (small_crossing) passes it on from the root's host by doubling, each of a rank's steps
+    one native duplex over TCP, and the leader hands it to the ranks of no column. Each phase starts
+    only once the one before came in, so a rank that returns has heard, through its host's step and
+    its column, from every rank making the same call: disagreement fails everywhere."""
+    host = topo.local_ranks(c.rank)
+    board = _in_host_broadcast(c, host, data, root if root in host else None)
+    column, first = small_crossing(topo, c.rank)
+    if column is not None:
+        doubling_broadcast(c, data, column, topo.host_of[root])
+    from_leader(c, host, board, data, first, keeps=root)
+
+
+def _in_host_broadcast(c: Call, host: tuple[int, ...], data: np.ndarray, root: int | None) -> Board | None:
+    """data from root (None: on another host) to the host's ranks, every one of which meets every
+    other: one compiled step on the host's board, which it returns, or, for an array larger than a
+    board entry, by doubling (or a barrier) over the rings; nothing for a rank alone on its host."""
+    board = host_board(c.t, host)
+    if board is not None and data.nbytes <= board.capacity:
+        host_board_broadcast(c, data, root)
+        return board
+    if len(host) == 1:
+        return None
+    if root is None:
+        dissemination_barrier(c, host)
+    else:
+        doubling_broadcast(c, data, host, host.index(root))
+    return None
 
 
 def two_level_leaders_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
