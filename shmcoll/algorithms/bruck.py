@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from .call import Call
-from .direct import recv_stream, send_stream
 
 
 def bruck_all_gather_blocks(c: Call, local: np.ndarray, out: np.ndarray) -> None:
@@ -29,16 +28,32 @@ def bruck_all_gather_blocks(c: Call, local: np.ndarray, out: np.ndarray) -> None
 
 def bruck_all_gather(c: Call, buf: np.ndarray, spans: Sequence[tuple[int, int]], members: Sequence[int]) -> None:
     """buf[spans[i][0]:spans[i][1]] is members[i]'s block, spans in order and back to back; this
-    rank's own is in place, the others arrive."""
+    rank's own is in place, the others arrive. Each step's frame out and frame in go at once
+    (Transport.send_recv: over TCP one native duplex), a wrapped range packed into one frame."""
     n, p = len(members), members.index(c.rank)
     distance = 1
     while distance < n:
         count = min(distance, n - distance)
-        for a, b in wrapped_ranges(spans, p, count):
-            send_stream(c, members[(p - distance) % n], buf[a:b])
-        for a, b in wrapped_ranges(spans, (p + distance) % n, count):
-            recv_stream(c, members[(p + distance) % n], buf[a:b])
+        out = _packed(buf, wrapped_ranges(spans, p, count))
+        into_ranges = wrapped_ranges(spans, (p + distance) % n, count)
+        into = _packed(buf, into_ranges) if len(into_ranges) > 1 else buf[slice(*into_ranges[0])]
+        c.t.send_recv(members[(p - distance) % n], members[(p + distance) % n], c.tag, out, into, c.code, c.meta,
+                      c.deadline)
+        if len(into_ranges) > 1:
+            _unpack(into, buf, into_ranges)
         distance <<= 1
+
+
+def _packed(buf: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
+    """buf's ranges as one array: a view of a single range, a copy of two."""
+    return buf[slice(*ranges[0])] if len(ranges) == 1 else np.concatenate([buf[a:b] for a, b in ranges])
+
+
+def _unpack(packed: np.ndarray, buf: np.ndarray, ranges: list[tuple[int, int]]) -> None:
+    at = 0
+    for a, b in ranges:
+        buf[a:b] = packed[at:at + b - a]
+        at += b - a
 
 
 def wrapped_ranges(spans: Sequence[tuple[int, int]], first: int, count: int) -> list[tuple[int, int]]:
