@@ -52,10 +52,12 @@ from .algorithms.two_level import (
     two_level_all_gather_v,
     two_level_all_reduce,
     two_level_barrier,
-    two_level_broadcast,
     two_level_exchange_shapes,
-    two_level_leaders_broadcast,
     two_level_one_shot_all_reduce,
+)
+from .algorithms.two_level_broadcast import (
+    two_level_broadcast,
+    two_level_leaders_broadcast,
     two_level_one_shot_broadcast,
 )
 from .algorithms.two_level_reduce import stage_for_reduce_scatter, two_level_reduce, two_level_reduce_scatter
