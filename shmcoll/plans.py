@@ -198,7 +198,8 @@ def barrier(w: Where) -> Plan:
 def broadcast(w: Where, root: int, flat: np.ndarray, code: int, result: object) -> Plan:
     algorithm = select(Collective.BROADCAST, flat.nbytes, w.setting)
     if algorithm is Algorithm.TWO_LEVEL:
-        cast = lambda c: two_level_broadcast(c, w.hosts, root, flat)
+        single_copy = w.setting.single_copy
+        cast = lambda c: two_level_broadcast(c, w.hosts, root, flat, single_copy)
     elif algorithm is Algorithm.TWO_LEVEL_LEADERS:
         cast = lambda c: two_level_leaders_broadcast(c, w.hosts, root, flat)
     elif algorithm is Algorithm.TWO_LEVEL_ONE_SHOT:

@@ -1016,6 +1016,53 @@ def test_a_small_broadcast_larger_than_a_board_entry_doubles_inside_the_root_hos
     assert [r["shm"] for r in results] == _sent(4, {(1, 0): big})
 
 
+# ---- a large broadcast across hosts: in slices, one per column ----
+
+L = 2 * S  # bytes of the large broadcasts below: past SMALL_BROADCAST_BYTES
+
+
+def _large_broadcast(pg, root, unreadable):
+    """A broadcast of L bytes from root (its array read-only), checked everywhere; the bytes each
+    rank sent to, and read from, each rank meanwhile."""
+    if pg.rank == unreadable:
+        cannot_be_read()
+    x = np.arange(L // 4, dtype=np.float32) * (pg.rank + 1)
+    if pg.rank == root:
+        x.flags.writeable = False
+    traffic = _traffic_of(pg, lambda _: pg.broadcast(root, x))
+    assert np.array_equal(x, np.arange(L // 4, dtype=np.float32) * (root + 1))
+    return {path: traffic[path] for path in ("tcp", "shm", "read")}
+
+
+H = L // 2  # a half: the slice of each column of 2 + 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n, root, unreadable, tcp, shm, read", [
+    # 2 + 2, root 1: rank 0 reads the array from 1; columns (0, 2) and (1, 3) carry a half each; 2
+    # and 3 read each other's half
+    ("halves", 4, 1, None, {(0, 2): H, (1, 3): H}, {}, {(0, 1): L, (2, 3): H, (3, 2): H}),
+    # ... with rank 3 unreadable: host {2, 3} swaps its halves around its ring instead
+    ("halves", 4, 1, 3, {(0, 2): H, (1, 3): H}, {(2, 3): H, (3, 2): H}, {(0, 1): L}),
+    # 1 + 3, root 2: one column, (0, 1): its host's ranks read the array from the root, 1 carries it
+    ("first-alone", 4, 2, None, {(1, 0): L}, {}, {(1, 2): L, (3, 2): L}),
+    # 2 + 2 + 1, root 4, alone on its host: the leaders double (4 joins through 0), and each
+    # leader's host peer reads it from the leader
+    ("pairs", 5, 4, None, {(4, 0): L, (0, 2): L}, {}, {(1, 0): L, (3, 2): L}),
+])
+def test_a_large_broadcast_crosses_hosts_in_one_slice_per_column(layout, n, root, unreadable, tcp, shm, read,
+                                                                  monkeypatch):
+    """The root's host takes the array from the root, local rank j of every host carries slice j
+    across hosts in its column, every other host gathers the slices from their carriers: each
+    byte crosses each host boundary once. read[(r, p)]: bytes rank r read from rank p's array."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _large_broadcast, root, unreadable)
+    assert [r["tcp"] for r in results] == _sent(n, tcp)
+    assert [r["shm"] for r in results] == _sent(n, shm)
+    assert [r["read"] for r in results] == _sent(n, read)
+
+
 # ---- a small all-gather: through the leaders, Bruck among them ----
 
 def _small_all_gathers(pg):

@@ -18,7 +18,9 @@ the kernel copies once), as OpenMPI's shared-memory transport does for large mes
      (two_level.py: the in-host phases of a large all-reduce), then written into every host
      peer's array the same way, while the step across hosts has just left it in cache;
    - reduce_scatter: the same fold of its own block, in the call's private copy of the input;
-   - all_gather: every peer's block into its place; broadcast: the root's array;
+   - all_gather: every peer's block into its place; broadcast: the root's array (inside a group
+     across hosts, the root's host's ranks, and on every other host the slices the host's ranks
+     carried across: two_level_broadcast.py's large broadcast);
 3. waits on the board's done words: nobody returns (and lets the caller change its array) while a
    peer may still read it or write into it.
 
@@ -32,7 +34,7 @@ ptrace_scope, seccomp in containers, pid namespaces); the kernel checks writes t
 the first such call of a group asks:
 each rank reads a random token from every peer and votes on its step word; all ranks see all
 votes, so all agree. If any rank says no, that call and every later one on that board runs the
-fallback the plan gives (select.without_single_copy, or two_level.py's rings) instead.
+fallback the plan gives (select.without_single_copy, or two_level*.py's rings and chain) instead.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import errno
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -165,12 +167,34 @@ def single_copy_all_gather(c: Call, local: np.ndarray, out: np.ndarray, fallback
 
 def single_copy_broadcast(c: Call, root: int, data: np.ndarray, fallback: Fallback) -> None:
     """data (1-D) becomes the root's on every rank."""
-    among = Readers.of_group(c)
+    broadcast_among(c, Readers.of_group(c), root, data, fallback)
+
+
+def broadcast_among(c: Call, among: Readers, root: int, data: np.ndarray, fallback: Fallback) -> None:
+    """data (1-D) becomes the root's on every rank of `among` (the group, or the root's host's
+    ranks of a group across hosts: two_level_broadcast.py's large broadcast)."""
     peers = _publish_and_agree(c, among, data, fallback)
     if peers is None:
         return
     if c.rank != root:
-        _read(among, data.view(np.uint8), peers, root, 0)
+        _read(among, data.view(np.uint8), peers, among.ranks.index(root), 0)
+    _finish(c, among)
+
+
+def gather_owned_among(c: Call, among: Readers, data: np.ndarray, owned: Sequence[tuple[int, int]],
+                       fallback: Fallback) -> None:
+    """Every rank of `among` (one host's ranks) ends with data[owned[p]] of every position p, read
+    from that position's rank (element ranges, disjoint, maybe empty): the slices of
+    two_level_broadcast.py's large broadcast, gathered from the ranks that carried them across
+    hosts."""
+    peers = _publish_and_agree(c, among, data, fallback)
+    if peers is None:
+        return
+    out, size = data.view(np.uint8), data.itemsize
+    for p in _others(among, among.ranks.index(c.rank)):
+        a, b = owned[p]
+        if b > a:
+            _read(among, out[a * size:b * size], peers, p, a * size)
     _finish(c, among)
 
 

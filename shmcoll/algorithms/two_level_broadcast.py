@@ -10,13 +10,23 @@ Middling (up to select.SMALL_BROADCAST_BYTES): the root hands the array to its l
 pass it on by doubling, each leader hands it to its host: it crosses each host boundary once, where
 the columns would carry it once each.
 
-Large: one pipelined chain through the root's host, then host after host.
+Large: in K slices, K = the smallest host's rank count, as the large all-reduce cuts it. The root's
+host takes the whole array from the root (single_copy.broadcast_among, else a chain), local rank j
+< K of every host carries slice j across hosts in its column by doubling, and every other host's
+ranks gather the slices from their carriers (single_copy.gather_owned_among, else around the
+host's ring): the array crosses each host boundary once, in K streams at once. Among many hosts
+each doubling step carries the whole slice, so the root's host sends it ceil(log2 hosts) times; a
+pipelined chain, or a scatter and all-gather in the column, would send it about once (not measured
+here: 2 cores hold 4 hosts).
 
-Each phase starts once the one before came in, so a rank that returns has heard from every rank
-making the call: disagreement fails everywhere.
+Each phase starts once the one before came in, and where a rank could otherwise return before it
+has heard from every rank making the call (the large form's root host, once its columns crossed)
+a barrier ends the call, so disagreement fails everywhere.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -25,9 +35,11 @@ from ..transport.topology import Topology
 from .barrier import dissemination_barrier
 from .board import host_board_broadcast
 from .broadcast import chain_broadcast
-from .call import Call
+from .call import Call, segment_bounds
 from .doubling_broadcast import doubling_broadcast, give, take
-from .two_level import from_leader, host_board, small_crossing
+from .ring import ring_all_gather_owned
+from .single_copy import broadcast_among, gather_owned_among
+from .two_level import from_leader, host_board, readers_in_host, small_crossing
 
 
 def two_level_one_shot_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
@@ -81,11 +93,32 @@ def two_level_leaders_broadcast(c: Call, topo: Topology, root: int, data: np.nda
         give(c, peer, data, peer != root)
 
 
-def two_level_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray) -> None:
-    """One pipelined chain through the root's host first, then host after host: the data crosses
-    each host boundary once, and the chain's arrival and completion signals keep every rank from
-    returning before the last one has the data (so disagreement fails everywhere)."""
-    home = topo.local_ranks(root)
-    order = [root, *(r for r in home if r != root)]
-    order += [r for h in topo.hosts if h is not home for r in h]
-    chain_broadcast(c, root, data, order=order)
+def two_level_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray, single_copy: bool = False) -> None:
+    """A large array in K slices, as the large all-reduce cuts it (K = the smallest host's rank
+    count): every rank of the root's host takes the whole array from the root (reading it where the
+    host allows, else down a chain), local rank j < K of every host passes slice j across hosts in
+    its column by doubling (native duplexes), and every other host's ranks gather the slices from
+    the ranks that carried them (reading them, else around the host's ring). The array crosses each
+    host boundary once, in K streams at once. A barrier among all ranks ends the call, so nobody
+    returns before every rank has checked every other's call (disagreement fails everywhere)."""
+    host = topo.local_ranks(c.rank)
+    bounds = segment_bounds(len(data), topo.min_local)
+    readers = readers_in_host(c, host, single_copy)
+    if root in host:
+        chain = functools.partial(chain_broadcast, root=root, data=data, order=[root, *(r for r in host if r != root)])
+        if readers is None:
+            chain(c)
+        else:
+            broadcast_among(c, readers, root, data, chain)
+    j = host.index(c.rank)
+    if j < len(bounds):
+        a, b = bounds[j]
+        doubling_broadcast(c, data[a:b], topo.column(j), topo.host_of[root])
+    if root not in host:
+        owned = [bounds[i] if i < len(bounds) else (len(data), len(data)) for i in range(len(host))]
+        rings = functools.partial(ring_all_gather_owned, data=data, ring=host, owned=owned)
+        if readers is None:
+            rings(c)
+        else:
+            gather_owned_among(c, readers, data, owned, rings)
+    dissemination_barrier(c)
