@@ -976,19 +976,19 @@ def _sent(n, sends):
     return [[sends.get((src, dst), 0) for dst in range(n)] for src in range(n)]
 
 
-B = 12  # bytes of the small broadcasts below
+SMALL_CAST = 12  # bytes of the small broadcasts below
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n, root, tcp, shm", [
     # 2 + 2, root 1: the board gives host {0, 1} the data; column 0 (0, 2) and column 1 (1, 3) cross
-    ("halves", 4, 1, {(0, 2): B, (1, 3): B}, {}),
+    ("halves", 4, 1, {(0, 2): SMALL_CAST, (1, 3): SMALL_CAST}, {}),
     # 1 + 3, root 3: host {1, 2, 3}'s board; only column 0 (0, 1) crosses; leader 1 hands the data to
     # rank 2, and root 3, which has it, an empty frame
-    ("first-alone", 4, 3, {(1, 0): B}, {(1, 2): B}),
+    ("first-alone", 4, 3, {(1, 0): SMALL_CAST}, {(1, 2): SMALL_CAST}),
     # 2 + 2 + 1, root 4: among more than 2 hosts only the leaders (0, 2, 4) cross, by doubling (4 joins
     # through 0), and hand on
-    ("pairs", 5, 4, {(4, 0): B, (0, 2): B}, {(0, 1): B, (2, 3): B}),
+    ("pairs", 5, 4, {(4, 0): SMALL_CAST, (0, 2): SMALL_CAST}, {(0, 1): SMALL_CAST, (2, 3): SMALL_CAST}),
 ])
 def test_a_small_broadcast_crosses_hosts_after_one_step_on_each_board(layout, n, root, tcp, shm, monkeypatch):
     """As the small all-reduce: one compiled step on each host's board (the root's host takes the
@@ -996,7 +996,7 @@ def test_a_small_broadcast_crosses_hosts_after_one_step_on_each_board(layout, n,
     from the root's host, and a leader hands the result to the ranks of no column."""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    results = run_ranks(n, _one_step_broadcast, root, B)
+    results = run_ranks(n, _one_step_broadcast, root, SMALL_CAST)
     assert [r["tcp"] for r in results] == _sent(n, tcp)
     assert [r["shm"] for r in results] == _sent(n, shm)
 
@@ -1018,37 +1018,39 @@ def test_a_small_broadcast_larger_than_a_board_entry_doubles_inside_the_root_hos
 
 # ---- a large broadcast across hosts: in slices, one per column ----
 
-L = 2 * S  # bytes of the large broadcasts below: past SMALL_BROADCAST_BYTES
+BIG_CAST = 2 * S  # bytes of the large broadcasts below: past SMALL_BROADCAST_BYTES
 
 
 def _large_broadcast(pg, root, unreadable):
-    """A broadcast of L bytes from root (its array read-only), checked everywhere; the bytes each
-    rank sent to, and read from, each rank meanwhile."""
+    """A broadcast of BIG_CAST bytes from root (its array read-only), checked everywhere; the bytes
+    each rank sent to, and read from, each rank meanwhile."""
     if pg.rank == unreadable:
         cannot_be_read()
-    x = np.arange(L // 4, dtype=np.float32) * (pg.rank + 1)
+    x = np.arange(BIG_CAST // 4, dtype=np.float32) * (pg.rank + 1)
     if pg.rank == root:
         x.flags.writeable = False
     traffic = _traffic_of(pg, lambda _: pg.broadcast(root, x))
-    assert np.array_equal(x, np.arange(L // 4, dtype=np.float32) * (root + 1))
+    assert np.array_equal(x, np.arange(BIG_CAST // 4, dtype=np.float32) * (root + 1))
     return {path: traffic[path] for path in ("tcp", "shm", "read")}
 
 
-H = L // 2  # a half: the slice of each column of 2 + 2
+HALF_CAST = BIG_CAST // 2  # a half: the slice of each column of 2 + 2
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n, root, unreadable, tcp, shm, read", [
     # 2 + 2, root 1: rank 0 reads the array from 1; columns (0, 2) and (1, 3) carry a half each; 2
     # and 3 read each other's half
-    ("halves", 4, 1, None, {(0, 2): H, (1, 3): H}, {}, {(0, 1): L, (2, 3): H, (3, 2): H}),
+    ("halves", 4, 1, None, {(0, 2): HALF_CAST, (1, 3): HALF_CAST}, {},
+     {(0, 1): BIG_CAST, (2, 3): HALF_CAST, (3, 2): HALF_CAST}),
     # ... with rank 3 unreadable: host {2, 3} swaps its halves around its ring instead
-    ("halves", 4, 1, 3, {(0, 2): H, (1, 3): H}, {(2, 3): H, (3, 2): H}, {(0, 1): L}),
+    ("halves", 4, 1, 3, {(0, 2): HALF_CAST, (1, 3): HALF_CAST}, {(2, 3): HALF_CAST, (3, 2): HALF_CAST},
+     {(0, 1): BIG_CAST}),
     # 1 + 3, root 2: one column, (0, 1): its host's ranks read the array from the root, 1 carries it
-    ("first-alone", 4, 2, None, {(1, 0): L}, {}, {(1, 2): L, (3, 2): L}),
+    ("first-alone", 4, 2, None, {(1, 0): BIG_CAST}, {}, {(1, 2): BIG_CAST, (3, 2): BIG_CAST}),
     # 2 + 2 + 1, root 4, alone on its host: the leaders double (4 joins through 0), and each
     # leader's host peer reads it from the leader
-    ("pairs", 5, 4, None, {(4, 0): L, (0, 2): L}, {}, {(1, 0): L, (3, 2): L}),
+    ("pairs", 5, 4, None, {(4, 0): BIG_CAST, (0, 2): BIG_CAST}, {}, {(1, 0): BIG_CAST, (3, 2): BIG_CAST}),
 ])
 def test_a_large_broadcast_crosses_hosts_in_one_slice_per_column(layout, n, root, unreadable, tcp, shm, read,
                                                                   monkeypatch):

@@ -58,7 +58,7 @@ def board_broadcast(c: Call, root: int, data: np.ndarray) -> None:
 def host_board_broadcast(c: Call, data: np.ndarray, root: int | None) -> None:
     """data from root (a rank of this host, or None: the host's ranks only meet) to this host's
     ranks of a group across hosts, in one compiled step on the host's board (the in-host step of
-    two_level.py's small broadcast)."""
+    two_level_broadcast.py's small broadcast)."""
     board = c.t.host_board
     assert board is not None
     header = entry_header(c.rank, c.meta, c.code, data)

@@ -50,6 +50,7 @@ def _packed(buf: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
 
 
 def _unpack(packed: np.ndarray, buf: np.ndarray, ranges: list[tuple[int, int]]) -> None:
+    """packed's elements back into buf's ranges, in order (_packed's inverse)."""
     at = 0
     for a, b in ranges:
         buf[a:b] = packed[at:at + b - a]

@@ -123,8 +123,8 @@ class Algorithm(enum.Enum):
     DIRECT = "direct"  # direct.py: an agreement step, then each block straight to its destination
     PAIRWISE = "pairwise"  # direct.py: all_to_all's exchange, every rank with every rank
     DEADLINE = "deadline"  # federated.py: rank 0 averages what arrives before the deadline
-    TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level.py: one step in each host, one across, hand on
-    TWO_LEVEL_LEADERS = "two-level via leaders"  # two_level.py: to the leader, log2 steps among leaders, back
+    TWO_LEVEL_ONE_SHOT = "two-level one-shot"  # two_level*.py: one step in each host, one across, hand on
+    TWO_LEVEL_LEADERS = "two-level via leaders"  # two_level*.py: to the leader, log2 steps among leaders, back
     TWO_LEVEL = "two-level"  # two_level*.py: inside each host, across hosts, inside again
     NEIGHBOURHOODS = "neighbourhoods"  # two_level.py's all-reduce, over runs of ranks of one host
     TWO_LEVEL_DIRECT = "two-level direct"  # DIRECT with the hierarchy's barrier as its agreement step

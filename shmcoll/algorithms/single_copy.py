@@ -91,8 +91,9 @@ os.register_at_fork(after_in_child=_new_token)
 class Readers(NamedTuple):
     """The ranks of one call that read each other's arrays and the board they meet on: every rank
     of a group on one host (of_group), or one host's ranks of a group across hosts (of_host: the
-    in-host phases of two_level.py's large all-reduce). Peers are named by group rank, listed and
-    folded in `ranks` order. (A named tuple: one is built for every call.)"""
+    in-host phases of two_level.py's large all-reduce and of two_level_broadcast.py's large
+    broadcast). Peers are named by group rank, listed and folded in `ranks` order. (A named tuple:
+    one is built for every call.)"""
 
     board: Board
     ranks: tuple[int, ...]
