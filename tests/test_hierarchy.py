@@ -556,8 +556,9 @@ def _disagree(pg, calls):
     (lambda pg: pg.broadcast(0, np.ones(4, np.float32)), lambda pg: pg.broadcast(3, np.ones(4, np.float32))),
     (lambda pg: pg.broadcast(1, np.ones(4, np.float32)), lambda pg: pg.broadcast(1, np.ones(1 << 20, np.float32))),
     (lambda pg: pg.all_gather(np.ones(4, np.float32)), lambda pg: pg.all_gather(np.ones(1 << 18, np.float32))),
+    (lambda pg: pg.broadcast(0, np.ones(S, np.float32)), lambda pg: pg.broadcast(3, np.ones(S, np.float32))),
 ], ids=["small-vs-large", "broadcast-vs-all_gather", "barrier-vs-broadcast", "f32-vs-f64", "broadcast-roots",
-        "broadcast-small-vs-large", "all_gather-small-vs-large"])
+        "broadcast-small-vs-large", "all_gather-small-vs-large", "large-broadcast-roots"])
 def test_hosts_that_disagree_all_raise_mismatch(calls, monkeypatch):
     """Two hosts calling different things: every rank raises CollectiveMismatch, nobody hangs."""
     results = _run_with_timeout("halves", 4, _disagree, calls, monkeypatch)
