@@ -17,6 +17,8 @@ import posix_ipc
 import shmcoll
 from shmcoll import CollectiveError, kernels
 from shmcoll.algorithms import single_copy
+from shmcoll.algorithms.select import Algorithm, select
+from shmcoll.types import Collective
 
 from bounds import BROKEN_CALL_S, CLOSE_S, FAULT_NOTICE_S, NEVER_S, WAIT_HANG_S
 from harness import CTX, WaitTimedOut, attempt, child_processes, run_ranks, shm_names_of, wait_until
@@ -100,16 +102,19 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
         kernels.board_broadcast = armed(kernels.board_broadcast)
 
 
-def peers_inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0) -> bool:
-    """Wait (bounded) until each of `peers` is inside collective number `seq` (of `nbytes` of data):
-    over shared memory a small call shows as the peer's board entry (across hosts, that of a
-    barrier or small all-reduce, among peers of this host); otherwise take the first frame each
-    peer sends in it. Only a rank about to fail or leave may do the latter, since it consumes the
-    frames its own call would have needed."""
+def peers_inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0,
+                 coll: Collective | None = None) -> bool:
+    """Wait (bounded) until each of `peers` is inside collective number `seq` (of `nbytes` of data;
+    `coll`, where the call is larger than a board entry): over shared memory a small call, or one
+    that runs single copy (it publishes where its array is), shows as the peer's board entry
+    (across hosts, that of a barrier or small all-reduce, among peers of this host); otherwise take
+    the first frame each peer sends in it. Only a rank about to fail or leave may do the latter,
+    since it consumes the frames its own call would have needed."""
     deadline = time.monotonic() + bound
     tag = shmcoll.TAG_RESERVED_BASE + seq
     board = pg.transport.board or pg.transport.host_board
-    if board is not None and nbytes <= board.capacity and all(p in board.host_ranks for p in peers):
+    if (board is not None and all(p in board.host_ranks for p in peers)
+            and (nbytes <= board.capacity or _single_copy(pg, coll, nbytes))):
         try:
             return wait_until(lambda: all(board.published(p, seq) for p in peers), bound,
                               f"ranks {peers} inside collective {seq}", interval=0)  # a poll of shared memory
@@ -119,6 +124,11 @@ def peers_inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 
         return all(pg.transport.recv(p, tag, deadline).header.meta.seq == seq for p in peers)
     except CollectiveError:
         return False
+
+
+def _single_copy(pg, coll: Collective | None, nbytes: int) -> bool:
+    """Whether a call of coll over nbytes runs single copy in pg (select.py's choice, a group on one host)."""
+    return coll is not None and select(coll, nbytes, pg._where.setting) is Algorithm.SINGLE_COPY
 
 
 def check_group_works(pg, ready) -> None:

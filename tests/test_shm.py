@@ -19,13 +19,15 @@ import numpy as np
 import pytest
 
 import shmcoll
-from shmcoll import CollectiveError, ReduceKind
+from shmcoll import ReduceKind
 from shmcoll.config import derive_job_id
 from shmcoll.transport import shm_segment
 from shmcoll.transport.shm_layout import Layout
 from shmcoll.transport.shm_segment import pid_alive
+from shmcoll.types import Collective
 
 from bounds import BROKEN_CALL_S, FAULT_NOTICE_S, NEVER_S, REAP_S, SETUP_FAILURE_S, WAIT_HANG_S
+from faults import peers_inside
 from harness import CTX, Died, WaitTimedOut, attempt, finish_together, run_ranks, wait_until
 from params import BANDWIDTH_PATHS, reduced, small_ints
 
@@ -69,25 +71,6 @@ def _warm_up(pg, ready) -> None:
     pg.all_reduce(x)
     assert np.all(x == pg.world_size * (pg.world_size + 1) / 2)
     assert ready.wait(timeout=WAIT_HANG_S) is not None
-
-
-def _inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0) -> bool:
-    """Wait (bounded) until each of `peers` is inside collective `seq` (of nbytes of data): a small call
-    over a shared-memory board shows as the peer's board entry; otherwise take the first frame each
-    peer sends in it. Only a rank about to die or leave may do the latter (its call needed them)."""
-    deadline = time.monotonic() + bound
-    board = getattr(pg.transport, "board", None)
-    if board is not None and nbytes <= board.capacity:
-        try:  # a poll of shared memory, yielding the processor in between: ranks may outnumber cores
-            return wait_until(lambda: all(board.published(p, seq) for p in peers), bound,
-                              f"ranks {peers} inside collective {seq}", interval=0)
-        except WaitTimedOut:
-            return False
-    tag = shmcoll.TAG_RESERVED_BASE + seq
-    try:
-        return all(pg.transport.recv(p, tag, deadline).header.meta.seq == seq for p in peers)
-    except CollectiveError:
-        return False
 
 
 def _wait_gone(pid: int) -> bool:
@@ -625,6 +608,7 @@ def _all_reduce_big(pg):
 
 
 _all_reduce_big.nbytes = 4 * MIB
+_all_reduce_big.coll = Collective.ALL_REDUCE
 
 
 #: A board small enough that _all_reduce_fits_the_ring's frames fit in the default ring at once
@@ -644,6 +628,7 @@ def _barrier(pg):
 
 
 _barrier.nbytes = 0
+_barrier.coll = Collective.BARRIER
 
 
 def _broadcast_big(pg):
@@ -651,6 +636,7 @@ def _broadcast_big(pg):
 
 
 _broadcast_big.nbytes = 4 * MIB
+_broadcast_big.coll = Collective.BROADCAST
 
 
 def _killed_while_waited_on(rank, n, port, victim, call, stamps, ready, finish):
@@ -658,7 +644,7 @@ def _killed_while_waited_on(rank, n, port, victim, call, stamps, ready, finish):
     _warm_up(pg, ready)
     if rank == victim:
         # the rank sending to us first is waiting inside call 1
-        _inside(pg, [(rank - 1) % n], seq=1, nbytes=call.nbytes)
+        stamps[n] = float(peers_inside(pg, [(rank - 1) % n], seq=1, nbytes=call.nbytes, coll=call.coll))
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
     out = attempt(lambda: call(pg))
@@ -674,10 +660,11 @@ def _killed_while_waited_on(rank, n, port, victim, call, stamps, ready, finish):
     (_barrier, 4, 3), (_broadcast_big, 3, 1),
 ], ids=["all_reduce-n2", "all_reduce-n3-rank0", "all_reduce-n4", "barrier-n4", "broadcast-n3-middle"])
 def test_rank_killed_while_others_wait_on_it(call, n, victim):
-    stamps = CTX.RawArray("d", n)
+    stamps = CTX.RawArray("d", n + 1)  # the kill's time per victim, then whether its peer was inside
     results = run_ranks(n, _killed_while_waited_on, victim, call, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
                         init=False, env=SHM, may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
+    assert stamps[n] == 1.0, "the victim died before the rank sending to it was inside the call"
     for rank, out in enumerate(results):
         if rank == victim:
             continue
@@ -728,7 +715,7 @@ def _closes_early(rank, n, port, leaver, ready, finish):
     pg = _init(rank, n, port)
     _warm_up(pg, ready)
     if rank == leaver:
-        inside = _inside(pg, [r for r in range(n) if r != leaver], seq=1, nbytes=400)  # one-shot: all send to us
+        inside = peers_inside(pg, [r for r in range(n) if r != leaver], seq=1, nbytes=400)  # one-shot: all send to us
         pg.close()
         return {"kind": "left", "inside": inside, "end": time.monotonic()}
     out = attempt(lambda: pg.all_reduce(np.ones(100, dtype=np.float32)))
