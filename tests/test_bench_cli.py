@@ -880,7 +880,9 @@ def test_every_descriptor_is_complete_and_consistent(name):
     assert (name in listed(r"reduction for (.*?) \(default sum;")) == coll.reduces
 
 
-# every registered collective through one library, at 2 ranks, checked, warm and cold, f32 and f16
+# every registered collective through one library, at 2 ranks, checked: f32 warm at 8 B and 4 KiB, f16
+# cold at 64 KiB (cold sizes below the cap rotate through tens of thousands of buffers, which peers'
+# adapters wrap one by one: seconds per collective through gloo)
 EVERY_COLLECTIVE = """
 import json, sys
 import numpy as np
@@ -894,11 +896,11 @@ library = sys.argv[1]
 group = shmcoll.init() if library == SHMCOLL else open_group(library, 60)
 results = {}
 for coll in COLLECTIVES.values():
-    for dtype, op, cold in (("f32", "sum", False), ("f16", "max", True)):
+    for dtype, op, cold, sizes in (("f32", "sum", False, (8, 4096)), ("f16", "max", True, (65536,))):
         if coll.unsupported(library, dtype, op) is None:
             spec = Spec(coll, dtype, op, 2, 1, True, 0, cold)
             results[f"{coll.name} {dtype} {op}"] = [measure(group, spec, resolve_dtype(dtype), size, library).wrong
-                                                    for size in (8, 4096)]
+                                                    for size in sizes]
 if group.rank == 0:
     print(json.dumps(results))
 group.close()
@@ -922,4 +924,4 @@ def test_every_collective_runs_and_checks_through_every_library(library):
     expected = {f"{c.name} {dtype} {op}" for c in COLLECTIVES.values() for dtype, op in (("f32", "sum"), ("f16", "max"))
                 if c.unsupported(library, dtype, op) is None}
     assert set(results) == expected and len(expected) >= len(COLLECTIVES)
-    assert all(wrong == [0, 0] for wrong in results.values()), results
+    assert all(wrong == ([0] if " f16 " in key else [0, 0]) for key, wrong in results.items()), results
