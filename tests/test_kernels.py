@@ -397,12 +397,11 @@ def test_empty_arrays_and_bad_arguments():
 PAIR_ROWS = 16
 
 
-def _pair_mismatches(code: int, op: ReduceKind, rows: range) -> int:
+def _pair_mismatches(code: int, op: ReduceKind, widened: np.ndarray, rows: range) -> int:
     """For every a in rows and b >= rows.start: the kernel's a op b against float64 (a op b)
     rounded once (if that is a NaN: any NaN), and its b op a against its a op b (equal unless both
-    are NaNs). The rounding is kernels' float64 -> 16-bit converter, checked at every midpoint above."""
-    with np.errstate(invalid="ignore"):
-        widened = widen(ALL_BITS, code)
+    are NaNs). widened: every 16-bit pattern as float64. The rounding is kernels' float64 -> 16-bit
+    converter, checked at every midpoint above."""
     round16 = kernels.f64_to_f16_bits if code == 1 else kernels.f64_to_bf16_bits
     exponent_mask = 0x7C00 if code == 1 else 0x7F80
     a = np.arange(rows.start, rows.stop, dtype=np.uint16)
@@ -429,8 +428,10 @@ def test_16bit_sum_and_prod_of_all_two_to_the_32_pairs(code, op):
     for each a, the kernel's a op b and b op a for every b >= a. Blocks of rows are shared out to
     a thread per core: the kernels and numpy's loops release the GIL."""
     blocks = [range(first, min(first + PAIR_ROWS, 1 << 16)) for first in range(0, 1 << 16, PAIR_ROWS)]
+    with np.errstate(invalid="ignore"):
+        widened = widen(ALL_BITS, code)
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        total = sum(pool.map(functools.partial(_pair_mismatches, code, op), blocks))
+        total = sum(pool.map(functools.partial(_pair_mismatches, code, op, widened), blocks))
     assert total == 0
 
 
