@@ -196,23 +196,28 @@ def barrier(w: Where) -> Plan:
 
 
 def broadcast(w: Where, root: int, flat: np.ndarray, code: int, result: object) -> Plan:
-    algorithm = select(Collective.BROADCAST, flat.nbytes, w.setting)
-    if algorithm is Algorithm.TWO_LEVEL:
-        single_copy = w.setting.single_copy
-        cast = lambda c: two_level_broadcast(c, w.hosts, root, flat, single_copy)
-    elif algorithm is Algorithm.TWO_LEVEL_LEADERS:
-        cast = lambda c: two_level_leaders_broadcast(c, w.hosts, root, flat)
-    elif algorithm is Algorithm.TWO_LEVEL_ONE_SHOT:
-        cast = lambda c: two_level_one_shot_broadcast(c, w.hosts, root, flat)
-    elif algorithm is Algorithm.BOARD:
-        cast = lambda c: board_broadcast(c, root, flat)
-    elif algorithm is Algorithm.DOUBLING:
-        cast = lambda c: doubling_broadcast(c, flat, range(c.size), root)
-    else:
-        cast = lambda c: chain_broadcast(c, root, flat)
-        if algorithm is Algorithm.SINGLE_COPY:
-            cast = functools.partial(single_copy_broadcast, root=root, data=flat, fallback=cast)
-    return Plan(Collective.BROADCAST, code, flat.size, _returning(result, cast), root=root)
+    cast = broadcast_algorithm(w, select(Collective.BROADCAST, flat.nbytes, w.setting), root)
+    return Plan(Collective.BROADCAST, code, flat.size, _returning(result, cast, flat), root=root)
+
+
+def broadcast_algorithm(w: Where, algorithm: Algorithm, root: int) -> Callable[[Call, np.ndarray], None]:
+    """The broadcast `algorithm` from `root` as a function of (call, data), data overwritten in
+    place on every other rank (the lean path keeps one per kind of call)."""
+    match algorithm:
+        case Algorithm.TWO_LEVEL:
+            single_copy = w.setting.single_copy
+            return lambda c, d: two_level_broadcast(c, w.hosts, root, d, single_copy)
+        case Algorithm.TWO_LEVEL_LEADERS:
+            return lambda c, d: two_level_leaders_broadcast(c, w.hosts, root, d)
+        case Algorithm.TWO_LEVEL_ONE_SHOT:
+            return lambda c, d: two_level_one_shot_broadcast(c, w.hosts, root, d)
+        case Algorithm.BOARD:
+            return lambda c, d: board_broadcast(c, root, d)
+        case Algorithm.DOUBLING:
+            return lambda c, d: doubling_broadcast(c, d, range(c.size), root)
+        case Algorithm.SINGLE_COPY:
+            return lambda c, d: single_copy_broadcast(c, root, d, lambda c: chain_broadcast(c, root, d))
+    return lambda c, d: chain_broadcast(c, root, d)
 
 
 def all_gather(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
