@@ -115,15 +115,23 @@ class Board:
         rank's data in one compiled call, as all_reduce does an all-reduce (kernels.board_broadcast);
         with source None nobody's, and the board's ranks only meet. Every rank has seen every
         board rank's call when it returns."""
-        board_source = len(self.host_ranks) if source is None else self._local_of[source]
-
-        def step(position: int, spin: int, wait: int) -> int:
-            return kernels.board_broadcast(self.mem, data, header, self.host_where, self._me, seq, code, board_source,
-                                           position, spin, wait, DONE_SLEEPERS)
-
-        status = step(0, self.spin_ns, WAIT_SLICE_NS)
+        on_board = self.board_source(source)
+        status = kernels.board_broadcast(self.mem, data, header, self.host_where, self._me, seq, code, on_board, 0,
+                                         self.spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
         if status != kernels.BOARD_DONE:
-            self._finish_step(status, step, seq, data, deadline, guard(), want)
+            self.broadcast_rest(status, seq, data, header, code, on_board, deadline, guard(), want)
+
+    def board_source(self, source: int | None) -> int:
+        """The source kernels.board_broadcast takes for group rank source: its place among
+        host_ranks, or (None) one past the last, whose payload nobody copies."""
+        return len(self.host_ranks) if source is None else self._local_of[source]
+
+    def broadcast_rest(self, status: int, seq: int, data: np.ndarray, header: np.ndarray, code: int, on_board: int,
+                       deadline: float, check: Callable[[int], None], want: Meta) -> None:
+        """Finish a broadcast (on_board: board_source's) whose first step returned `status` (_finish_step)."""
+        self._finish_step(status, lambda position, spin, wait: kernels.board_broadcast(
+            self.mem, data, header, self.host_where, self._me, seq, code, on_board, position, spin, wait,
+            DONE_SLEEPERS), seq, data, deadline, check, want)
 
     def _finish_step(self, status: int, step: Callable[[int, int, int], int], seq: int, data: np.ndarray,
                      deadline: float, check: Callable[[int], None], want: Meta) -> None:
