@@ -180,7 +180,9 @@ class ProcessGroup:
 
     def broadcast(self, root: int, data):
         """In place: every rank ends with root's data (same dtype and length everywhere). Returns data."""
-        return self._runner.run(self._broadcast_plan(root, data))
+        if self._lean is None or not self._lean.broadcast(root, data):  # lean.py: the common case
+            self._runner.run(self._broadcast_plan(root, data))
+        return data
 
     def spawn_broadcast(self, root: int, data) -> CollectiveHandle:
         """Non-blocking broadcast; join() returns data, which must not be touched until then

@@ -7,7 +7,10 @@ overhead is most of the time a call takes. What such a call needs besides its da
 description for errors, the frame header but for the sequence number) is derived once per (dtype,
 element count, op) and kept. A call then takes a sequence number and runs the board's compiled step
 (kernels.board_all_reduce; a barrier is an all-reduce of nothing); only a wait that outlasts a
-slice comes back to Python for the failure checks.
+slice comes back to Python for the failure checks. A broadcast of a C-contiguous numpy array
+(writable but on the root) is kept per (dtype, element count, root) the same way: on one host one
+that fits the board runs its compiled step (kernels.board_broadcast, through Board.broadcast), and
+any other runs its algorithm as a larger all_reduce does (below).
 
 A group across hosts (LeanAcrossHosts) runs its small all-reduce and barrier the same way as far
 as the host's board goes: what is worked out once is the call's description, its board header, whom
@@ -22,6 +25,9 @@ Call of its own, without validation, planning or the runner's wrapper around eve
 a large call that is little of its time, but where ranks share cores every microsecond of Python a
 rank spends is one its host peers wait for (2 hosts x 2 ranks on 2 cores: 50 us more Python per
 call made a 1 MiB all-reduce 150 us slower).
+
+A broadcast across hosts always runs its algorithm that way (plans.broadcast_algorithm): its
+steps are two_level_broadcast.py's, the lean path only skips the general path's work around them.
 
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
@@ -45,7 +51,7 @@ from .algorithms.doubling import doubling_steps
 from .algorithms.ring import summed
 from .algorithms.select import Algorithm, select
 from .errors import InvalidArgument
-from .plans import Where, all_reduce_algorithm
+from .plans import Where, all_reduce_algorithm, broadcast_algorithm
 from .runner import Runner
 from .transport.base import BoardGuard, PeerStep, Transport
 from .transport.frame import Meta
@@ -53,7 +59,7 @@ from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS, Board, entry_head
 from .transport.tcp import SwapRow
 from .transport.topology import Topology
 from .types import U8, Collective, ReduceKind
-from .validate import reducible_wire
+from .validate import reducible_wire, wire_of
 
 _NOTHING = np.empty(0, np.uint8)  # a barrier's data
 #: Kinds of call (dtype, count, op) remembered per group; training repeats a handful.
@@ -71,9 +77,11 @@ class _Prepared(NamedTuple):
     header: np.ndarray  # its frame header, sequence number 0
     average: bool
     fold: ReduceKind  # what partial results fold with across hosts (AVG summed, divided at the end)
-    #: The algorithm of a call past the board's step (plans.all_reduce_algorithm: AVG included),
-    #: run with a Call as the general path runs it; None where the board's step runs.
+    #: The algorithm of a call past the board's step (plans.all_reduce_algorithm: AVG included;
+    #: plans.broadcast_algorithm), run with a Call as the general path runs it; None where the
+    #: board's step runs.
     algorithm: Callable[[Call, np.ndarray], None] | None = None
+    source: int = 0  # a broadcast's root as the board step takes it (Board.board_source)
 
 
 class LeanPath:
@@ -84,7 +92,8 @@ class LeanPath:
         host across hosts)."""
         self._runner, self._t, self._group_where, self._setting = runner, transport, where, where.setting
         self._chunk_bytes = runner.tuning.chunk_bytes
-        self._prepared: dict[tuple, _Prepared | None] = {}
+        self._prepared: dict[tuple, _Prepared | None] = {}  # all_reduce's, by (dtype, count, op)
+        self._casts: dict[tuple, _Prepared | None] = {}  # broadcast's, by (dtype, count, root)
         self._alone = transport.world_size == 1  # nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
@@ -130,6 +139,28 @@ class LeanPath:
         the general path."""
         return self._run(_NOTHING, self._barrier)
 
+    def broadcast(self, root, data) -> bool:
+        """Run root's broadcast of data and return True, or return False, having done nothing, when
+        the call is not the common case (a C-contiguous numpy array, writable but on the root, of a
+        dtype that can be sent, and an int root of the group)."""
+        if type(data) is not np.ndarray or type(root) is not int or not 0 <= root < self._t.world_size:
+            return False
+        flags = data.flags
+        if not (flags.c_contiguous and (flags.writeable or root == self._t.rank)):
+            return False
+        key = (data.dtype, data.size, root)
+        p = self._casts.get(key)
+        if p is None:
+            if key in self._casts:
+                return False
+            if len(self._casts) >= MAX_PREPARED:
+                self._casts.clear()
+            p = self._casts[key] = self._prepare_broadcast(data, root)
+            if p is None:
+                return False
+        flat = data if data.ndim == 1 and data.dtype is p.storage else data.reshape(-1).view(p.storage)
+        return self._run(flat, p)
+
     def _prepare_all_reduce(self, data: np.ndarray, op: ReduceKind) -> _Prepared | None:
         """None when calls like this one are not the common case (or are invalid: the general path says so)."""
         try:
@@ -143,15 +174,36 @@ class LeanPath:
         algorithm = select(Collective.ALL_REDUCE, data.nbytes, self._setting)
         return p._replace(algorithm=all_reduce_algorithm(self._group_where, algorithm, kind))
 
+    def _prepare_broadcast(self, data: np.ndarray, root: int) -> _Prepared | None:
+        """None for a dtype that cannot be sent (the general path says so)."""
+        try:
+            wire = wire_of(data, "data")
+        except InvalidArgument:
+            return None
+        flat = data.reshape(-1).view(wire.storage)
+        p = self._prepare_call(Collective.BROADCAST, wire.code, flat, ReduceKind.SUM, data.size, root)
+        algorithm = select(Collective.BROADCAST, data.nbytes, self._setting)
+        if self._alone:
+            return p
+        if self._casts_on_board(algorithm):
+            return p._replace(source=self._board.board_source(root))
+        return p._replace(algorithm=broadcast_algorithm(self._group_where, algorithm, root))
+
+    def _casts_on_board(self, algorithm: Algorithm) -> bool:
+        """Whether a broadcast selected to run `algorithm` takes the board's step here (across hosts,
+        its algorithm always runs)."""
+        return algorithm == Algorithm.BOARD
+
     def _runs(self, data: np.ndarray) -> bool:
         """Whether calls like this one take the board's step (in a group of one, anything goes: there
         is nothing to exchange); the others run their algorithm."""
         return self._alone or select(Collective.ALL_REDUCE, data.nbytes, self._setting) == Algorithm.BOARD
 
     def _prepare_call(self, coll: Collective, code: int, flat: np.ndarray, kind: ReduceKind,
-                      elements: int) -> _Prepared:
-        """The description and header the general path (runner.py's Meta, board.py's step) gives this call."""
-        meta = Meta(seq=0, coll=coll, dtype=code, elements=elements, op=int(kind), root=0)
+                      elements: int, root: int = 0) -> _Prepared:
+        """The description and header the general path (runner.py's Meta, board.py's step) gives this
+        call (a broadcast's op is 0: SUM)."""
+        meta = Meta(seq=0, coll=coll, dtype=code, elements=elements, op=int(kind), root=root)
         return _Prepared(flat.dtype, code, int(kind), meta, entry_header(self._t.rank, meta, code, flat),
                          kind == ReduceKind.AVG, summed(kind))
 
@@ -172,7 +224,11 @@ class LeanPath:
             if p.algorithm is not None:
                 p.algorithm(Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code,
                                  start + self._t.timeout, self._chunk_bytes), flat)
-            elif not self._alone:
+            elif self._alone:
+                pass
+            elif p.meta.coll == Collective.BROADCAST:
+                self._cast(flat, p, seq, start)
+            else:
                 self._reduce(flat, p, seq, start)
                 if p.average:
                     kernels.scale_into(flat, p.code, self._t.world_size)
@@ -193,6 +249,17 @@ class LeanPath:
                                           p.op, 0, self._spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
         if status != kernels.BOARD_DONE:
             self._rest(status, seq, flat, p, start)
+
+    def _cast(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+        """The broadcast among the board's ranks in one compiled step (as Board.broadcast runs it),
+        failures raised."""
+        status = kernels.board_broadcast(self._mem, flat, p.header, self._where, self._board_rank, seq, p.code,
+                                         p.source, 0, self._spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+        if status != kernels.BOARD_DONE:
+            meta = p.meta._replace(seq=seq)
+            guard = self._board_guard(self._t.tag_of(seq), meta)
+            self._board.broadcast_rest(status, seq, flat, p.header, p.code, p.source, start + self._t.timeout, guard,
+                                       meta)
 
     def _rest(self, status: int, seq: int, flat: np.ndarray, p: _Prepared, start: float) -> None:
         """A wait outlasted the first slice: go on with the failure checks between slices."""
@@ -256,6 +323,9 @@ class LeanAcrossHosts(LeanPath):
 
     def _board_guard(self, tag: int, meta: Meta) -> BoardGuard:
         return self._t.host_board_guard(tag, meta)
+
+    def _casts_on_board(self, algorithm: Algorithm) -> bool:
+        return False
 
     def _row_across(self, steps: Sequence[PeerStep], row: SwapRow, flat: np.ndarray, p: _Prepared, tag: int,
                     seq: int, deadline: float) -> None:

@@ -482,6 +482,46 @@ def test_large_calls_agree_whichever_path_each_rank_takes(layout, n, lean_parity
         assert np.allclose(got.astype(np.float64), want, rtol=1e-3), got
 
 
+#: (dtype, count) of the broadcasts by either path: within a board entry (4 KiB here), past it, and
+#: large (past select.SMALL_BROADCAST_BYTES)
+BROADCASTS = [(np.float32, 2), (np.float16, 5000), (np.int64, 300_001)]
+
+
+def _broadcasts_by_either_path(pg, lean_parity: int):
+    """BROADCASTS from every root, the root's array read-only, on the lean path on ranks of one
+    parity and on the general one on the others, as _small_calls_by_either_path; per call, whether
+    the rank got the root's array back in place."""
+    general = _general_path_counted(pg, lean_parity)
+    results = []
+    for root in range(pg.world_size):
+        for dtype, count in BROADCASTS:
+            want = (np.arange(count) % 97 + root).astype(dtype)
+            data = want.copy() if pg.rank == root else np.zeros(count, dtype)
+            data.flags.writeable = pg.rank != root
+            results.append(pg.broadcast(root, data) is data and data.tobytes() == want.tobytes())
+    return {"path": type(pg._lean).__name__, "general": general, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [(None, 3), ("halves", 4), ("first-alone", 3), ("pairs", 6)])
+@pytest.mark.parametrize("lean_parity", [0, 1])
+def test_broadcasts_agree_whichever_path_each_rank_takes(layout, n, lean_parity, monkeypatch):
+    """A broadcast of a plain array takes the lean path (lean.py): on one host a board-sized one
+    runs the board's compiled step from a prepared header, any other the algorithm plans.py would
+    pick, kept per kind of call. Both paths publish and send the same, so ranks on either meet,
+    from every root, within a board entry, past it and large."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier" if layout else "shm")
+    monkeypatch.setenv("SHMCOLL_SHM_BOARD_BYTES", "4096")
+    if layout:
+        monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _broadcasts_by_either_path, lean_parity)
+    for rank, out in enumerate(results):
+        lean = rank % 2 == lean_parity
+        assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType")
+        assert out["general"] == ([] if lean else ["broadcast"] * n * len(BROADCASTS))
+        assert out["results"] == [True] * n * len(BROADCASTS), rank
+
+
 @pytest.mark.multiprocess
 def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_shot(monkeypatch):
     """Above a board entry (SHMCOLL_SHM_BOARD_BYTES) but within the one-step size, the ranks of a host
