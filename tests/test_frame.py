@@ -215,7 +215,7 @@ def plausible_headers(draw):
                       version=draw(st.sampled_from([1, 1, 1, 0, 2])), flags=draw(st.integers(0, 2**16 - 1)))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plausible_headers(), st.sampled_from([MAX_PAYLOAD, 2**64, 0, 16, 1 << 20]))
 def test_unpack_of_plausible_headers(raw, max_payload):
     _check_unpack(raw, 1, max_payload)

@@ -800,7 +800,7 @@ def _feed(stream: bytes) -> tuple[Mailbox, int]:
     return mailbox, peak
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_streams())
 def test_net_transport_reader_on_hostile_streams(stream):
     """Whatever arrives, the reader delivers the valid frames, ends the peer with "protocol error"
