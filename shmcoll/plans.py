@@ -168,15 +168,19 @@ def reduce_scatter(w: Where, arr: np.ndarray, wire: WireType, kind: ReduceKind) 
 def reduce(w: Where, root: int, flat: np.ndarray, code: int, kind: ReduceKind, result: object) -> Plan:
     """In place on root; every rank's `flat` is scratch space. A one-step all-reduce leaves the
     answer everywhere, the root's copy included."""
-    algorithm = select(Collective.REDUCE, flat.nbytes, w.setting)
+    run = reduce_algorithm(w, select(Collective.REDUCE, flat.nbytes, w.setting), root, kind)
+    return Plan(Collective.REDUCE, code, flat.size, _returning(result, run, flat), op=kind, root=root)
+
+
+def reduce_algorithm(w: Where, algorithm: Algorithm, root: int,
+                     kind: ReduceKind) -> Callable[[Call, np.ndarray], None]:
+    """The reduce `algorithm` to `root` as a function of (call, data) (the lean path keeps one per
+    kind of call): one of the one-step all-reduces, or a reduce proper."""
     if algorithm in ONE_STEP:
-        all_reduce_in_place = all_reduce_algorithm(w, algorithm, kind)
-        run = lambda c: all_reduce_in_place(c, flat)
-    elif algorithm is Algorithm.TWO_LEVEL:
-        run = lambda c: two_level_reduce(c, w.hosts, root, flat, kind)
-    else:
-        run = lambda c: reduce_to_root(c, root, flat, kind)
-    return Plan(Collective.REDUCE, code, flat.size, _returning(result, run), op=kind, root=root)
+        return all_reduce_algorithm(w, algorithm, kind)
+    if algorithm is Algorithm.TWO_LEVEL:
+        return lambda c, d: two_level_reduce(c, w.hosts, root, d, kind)
+    return lambda c, d: reduce_to_root(c, root, d, kind)
 
 
 def federated(flat: np.ndarray, code: int, window: float) -> Plan:
