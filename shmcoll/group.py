@@ -148,7 +148,9 @@ class ProcessGroup:
     def reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM):
         """In place on root: op over every rank's data. Every rank's data is scratch space (so it
         must be writable everywhere); on other ranks it is left unspecified. Returns data."""
-        return self._runner.run(self._reduce_plan(root, data, op))
+        if self._lean is None or not self._lean.reduce(root, data, op):  # lean.py: the common case
+            self._runner.run(self._reduce_plan(root, data, op))
+        return data
 
     def spawn_reduce(self, root: int, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:
         """Non-blocking reduce; join() returns data, which must not be touched until then."""

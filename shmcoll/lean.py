@@ -10,14 +10,17 @@ element count, op) and kept. A call then takes a sequence number and runs the bo
 slice comes back to Python for the failure checks. A broadcast of a C-contiguous numpy array
 (writable but on the root) is kept per (dtype, element count, root) the same way: on one host one
 that fits the board runs its compiled step (kernels.board_broadcast, through Board.broadcast), and
-any other runs its algorithm as a larger all_reduce does (below).
+any other runs its algorithm as a larger all_reduce does (below). So does a reduce, per (dtype,
+element count, op, root): a small one is a one-step all-reduce (plans.reduce_algorithm), whose step
+runs here as the all-reduce's does, under the reduce's own description and header.
 
-A group across hosts (LeanAcrossHosts) runs its small all-reduce and barrier the same way as far
+A group across hosts (LeanAcrossHosts) runs its small all-reduce, reduce and barrier the same way as far
 as the host's board goes: what is worked out once is the call's description, its board header, whom
 the rank crosses hosts with and how, and those peers' connections. An all-reduce's exchanges across
-hosts then run in a row (Transport.swap_row: one native call over TCP, sending the board's header
-with the call's tag and sequence number written in) where two hosts' one-shot or recursive doubling
-is all its column does; otherwise the steps across hosts and back are two_level.py's own.
+hosts (a small reduce's are the same) then run in a row (Transport.swap_row: one native call over
+TCP, sending the board's header with the call's tag and sequence number written in) where two
+hosts' one-shot or recursive doubling is all its column does; otherwise the steps across hosts and
+back are two_level.py's own.
 
 A larger all_reduce of such an array takes the same entry: its algorithm, as plans.py would run it
 (plans.all_reduce_algorithm), is kept per kind of call with the rest, and a call runs it with a
@@ -51,7 +54,7 @@ from .algorithms.doubling import doubling_steps
 from .algorithms.ring import summed
 from .algorithms.select import Algorithm, select
 from .errors import InvalidArgument
-from .plans import Where, all_reduce_algorithm, broadcast_algorithm
+from .plans import Where, all_reduce_algorithm, broadcast_algorithm, reduce_algorithm
 from .runner import Runner
 from .transport.base import BoardGuard, PeerStep, Transport
 from .transport.frame import Meta
@@ -85,7 +88,7 @@ class _Prepared(NamedTuple):
 
 
 class LeanPath:
-    """The common small calls of one group (ProcessGroup.all_reduce and barrier try it first)."""
+    """The common calls of one group (ProcessGroup.all_reduce, reduce, broadcast and barrier try it first)."""
 
     def __init__(self, runner: Runner, transport: Transport, where: Where, board: Board | None):
         """board: the board the call's step runs on (None: a group of one, or a rank alone on its
@@ -94,6 +97,7 @@ class LeanPath:
         self._chunk_bytes = runner.tuning.chunk_bytes
         self._prepared: dict[tuple, _Prepared | None] = {}  # all_reduce's, by (dtype, count, op)
         self._casts: dict[tuple, _Prepared | None] = {}  # broadcast's, by (dtype, count, root)
+        self._reduces: dict[tuple, _Prepared | None] = {}  # reduce's, by (dtype, count, op, root)
         self._alone = transport.world_size == 1  # nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
@@ -123,14 +127,24 @@ class LeanPath:
             return False
         key = (data.dtype, data.size, op)
         p = self._prepared.get(key)
-        if p is None:
-            if key in self._prepared:
-                return False  # not the common case: known from an earlier call
-            if len(self._prepared) >= MAX_PREPARED:
-                self._prepared.clear()  # a program of ever new sizes: start over rather than grow
-            p = self._prepared[key] = self._prepare_all_reduce(data, op)
-            if p is None:
-                return False
+        if p is None and (p := self._keep(self._prepared, key, self._prepare_all_reduce, data, op)) is None:
+            return False
+        flat = data if data.ndim == 1 and data.dtype is p.storage else data.reshape(-1).view(p.storage)
+        return self._run(flat, p)
+
+    def reduce(self, root, data, op) -> bool:
+        """Run root's reduce of data and return True, or return False, having done nothing, when
+        the call is not the common case (as for all_reduce, and an int root of the group)."""
+        if (type(data) is not np.ndarray or type(op) is not ReduceKind or type(root) is not int
+                or not 0 <= root < self._t.world_size):
+            return False
+        flags = data.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return False
+        key = (data.dtype, data.size, op, root)
+        p = self._reduces.get(key)
+        if p is None and (p := self._keep(self._reduces, key, self._prepare_reduce, data, op, root)) is None:
+            return False
         flat = data if data.ndim == 1 and data.dtype is p.storage else data.reshape(-1).view(p.storage)
         return self._run(flat, p)
 
@@ -150,16 +164,22 @@ class LeanPath:
             return False
         key = (data.dtype, data.size, root)
         p = self._casts.get(key)
-        if p is None:
-            if key in self._casts:
-                return False
-            if len(self._casts) >= MAX_PREPARED:
-                self._casts.clear()
-            p = self._casts[key] = self._prepare_broadcast(data, root)
-            if p is None:
-                return False
+        if p is None and (p := self._keep(self._casts, key, self._prepare_broadcast, data, root)) is None:
+            return False
         flat = data if data.ndim == 1 and data.dtype is p.storage else data.reshape(-1).view(p.storage)
         return self._run(flat, p)
+
+    @staticmethod
+    def _keep(kept: dict[tuple, _Prepared | None], key: tuple, prepare: Callable[..., _Prepared | None],
+              *args) -> _Prepared | None:
+        """What a kind of call not in `kept` needs (prepare(*args)), kept under key; None, kept too,
+        for one that is not the common case (known then from an earlier call)."""
+        if key in kept:
+            return None
+        if len(kept) >= MAX_PREPARED:
+            kept.clear()  # a program of ever new sizes: start over rather than grow
+        p = kept[key] = prepare(*args)
+        return p
 
     def _prepare_all_reduce(self, data: np.ndarray, op: ReduceKind) -> _Prepared | None:
         """None when calls like this one are not the common case (or are invalid: the general path says so)."""
@@ -169,10 +189,24 @@ class LeanPath:
             return None
         p = self._prepare_call(Collective.ALL_REDUCE, wire.code, data.reshape(-1).view(wire.storage), kind,
                                data.size)
-        if self._runs(data):
-            return p
         algorithm = select(Collective.ALL_REDUCE, data.nbytes, self._setting)
+        if self._runs(algorithm, data):
+            return p
         return p._replace(algorithm=all_reduce_algorithm(self._group_where, algorithm, kind))
+
+    def _prepare_reduce(self, data: np.ndarray, op: ReduceKind, root: int) -> _Prepared | None:
+        """As _prepare_all_reduce: a small reduce is a one-step all-reduce (plans.reduce_algorithm),
+        whose step runs here as the all-reduce's does, under the reduce's own description."""
+        try:
+            wire, kind = reducible_wire(data, op, "data")
+        except InvalidArgument:
+            return None
+        p = self._prepare_call(Collective.REDUCE, wire.code, data.reshape(-1).view(wire.storage), kind,
+                               data.size, root)
+        algorithm = select(Collective.REDUCE, data.nbytes, self._setting)
+        if self._runs(algorithm, data):
+            return p
+        return p._replace(algorithm=reduce_algorithm(self._group_where, algorithm, root, kind))
 
     def _prepare_broadcast(self, data: np.ndarray, root: int) -> _Prepared | None:
         """None for a dtype that cannot be sent (the general path says so)."""
@@ -194,10 +228,10 @@ class LeanPath:
         its algorithm always runs)."""
         return algorithm == Algorithm.BOARD
 
-    def _runs(self, data: np.ndarray) -> bool:
-        """Whether calls like this one take the board's step (in a group of one, anything goes: there
-        is nothing to exchange); the others run their algorithm."""
-        return self._alone or select(Collective.ALL_REDUCE, data.nbytes, self._setting) == Algorithm.BOARD
+    def _runs(self, algorithm: Algorithm, data: np.ndarray) -> bool:
+        """Whether calls like this one, selected to run `algorithm`, take the board's step (in a
+        group of one, anything goes: there is nothing to exchange); the others run their algorithm."""
+        return self._alone or algorithm == Algorithm.BOARD
 
     def _prepare_call(self, coll: Collective, code: int, flat: np.ndarray, kind: ReduceKind,
                       elements: int, root: int = 0) -> _Prepared:
@@ -299,14 +333,15 @@ class LeanAcrossHosts(LeanPath):
             row = transport.prepare_row(steps) if steps else None
             if steps and row is not None:
                 rows[int(coll)] = (steps, row)
+        if int(Collective.ALL_REDUCE) in rows:  # a small reduce's exchanges are the all-reduce's
+            rows[int(Collective.REDUCE)] = rows[int(Collective.ALL_REDUCE)]
         return rows
 
-    def _runs(self, data: np.ndarray) -> bool:
+    def _runs(self, algorithm: Algorithm, data: np.ndarray) -> bool:
         """The small two-level all-reduce, its host's step on the board (two_level._in_host_step: where
         the array fits) or none (this rank alone on its host)."""
         board = self._host_board
-        return (select(Collective.ALL_REDUCE, data.nbytes, self._setting) == Algorithm.TWO_LEVEL_ONE_SHOT
-                and (board is None or data.nbytes <= board.capacity))
+        return algorithm == Algorithm.TWO_LEVEL_ONE_SHOT and (board is None or data.nbytes <= board.capacity)
 
     def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
         if self._host_board is not None:
@@ -340,11 +375,11 @@ class LeanAcrossHosts(LeanPath):
 
     def _across(self, column: tuple[int, ...], flat: np.ndarray, p: _Prepared, tag: int, seq: int,
                 deadline: float) -> None:
-        """The column's step across hosts where no prepared row runs it: an all-reduce's exchanges
-        in a row where they are all its algorithm does (a sub-group's transport runs its own native
+        """The column's step across hosts where no prepared row runs it: an all-reduce's (or small
+        reduce's) exchanges in a row where they are all its algorithm does (a sub-group's transport runs its own native
         calls), else a barrier's or two_level.py's own."""
         meta = p.meta._replace(seq=seq)
-        if self._steps is not None and meta.coll == Collective.ALL_REDUCE:
+        if self._steps is not None and meta.coll != Collective.BARRIER:
             self._t.exchanges(self._steps, tag, flat, p.code, meta, deadline, p.fold)
             return
         c = Call(self._t, tag, meta, p.code, deadline)

@@ -522,6 +522,54 @@ def test_broadcasts_agree_whichever_path_each_rank_takes(layout, n, lean_parity,
         assert out["results"] == [True] * n * len(BROADCASTS), rank
 
 
+#: (dtype, count, op) of the reduces by either path, exact in every order: within a board entry
+#: (4 KiB here), past it, and large
+REDUCES = [(np.float32, 2, shmcoll.ReduceKind.SUM), (np.float64, 100, shmcoll.ReduceKind.AVG),
+           (np.float16, 5000, shmcoll.ReduceKind.SUM), (np.int64, 300_001, shmcoll.ReduceKind.MAX)]
+
+
+def _reduce_input(dtype, count: int, rank: int) -> np.ndarray:
+    return (np.arange(count) % 7 + rank).astype(dtype)
+
+
+def _reduces_by_either_path(pg, lean_parity: int):
+    """REDUCES to every root, on the lean path on ranks of one parity and on the general one on the
+    others, as _small_calls_by_either_path; the root's results, as bytes."""
+    general = _general_path_counted(pg, lean_parity)
+    results = []
+    for root in range(pg.world_size):
+        for dtype, count, op in REDUCES:
+            data = _reduce_input(dtype, count, pg.rank)
+            assert pg.reduce(root, data, op) is data
+            if pg.rank == root:
+                results.append(data.tobytes())
+    return {"path": type(pg._lean).__name__, "general": general, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [(None, 3), ("halves", 4), ("first-alone", 3), ("pairs", 6)])
+@pytest.mark.parametrize("lean_parity", [0, 1])
+def test_reduces_agree_whichever_path_each_rank_takes(layout, n, lean_parity, monkeypatch):
+    """A reduce of a plain array takes the lean path too: a small one is a one-step all-reduce
+    under the reduce's description, its steps run from a prepared header (the board's, and across
+    hosts the column's row of exchanges); a larger one runs the algorithm plans.py would pick. Ranks
+    on either path meet, and every root gets the exact result."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier" if layout else "shm")
+    monkeypatch.setenv("SHMCOLL_SHM_BOARD_BYTES", "4096")
+    if layout:
+        monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _reduces_by_either_path, lean_parity)
+    fold = {shmcoll.ReduceKind.SUM: np.sum, shmcoll.ReduceKind.MAX: np.max,
+            shmcoll.ReduceKind.AVG: lambda x, axis: np.sum(x, axis=axis) / n}
+    for rank, out in enumerate(results):
+        lean = rank % 2 == lean_parity
+        assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType")
+        assert out["general"] == ([] if lean else ["reduce"] * n * len(REDUCES))
+        want = [fold[op](np.stack([_reduce_input(np.float64, count, r) for r in range(n)]), axis=0).astype(dtype)
+                for dtype, count, op in REDUCES]
+        assert out["results"] == [w.tobytes() for w in want], rank
+
+
 @pytest.mark.multiprocess
 def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_shot(monkeypatch):
     """Above a board entry (SHMCOLL_SHM_BOARD_BYTES) but within the one-step size, the ranks of a host
