@@ -14,9 +14,9 @@ any other runs its algorithm as a larger all_reduce does (below). So does a redu
 element count, op, root): a small one is a one-step all-reduce (plans.reduce_algorithm), whose step
 runs here as the all-reduce's does, under the reduce's own description and header.
 
-A group across hosts (LeanAcrossHosts) runs its small all-reduce, reduce and barrier the same way as far
-as the host's board goes: what is worked out once is the call's description, its board header, whom
-the rank crosses hosts with and how, and those peers' connections. An all-reduce's exchanges across
+A group across hosts (LeanAcrossHosts) runs its small all-reduce, reduce and barrier the same way
+as far as the host's board goes: what is worked out once is the call's description, its board
+header, whom the rank crosses hosts with and how, and those peers' connections. An all-reduce's exchanges across
 hosts (a small reduce's are the same) then run in a row (Transport.swap_row: one native call over
 TCP, sending the board's header with the call's tag and sequence number written in) where two
 hosts' one-shot or recursive doubling is all its column does; otherwise the steps across hosts and
@@ -81,14 +81,15 @@ class _Prepared(NamedTuple):
     average: bool
     fold: ReduceKind  # what partial results fold with across hosts (AVG summed, divided at the end)
     #: The algorithm of a call past the board's step (plans.all_reduce_algorithm: AVG included;
-    #: plans.broadcast_algorithm), run with a Call as the general path runs it; None where the
-    #: board's step runs.
+    #: plans.reduce_algorithm, plans.broadcast_algorithm), run with a Call as the general path runs
+    #: it; None where the board's step runs.
     algorithm: Callable[[Call, np.ndarray], None] | None = None
     source: int = 0  # a broadcast's root as the board step takes it (Board.board_source)
 
 
 class LeanPath:
-    """The common calls of one group (ProcessGroup.all_reduce, reduce, broadcast and barrier try it first)."""
+    """The common calls of one group (ProcessGroup.all_reduce, reduce, broadcast and barrier try
+    it first)."""
 
     def __init__(self, runner: Runner, transport: Transport, where: Where, board: Board | None):
         """board: the board the call's step runs on (None: a group of one, or a rank alone on its
@@ -376,8 +377,8 @@ class LeanAcrossHosts(LeanPath):
     def _across(self, column: tuple[int, ...], flat: np.ndarray, p: _Prepared, tag: int, seq: int,
                 deadline: float) -> None:
         """The column's step across hosts where no prepared row runs it: an all-reduce's (or small
-        reduce's) exchanges in a row where they are all its algorithm does (a sub-group's transport runs its own native
-        calls), else a barrier's or two_level.py's own."""
+        reduce's) exchanges in a row where they are all its algorithm does (a sub-group's transport
+        runs its own native calls), else a barrier's or two_level.py's own."""
         meta = p.meta._replace(seq=seq)
         if self._steps is not None and meta.coll != Collective.BARRIER:
             self._t.exchanges(self._steps, tag, flat, p.code, meta, deadline, p.fold)
