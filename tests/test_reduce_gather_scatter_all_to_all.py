@@ -263,6 +263,7 @@ MISMATCHES = [
     ("reduce-root", 3, {1}, C("reduce", root=0), C("reduce", root=2)),
     ("reduce-op", 4, {2}, C("reduce", root=1), C("reduce", root=1, op=ReduceKind.MAX)),
     ("reduce-dtype", 2, {0}, C("reduce"), C("reduce", dtype="float64")),
+    ("reduce-vs-all_reduce", 3, {2}, C("reduce"), C("all_reduce")),  # one board step, told apart by header
     ("reduce_scatter-vs-all_reduce", 3, {0}, C("reduce_scatter"), C("all_reduce")),
     ("reduce_scatter-length", 4, {3}, C("reduce_scatter"), C("reduce_scatter", rows=24)),
     ("reduce_scatter-op", 3, {1}, C("reduce_scatter"), C("reduce_scatter", op=ReduceKind.PROD)),
