@@ -174,7 +174,9 @@ class LeanPath:
     def _keep(kept: dict[tuple, _Prepared | None], key: tuple, prepare: Callable[..., _Prepared | None],
               *args) -> _Prepared | None:
         """What a kind of call not in `kept` needs (prepare(*args)), kept under key; None, kept too,
-        for one that is not the common case (known then from an earlier call)."""
+        for one that is not the common case (known then from an earlier call). The entries' hit
+        path (the lookup, the flat view) stays inline in each: one more Python call there cost
+        0.5-0.8 us of a 7 us call (2 ranks, 8 B)."""
         if key in kept:
             return None
         if len(kept) >= MAX_PREPARED:
