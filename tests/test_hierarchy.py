@@ -403,6 +403,26 @@ def _general_path_counted(pg, lean_parity: int) -> list[str]:
     return general
 
 
+def _run_by_either_path(monkeypatch, layout: str | None, n: int, body, lean_parity: int,
+                        board_bytes: int | None = None) -> list:
+    """run_ranks(n, body, lean_parity) on one host over shared memory (layout None) or over the
+    simulated hosts of `layout`, with board entries of board_bytes where given."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier" if layout else "shm")
+    if board_bytes is not None:
+        monkeypatch.setenv("SHMCOLL_SHM_BOARD_BYTES", str(board_bytes))
+    if layout:
+        monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    return run_ranks(n, body, lean_parity)
+
+
+def _assert_path_taken(out: dict, rank: int, layout: str | None, lean_parity: int, general_calls: list[str]) -> None:
+    """The rank of lean_parity took the lean path (LeanAcrossHosts across hosts) and ran no call on
+    the general one; any other rank ran general_calls there."""
+    lean = rank % 2 == lean_parity
+    assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType"), rank
+    assert out["general"] == ([] if lean else general_calls), rank
+
+
 def _small_calls_by_either_path(pg, lean_parity: int):
     """The small all-reduces and barriers of SMALL_CALLS, on the lean path (lean.py) on ranks of
     one parity and on the general one on the others."""
@@ -424,16 +444,12 @@ def test_small_calls_across_hosts_agree_whichever_path_each_rank_takes(layout, n
     (LeanAcrossHosts) unless something sends them down the general one; the two send the same
     frames, so ranks on either path, crossing hosts or not (3+2, 1+2, 2+2+2), meet and get the
     same results."""
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
-    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    results = run_ranks(n, _small_calls_by_either_path, lean_parity)
+    results = _run_by_either_path(monkeypatch, layout, n, _small_calls_by_either_path, lean_parity)
     inputs = [[np.arange(1, 6, dtype=dtype) + r for r in range(n)] for dtype, _ in SMALL_CALLS]
     expected = [np.sum(inputs[0], axis=0), np.mean(inputs[1], axis=0, dtype=np.float32).astype(np.float16),
                 np.max(inputs[2], axis=0), np.prod(inputs[3], axis=0)]
     for rank, out in enumerate(results):
-        lean = rank % 2 == lean_parity
-        assert out["path"] == ("LeanAcrossHosts" if lean else "NoneType")
-        assert out["general"] == ([] if lean else ["all_reduce", "barrier"] * len(SMALL_CALLS))
+        _assert_path_taken(out, rank, layout, lean_parity, ["all_reduce", "barrier"] * len(SMALL_CALLS))
         assert out["results"] == [e.tolist() for e in expected], rank
 
 
@@ -466,14 +482,9 @@ def test_large_calls_agree_whichever_path_each_rank_takes(layout, n, lean_parity
     host reading peers' arrays directly; across hosts two-level, by ring or halving-doubling
     between hosts): the same algorithm with the same Call, so ranks on either path meet, and all
     get the same results, bitwise alike."""
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier" if layout else "shm")
-    if layout:
-        monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    results = run_ranks(n, _large_calls_by_either_path, lean_parity)
+    results = _run_by_either_path(monkeypatch, layout, n, _large_calls_by_either_path, lean_parity)
     for rank, out in enumerate(results):
-        lean = rank % 2 == lean_parity
-        assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType")
-        assert out["general"] == ([] if lean else ["all_reduce"] * 2 * len(LARGE_CALLS))
+        _assert_path_taken(out, rank, layout, lean_parity, ["all_reduce"] * 2 * len(LARGE_CALLS))
         for got, theirs in zip(out["results"], results[0]["results"]):
             assert got.tobytes() == theirs.tobytes(), rank
     inputs = [np.stack([_large_inputs(np.int64, r) for r in range(n)]) for _ in LARGE_CALLS]
@@ -510,15 +521,9 @@ def test_broadcasts_agree_whichever_path_each_rank_takes(layout, n, lean_parity,
     runs the board's compiled step from a prepared header, any other the algorithm plans.py would
     pick, kept per kind of call. Both paths publish and send the same, so ranks on either meet,
     from every root, within a board entry, past it and large."""
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier" if layout else "shm")
-    monkeypatch.setenv("SHMCOLL_SHM_BOARD_BYTES", "4096")
-    if layout:
-        monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    results = run_ranks(n, _broadcasts_by_either_path, lean_parity)
+    results = _run_by_either_path(monkeypatch, layout, n, _broadcasts_by_either_path, lean_parity, board_bytes=4096)
     for rank, out in enumerate(results):
-        lean = rank % 2 == lean_parity
-        assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType")
-        assert out["general"] == ([] if lean else ["broadcast"] * n * len(BROADCASTS))
+        _assert_path_taken(out, rank, layout, lean_parity, ["broadcast"] * n * len(BROADCASTS))
         assert out["results"] == [True] * n * len(BROADCASTS), rank
 
 
@@ -554,19 +559,13 @@ def test_reduces_agree_whichever_path_each_rank_takes(layout, n, lean_parity, mo
     under the reduce's description, its steps run from a prepared header (the board's, and across
     hosts the column's row of exchanges); a larger one runs the algorithm plans.py would pick. Ranks
     on either path meet, and every root gets the exact result."""
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier" if layout else "shm")
-    monkeypatch.setenv("SHMCOLL_SHM_BOARD_BYTES", "4096")
-    if layout:
-        monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    results = run_ranks(n, _reduces_by_either_path, lean_parity)
+    results = _run_by_either_path(monkeypatch, layout, n, _reduces_by_either_path, lean_parity, board_bytes=4096)
     fold = {shmcoll.ReduceKind.SUM: np.sum, shmcoll.ReduceKind.MAX: np.max,
             shmcoll.ReduceKind.AVG: lambda x, axis: np.sum(x, axis=axis) / n}
+    want = [fold[op](np.stack([_reduce_input(np.float64, count, r) for r in range(n)]), axis=0).astype(dtype)
+            for dtype, count, op in REDUCES]
     for rank, out in enumerate(results):
-        lean = rank % 2 == lean_parity
-        assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType")
-        assert out["general"] == ([] if lean else ["reduce"] * n * len(REDUCES))
-        want = [fold[op](np.stack([_reduce_input(np.float64, count, r) for r in range(n)]), axis=0).astype(dtype)
-                for dtype, count, op in REDUCES]
+        _assert_path_taken(out, rank, layout, lean_parity, ["reduce"] * n * len(REDUCES))
         assert out["results"] == [w.tobytes() for w in want], rank
 
 
