@@ -96,7 +96,8 @@ WAY_GIVE, WAY_TAKE, WAY_FOLD_IN = _native.WAY_GIVE, _native.WAY_TAKE, _native.WA
 duplex = _native.duplex
 DUPLEX_DONE, DUPLEX_PENDING, DUPLEX_ENDED = _native.DUPLEX_DONE, _native.DUPLEX_PENDING, _native.DUPLEX_ENDED
 DUPLEX_ELSEWHERE = _native.DUPLEX_ELSEWHERE
-IN_BODY, IN_DONE, IN_ELSEWHERE = _native.IN_BODY, _native.IN_DONE, _native.IN_ELSEWHERE
+IN_WAITING, IN_BODY, IN_DONE = _native.IN_WAITING, _native.IN_BODY, _native.IN_DONE
+IN_ELSEWHERE = _native.IN_ELSEWHERE
 #: collapse_to_huge_pages(buffer) -> 0, or the errno: the whole 2 MiB pages inside a buffer
 #: backed by huge pages now (MADV_COLLAPSE, Linux 6.1+), so a peer's read of it pins one
 #: page per 2 MiB instead of 512. Contents do not change.

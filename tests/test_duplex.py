@@ -421,11 +421,30 @@ def test_both_ends_with_another_frame_first_still_finish(transports):
 
 def test_a_peer_whose_data_does_not_come_times_out(transports):
     """The peer takes this rank's frame but sends none: CollectiveTimeout names it, once the
-    deadline passed."""
+    deadline passed (the wait is recv's once the frame is out)."""
     start = time.monotonic()
-    with pytest.raises(CollectiveTimeout, match="rank 1's data did not come"):
+    with pytest.raises(CollectiveTimeout, match="no message from rank 1 "):
         _send_recv(transports[0], np.ones(1000, np.float32), np.ones(1000, np.float32), deadline_s=0.1)
     assert time.monotonic() - start >= 0.1
+
+
+def test_a_step_waiting_for_its_peer_leaves_the_connection_to_other_threads(transports):
+    """Rank 0's step has sent its frame and waits for rank 1's, which rank 1 sends only after a
+    message from another thread of rank 0 (a spawned call, another group's). The waiting step must
+    not keep the connection's sending side, or both ranks wait until the deadline."""
+    into = np.ones(1000, np.float32)
+    deadline = time.monotonic() + bounds.WAIT_HANG_S
+    step = threading.Thread(target=_send_recv, args=(transports[0], np.zeros(1000, np.float32), into))
+    step.start()
+    wait_until(lambda: transports[1]._mailbox.has(0, TAG), bounds.WAIT_HANG_S, "rank 0's frame of the step")
+    other = threading.Thread(target=transports[0].send,
+                             args=(1, TAG + 1, np.full(3, 7, np.float32), F32.code, META, deadline))
+    other.start()
+    assert transports[1].recv(0, TAG + 1, deadline).payload.view(np.float32).tolist() == [7.0] * 3
+    transports[1].send(0, TAG, np.full(1000, 2, np.float32), F32.code, META, deadline)
+    step.join(timeout=bounds.WAIT_HANG_S)
+    other.join(timeout=bounds.WAIT_HANG_S)
+    assert not step.is_alive() and np.all(into == 3)
 
 
 def _row(n: int, first: float) -> list[np.ndarray]:

@@ -560,6 +560,7 @@ PyMODINIT_FUNC PyInit__native(void) {
               PyModule_AddIntConstant(m, "DUPLEX_PENDING", DUPLEX_PENDING) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_ENDED", DUPLEX_ENDED) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_ELSEWHERE", DUPLEX_ELSEWHERE) < 0 ||
+              PyModule_AddIntConstant(m, "IN_WAITING", IN_WAITING) < 0 ||
               PyModule_AddIntConstant(m, "IN_BODY", IN_BODY) < 0 ||
               PyModule_AddIntConstant(m, "IN_DONE", IN_DONE) < 0 ||
               PyModule_AddIntConstant(m, "IN_ELSEWHERE", IN_ELSEWHERE) < 0)) {

@@ -287,7 +287,9 @@ class NetTransport(LinkTransport):
         thread holds both connections (_claim: taken once for the whole row). Anything but src's
         frame first on its socket stops the row: that step's receive is left to recv, and the
         socket to its reader thread at once, which drains it while the rest of the step's frame
-        goes out: a peer sending to this rank meanwhile never waits on a socket nobody reads. A
+        goes out: a peer sending to this rank meanwhile never waits on a socket nobody reads. So
+        does a peer's frame that has not begun to come within a slice once this step's frame is
+        out (_only_waiting): the connections are free for this rank's other threads. A
         frame cut off mid-way (a failure elsewhere ended the wait) leaves src's stream
         unreadable: it counts as ended."""
         inbox = self._claim(to, src, tag)
@@ -320,10 +322,11 @@ class NetTransport(LinkTransport):
     def _run_duplex(self, to: int, src: int, inbox: _Inbox, header: bytes, out: np.ndarray, into: np.ndarray,
                     code: int, meta: Meta, tag: int, deadline: float, op: ReduceKind | None,
                     progress: np.ndarray) -> None:
-        """kernels.duplex a slice at a time, until both frames are whole or another frame comes
-        first: the group's health and the deadline are checked between slices (before the first
-        only where the mailbox shows trouble or the deadline passed, as in swap_row), heartbeats it
-        read are noted as the reader thread would."""
+        """kernels.duplex a slice at a time, until both frames are whole, another frame comes
+        first, or only the wait for the peer's is left (_only_waiting): the group's health and
+        the deadline are checked between slices (before the first only where the mailbox shows
+        trouble or the deadline passed, as in swap_row), heartbeats it read are noted as the
+        reader thread would."""
         expect = frame.pack(DATA, src, tag, meta, code, into.shape, into.nbytes)
         scratch = self._thread_scratch() if op is not None else _NO_SCRATCH
         if self._mailbox.troubled or time.monotonic() > deadline:
@@ -336,7 +339,7 @@ class NetTransport(LinkTransport):
             if progress[_BEATS]:
                 self._mailbox.touch(src)
                 progress[_BEATS] = 0
-            if status in (kernels.DUPLEX_DONE, kernels.DUPLEX_ELSEWHERE):
+            if status in (kernels.DUPLEX_DONE, kernels.DUPLEX_ELSEWHERE) or _only_waiting(progress, header, out):
                 return
             if status == kernels.DUPLEX_ENDED:
                 self._connection_ended(src, inbox, "its connection closed (process died?)", graceful=False)
@@ -690,6 +693,14 @@ class _Inbox:
 
 
 _NO_SCRATCH = np.empty(0, np.uint8)  # a duplex that copies reads straight into place
+
+
+def _only_waiting(progress: np.ndarray, header: bytes, out: np.ndarray) -> bool:
+    """Whether a duplex that did not finish has sent its whole frame and read nothing of the
+    peer's: from there on it would only wait, holding both connections. Another thread of this
+    rank (a spawned call, another group's) may have to send to that peer first, so the wait is
+    left to recv, which holds neither."""
+    return progress[_IN_STATE] == kernels.IN_WAITING and progress[_SENT] == len(header) + out.nbytes
 
 
 def _allocate(nbytes: int) -> np.ndarray:
