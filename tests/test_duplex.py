@@ -447,6 +447,23 @@ def test_a_step_waiting_for_its_peer_leaves_the_connection_to_other_threads(tran
     assert not step.is_alive() and np.all(into == 3)
 
 
+def test_a_send_behind_another_threads_send_ends_at_its_deadline(transports):
+    """Another thread of rank 0 holds the connection's sending side (its send goes on and on): a
+    send behind it raises CollectiveTimeout at its own deadline, and goes out once the side is free."""
+    lock = transports[0]._send_locks[1]
+    lock.acquire()
+    try:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match="rank 1 did not accept data"):
+            transports[0].send(1, TAG, np.ones(3, np.float32), F32.code, META, start + 0.3)
+        assert time.monotonic() - start >= 0.3
+    finally:
+        lock.release()
+    deadline = time.monotonic() + bounds.WAIT_HANG_S
+    transports[0].send(1, TAG, np.full(3, 5, np.float32), F32.code, META, deadline)
+    assert transports[1].recv(0, TAG, deadline).payload.view(np.float32).tolist() == [5.0] * 3
+
+
 def _row(n: int, first: float) -> list[np.ndarray]:
     """Three arrays of n elements a row of steps passes along: [first, first, 0]."""
     return [np.full(n, first, np.float32), np.full(n, first, np.float32), np.zeros(n, np.float32)]

@@ -141,8 +141,13 @@ class NetTransport(LinkTransport):
         self._send_frame(to, header, buf.data.cast("B") if buf.nbytes else b"", deadline)
 
     def _send_frame(self, to: int, header: bytes, payload, deadline: float | None, control: bool = False) -> None:
-        with self._send_locks[to]:
+        lock = self._send_locks[to]
+        while not lock.acquire(timeout=_POLL):  # another thread of this rank sends to `to`
+            self._check_can_send(to, deadline, control)
+        try:
             self._send_locked(to, [memoryview(header), memoryview(payload)], deadline, control)
+        finally:
+            lock.release()
 
     def _send_locked(self, to: int, parts: list[memoryview], deadline: float | None, control: bool = False) -> None:
         """control: an ABORT or GOODBYE, which must go out even from an aborted transport."""
