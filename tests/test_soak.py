@@ -4,6 +4,7 @@ over two simulated hosts)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -23,6 +24,11 @@ COLLECTIVES = ["all_reduce", "reduce_scatter", "reduce", "broadcast", "all_gathe
 EVERY_KIND = {*COLLECTIVES, *(f"spawn_{name}" for name in COLLECTIVES), "all_reduce_typed", "broadcast_object",
               "all_gather_object", "barrier", "federated_average", "send_recv", "send_recv_f32", "split", "close"}
 
+#: Each call's deadline in the soak (SHMCOLL_TIMEOUT), well inside the job's limit (--timeout 100):
+#: a stuck call then fails with the library's own report (the call, the rank waited for, the calls
+#: before it) instead of the launcher stopping a silent job.
+CALL_TIMEOUT_S = 40
+
 
 @pytest.mark.parametrize("transport, n, hosts, minutes", [
     ("hier", 4, 2, 0.35),  # the 20-second soak: shared memory and TCP at once
@@ -33,7 +39,8 @@ def test_short_soak_finds_no_wrong_result_and_no_growth(transport, n, hosts, min
     run = subprocess.run([sys.executable, "-m", "shmcoll.launch.run_cli", "-n", str(n), "--timeout", "100",
                           str(ROOT / "bench" / "soak.py"), "--minutes", str(minutes), "--max-bytes", str(1 << 20),
                           "--transport", transport, "--hosts", str(hosts), "--seed", str(n)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=TEST_HANG_S - 10)
+                         cwd=ROOT, capture_output=True, text=True, timeout=TEST_HANG_S - 10,
+                         env={**os.environ, "SHMCOLL_TIMEOUT": str(CALL_TIMEOUT_S)})
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"soak: {transport} transport," in run.stdout, run.stdout
     total = int(re.search(r": (\d+) collectives", run.stdout).group(1))
