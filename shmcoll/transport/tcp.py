@@ -344,13 +344,15 @@ class NetTransport(LinkTransport):
             if progress[_BEATS]:
                 self._mailbox.touch(src)
                 progress[_BEATS] = 0
-            if status in (kernels.DUPLEX_DONE, kernels.DUPLEX_ELSEWHERE) or _only_waiting(progress, header, out):
+            if status in (kernels.DUPLEX_DONE, kernels.DUPLEX_ELSEWHERE):
                 return
             if status == kernels.DUPLEX_ENDED:
                 self._connection_ended(src, inbox, "its connection closed (process died?)", graceful=False)
                 raise PeerLost(f"rank {src}'s connection ended (process died?)", src)
             if status < 0:
                 raise PeerLost(f"sending to rank {to} failed: {os.strerror(-status)}", to)
+            if _only_waiting(progress, header, out):
+                return
             self._check_between_slices(to, src, len(header) + out.nbytes, progress, deadline)
 
     def _check_between_slices(self, to: int, src: int, frame_bytes: int, progress: np.ndarray,
