@@ -186,30 +186,32 @@ class LeanPath:
 
     def _prepare_all_reduce(self, data: np.ndarray, op: ReduceKind) -> _Prepared | None:
         """None when calls like this one are not the common case (or are invalid: the general path says so)."""
-        try:
-            wire, kind = reducible_wire(data, op, "data")
-        except InvalidArgument:
-            return None
-        p = self._prepare_call(Collective.ALL_REDUCE, wire.code, data.reshape(-1).view(wire.storage), kind,
-                               data.size)
-        algorithm = select(Collective.ALL_REDUCE, data.nbytes, self._setting)
-        if self._runs(algorithm, data):
-            return p
-        return p._replace(algorithm=all_reduce_algorithm(self._group_where, algorithm, kind))
+        where = self._group_where
+        return self._prepare_reduction(Collective.ALL_REDUCE, data, op, 0,
+                                       lambda algorithm, kind: all_reduce_algorithm(where, algorithm, kind))
 
     def _prepare_reduce(self, data: np.ndarray, op: ReduceKind, root: int) -> _Prepared | None:
         """As _prepare_all_reduce: a small reduce is a one-step all-reduce (plans.reduce_algorithm),
         whose step runs here as the all-reduce's does, under the reduce's own description."""
+        where = self._group_where
+        return self._prepare_reduction(Collective.REDUCE, data, op, root,
+                                       lambda algorithm, kind: reduce_algorithm(where, algorithm, root, kind))
+
+    def _prepare_reduction(self, coll: Collective, data: np.ndarray, op: ReduceKind, root: int,
+                           algorithm_of: Callable[[Algorithm, ReduceKind], Callable[[Call, np.ndarray], None]]
+                           ) -> _Prepared | None:
+        """What an all-reduce or a reduce (coll) needs: the board's step where select() picks it,
+        else the algorithm algorithm_of(selected, kind) builds; None for an op or dtype that cannot
+        be reduced."""
         try:
             wire, kind = reducible_wire(data, op, "data")
         except InvalidArgument:
             return None
-        p = self._prepare_call(Collective.REDUCE, wire.code, data.reshape(-1).view(wire.storage), kind,
-                               data.size, root)
-        algorithm = select(Collective.REDUCE, data.nbytes, self._setting)
+        p = self._prepare_call(coll, wire.code, data.reshape(-1).view(wire.storage), kind, data.size, root)
+        algorithm = select(coll, data.nbytes, self._setting)
         if self._runs(algorithm, data):
             return p
-        return p._replace(algorithm=reduce_algorithm(self._group_where, algorithm, root, kind))
+        return p._replace(algorithm=algorithm_of(algorithm, kind))
 
     def _prepare_broadcast(self, data: np.ndarray, root: int) -> _Prepared | None:
         """None for a dtype that cannot be sent (the general path says so)."""
