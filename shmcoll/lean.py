@@ -16,11 +16,11 @@ runs here as the all-reduce's does, under the reduce's own description and heade
 
 A group across hosts (LeanAcrossHosts) runs its small all-reduce, reduce and barrier the same way
 as far as the host's board goes: what is worked out once is the call's description, its board
-header, whom the rank crosses hosts with and how, and those peers' connections. An all-reduce's exchanges across
-hosts (a small reduce's are the same) then run in a row (Transport.swap_row: one native call over
-TCP, sending the board's header with the call's tag and sequence number written in) where two
-hosts' one-shot or recursive doubling is all its column does; otherwise the steps across hosts and
-back are two_level.py's own.
+header, whom the rank crosses hosts with and how, and those peers' connections. An all-reduce's
+exchanges across hosts (a small reduce's are the same) then run in a row (Transport.swap_row: one
+native call over TCP, sending the board's header with the call's tag and sequence number written
+in) where two hosts' one-shot or recursive doubling is all its column does; otherwise the steps
+across hosts and back are two_level.py's own.
 
 A larger all_reduce of such an array takes the same entry: its algorithm, as plans.py would run it
 (plans.all_reduce_algorithm), is kept per kind of call with the rest, and a call runs it with a
