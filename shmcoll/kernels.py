@@ -1,5 +1,5 @@
 """Reduction kernels (``dst = op(dst, src)`` in place, per wire code and op) and the shared-memory
-board's ordered words, waits and one-call all-reduce step: the Python face of ``shmcoll._native``.
+board's ordered words, waits and one-call steps: the Python face of ``shmcoll._native``.
 
 Why C (``shmcoll/native/``): the loops run on every chunk a collective moves and the waits on every
 message, so they must run near memory speed, order memory on every CPU (acquire loads, release
@@ -50,6 +50,12 @@ board_all_reduce = _native.board_all_reduce
 #: rank copies it into data; a source past the last rank publishes nothing, and the ranks only meet.
 #: Every rank still waits for every entry and compares its call.
 board_broadcast = _native.board_broadcast
+#: board_all_gather(mem, out, header, where, rank, seq, code, position, spin_ns, slice_ns,
+#: done_sleepers) -> status: one all-gather on the board, as board_all_reduce but with no op: out
+#: holds one block per board rank (len(out) // ranks bytes each, in board order), this rank's in
+#: place; each rank publishes its own block (the header describes that block) and copies every
+#: other rank's into place.
+board_all_gather = _native.board_all_gather
 #: address_of(buffer) -> the address of a contiguous buffer's first byte in this process: what a
 #: rank publishes for peers to read or write (numpy's __array_interface__ builds a dict each time).
 address_of = _native.address_of

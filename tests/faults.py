@@ -71,7 +71,7 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
     over TCP (kernels.swap_row, whose row of exchanges counts as one; kernels.duplex's first call
     of a frame, before it sent anything) or, over shared memory, an entry published on the board
     (the small collectives' way: by Board.publish, or by the compiled step that all_reduce,
-    barrier and broadcast run). With min_items, only sends of at least that many elements count
+    barrier, broadcast and all_gather run). With min_items, only sends of at least that many elements count
     (data frames, not the signalling frames of an agreement step)."""
     count = itertools.count(1)
 
@@ -100,6 +100,7 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
         board.publish = armed(board.publish)
         kernels.board_all_reduce = armed(kernels.board_all_reduce)
         kernels.board_broadcast = armed(kernels.board_broadcast)
+        kernels.board_all_gather = armed(kernels.board_all_gather)
 
 
 def peers_inside(pg, peers, seq: int, bound: float = WAIT_HANG_S, nbytes: int = 0,

@@ -1,6 +1,6 @@
 /* The board's one-step calls: publish our entry, wait for every peer's, fold them all in rank
-   order (an all-reduce: every rank computes bitwise the same result) or copy the source's payload
-   (a broadcast), mark our reading done.
+   order (an all-reduce: every rank computes bitwise the same result), copy the source's payload
+   (a broadcast) or every rank's block into place (an all-gather), mark our reading done.
 
    Ordering: an entry's header and payload are written before its published word is stored
    (sequentially consistent, words.c); a reader loads the word with acquire ordering before it
@@ -30,12 +30,19 @@ static bool entry_free(const struct board_call *c, int64_t mine, int64_t spin_ns
     return true;
 }
 
+/* An all-gather's block of board rank r in data. */
+static uint8_t *block_of(const struct board_call *c, int r) {
+    return (uint8_t *)c->data + (size_t)r * (c->nbytes / (size_t)c->ranks);
+}
+
 static void write_entry(const struct board_call *c, int64_t at) {
     uint8_t *head = c->mem + at + BOARD_HEADER_AT;
     memcpy(head, c->header, BOARD_HEADER_BYTES);
     for (int k = 0; k < 8; k++)
         head[SEQ_AT + k] = (uint8_t)(c->seq >> (8 * k));
-    if (c->source == BOARD_FOLD_ALL || c->source == c->rank)
+    if (c->source == BOARD_GATHER_ALL)
+        memcpy(c->mem + at + BOARD_PAYLOAD_AT, block_of(c, c->rank), c->nbytes / (size_t)c->ranks);
+    else if (c->source == BOARD_FOLD_ALL || c->source == c->rank)
         memcpy(c->mem + at + BOARD_PAYLOAD_AT, c->data, c->nbytes);
     sc_store_and_wake(word_at(c->mem, at), c->seq + 1, sleepers_of(c->mem, at));
 }
@@ -48,9 +55,13 @@ static bool same_call(const uint8_t *mem, int64_t theirs, int64_t mine) {
 }
 
 /* Entry r's payload into data, as the call's source says: kept (r = 0), copied or folded in (an
-   all-reduce), or copied from the source alone (a broadcast). */
+   all-reduce), copied into r's block (an all-gather), or copied from the source alone (a
+   broadcast). */
 static void take_entry(const struct board_call *c, int r, const uint8_t *payload, size_t size) {
-    if (c->source != BOARD_FOLD_ALL) {
+    if (c->source == BOARD_GATHER_ALL) {
+        if (r != c->rank)
+            memcpy(block_of(c, r), payload, c->nbytes / (size_t)c->ranks);
+    } else if (c->source != BOARD_FOLD_ALL) {
         if (r == c->source && r != c->rank)
             memcpy(c->data, payload, c->nbytes);
     } else if (r == 0) {

@@ -1,5 +1,6 @@
 /* The shared-memory board's one-step calls, whole: publish, wait for every entry, fold (an
-   all-reduce) or copy one rank's payload (a broadcast), finish. */
+   all-reduce), copy one rank's payload (a broadcast) or every rank's into place (an all-gather),
+   finish. */
 #ifndef SHMCOLL_BOARD_H
 #define SHMCOLL_BOARD_H
 
@@ -13,6 +14,7 @@ enum { SRC_FIELD_START = 12, SRC_FIELD_END = 16 }; /* header bytes naming the so
 enum { SEQ_AT = 28 };                              /* the header's sequence number (8 bytes, little-endian) */
 #define BOARD_DONE (-1)                            /* else -(2 + r): rank r's entry describes another call */
 #define BOARD_FOLD_ALL (-1)                        /* board_call.source of an all-reduce */
+#define BOARD_GATHER_ALL (-2)                      /* ... of an all-gather */
 
 /* What one call of the step works on. where[3 * r + k]: rank r's entry offset for even (k = 0) and
    odd (k = 1) sequence numbers, and the index of its "done" u64 word (k = 2). */
@@ -21,15 +23,16 @@ struct board_call {
     const int64_t *where;
     int ranks, rank;
     uint32_t *done_sleepers;
-    void *data; /* this rank's input, reduced in place */
+    void *data; /* this rank's input, reduced in place; an all-gather's output, this rank's block in place */
     size_t nbytes;
     const uint8_t *header; /* our BOARD_HEADER_BYTES frame header; the step fills in the sequence number */
     uint64_t seq;
     int code, op;
-    /* BOARD_FOLD_ALL: every entry is folded in (op); a rank r in [0, ranks): only r publishes its
-       payload, which the others copy (a broadcast); any other: entries carry no payload (the ranks
-       only meet: a broadcast's hosts other than the root's). Every entry is waited for and its
-       call compared alike. */
+    /* BOARD_FOLD_ALL: every entry is folded in (op); BOARD_GATHER_ALL: data holds one block of
+       nbytes / ranks per board rank, in board order, each rank publishes its own and copies every
+       other's into place; a rank r in [0, ranks): only r publishes its payload, which the others
+       copy (a broadcast); any other: entries carry no payload (the ranks only meet: a broadcast's
+       hosts other than the root's). Every entry is waited for and its call compared alike. */
     int source;
 };
 

@@ -133,6 +133,24 @@ class Board:
             self.mem, data, header, self.host_where, self._me, seq, code, on_board, position, spin, wait,
             DONE_SLEEPERS), seq, data, deadline, check, want)
 
+    def all_gather(self, seq: int, out: np.ndarray, header: np.ndarray, code: int, deadline: float,
+                   guard: Callable[[], Callable[[int], None]], want: Meta) -> None:
+        """Every board rank's block of out (a 1-D storage array of one equal block per rank of
+        host_ranks, in that order; header describes one block) into every board rank's out, this
+        rank's own in place, in one compiled call (kernels.board_all_gather), as all_reduce does an
+        all-reduce."""
+        status = kernels.board_all_gather(self.mem, out, header, self.host_where, self._me, seq, code, 0,
+                                          self.spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+        if status != kernels.BOARD_DONE:
+            self.all_gather_rest(status, seq, out, header, code, deadline, guard(), want)
+
+    def all_gather_rest(self, status: int, seq: int, out: np.ndarray, header: np.ndarray, code: int,
+                        deadline: float, check: Callable[[int], None], want: Meta) -> None:
+        """Finish an all-gather whose first step returned `status` (_finish_step)."""
+        self._finish_step(status, lambda position, spin, wait: kernels.board_all_gather(
+            self.mem, out, header, self.host_where, self._me, seq, code, position, spin, wait, DONE_SLEEPERS),
+            seq, out, deadline, check, want)
+
     def _finish_step(self, status: int, step: Callable[[int, int, int], int], seq: int, data: np.ndarray,
                      deadline: float, check: Callable[[int], None], want: Meta) -> None:
         """Go on with a compiled board step (step(position, spin_ns, slice_ns) -> status) that returned
