@@ -789,9 +789,11 @@ BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block: [dtype code, 
 #   ranks 2, 3 (S/2) to 1.5S; a,b,a,b adds 0, 2 (S/2) to 3S; 1+2 adds rank 0's S3/3 to (4/3)S3.
 # all_gather_v (rank r gives (r + 1)S/4, T = 2.5S in all with 4 ranks, 1.5S with 3): the leaders'
 #   ring passes each host's span to the other leader once, T, plus the length headers through the
-#   two-level all-gather (n * HEAD). Flat: every pair swaps headers (8 cross pairs in 2+2 and
-#   a,b,a,b, 4 in 1+2), and ring edge r -> r+1 carries all blocks but r+1's: 2+2 crosses 1->2
-#   (T - S*3/4) and 3->0 (T - S/4), a,b,a,b every edge (3T), 1+2 0->1 (T - S/2) and 2->0 (T - S/4).
+#   small two-level all-gather, whose every column carries its host's headers across (2+2 and
+#   a,b,a,b: 2 columns, 2 * n * HEAD; 1+2: the leaders alone, n * HEAD). Flat: every pair swaps
+#   headers (8 cross pairs in 2+2 and a,b,a,b, 4 in 1+2), and ring edge r -> r+1 carries all blocks
+#   but r+1's: 2+2 crosses 1->2 (T - S*3/4) and 3->0 (T - S/4), a,b,a,b every edge (3T), 1+2 0->1
+#   (T - S/2) and 2->0 (T - S/4).
 # gather, scatter, all_to_all: every block goes straight from its source to its destination, so it
 #   crosses at most once on either transport and the counts are equal: they are byte-minimal
 #   already (the agreement frames, barrier or all-pairs, are empty: 0 payload bytes). gather (root
@@ -806,8 +808,8 @@ BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block: [dtype code, 
     ("halves", 4, _reduce, S, 2 * S),
     ("interleaved", 4, _reduce, S, 7 * S // 2),
     ("first-alone", 3, _reduce, S3, 5 * S3 // 3),
-    ("halves", 4, _all_gather_v, 5 * S // 2 + 4 * HEAD, 4 * S + 8 * HEAD),
-    ("interleaved", 4, _all_gather_v, 5 * S // 2 + 4 * HEAD, 15 * S // 2 + 8 * HEAD),
+    ("halves", 4, _all_gather_v, 5 * S // 2 + 8 * HEAD, 4 * S + 8 * HEAD),
+    ("interleaved", 4, _all_gather_v, 5 * S // 2 + 8 * HEAD, 15 * S // 2 + 8 * HEAD),
     ("first-alone", 3, _all_gather_v, 3 * S // 2 + 3 * HEAD, 9 * S // 4 + 4 * HEAD),
     ("halves", 4, _gather, 2 * S, 2 * S),
     ("interleaved", 4, _gather, 2 * S, 2 * S),
@@ -1153,7 +1155,7 @@ def test_a_large_broadcast_crosses_hosts_in_one_slice_per_column(layout, n, root
     assert [r["read"] for r in results] == _sent(n, read)
 
 
-# ---- a small all-gather: through the leaders, Bruck among them ----
+# ---- a small all-gather: on each host's board, Bruck across hosts ----
 
 def _small_all_gathers(pg):
     """An all-gather of 3 float32s per rank (and the bytes sent to each rank meanwhile), then an
@@ -1196,23 +1198,27 @@ def test_small_all_gather_among_many_hosts_takes_log_steps(n, transport, monkeyp
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4)])
-def test_small_all_gather_goes_through_the_leaders(layout, n, monkeypatch):
-    """Each rank hands its 12 bytes to its leader and gets the whole array (12 n) back; only the
-    leaders talk across hosts, each sending its host's blocks once (12 bytes per rank on its host)."""
+def test_small_all_gather_goes_the_small_all_reduces_way(layout, n, monkeypatch):
+    """Each host's ranks gather the host's blocks on its board (no ring frames); between 2 hosts
+    local rank j < K of every host (K: the smallest host's rank count) swaps its host's blocks with
+    its column (12 bytes per rank of its host); the ranks of no column get the whole array (12 n)
+    from their leader."""
     hosts = _hosts(layout, n)
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     results = run_ranks(n, _small_all_gathers)
     _check_gathered(results, n)
-    leaders = {h: min(r for r in range(n) if hosts[r] == h) for h in hosts}
+    on = {h: [r for r in range(n) if hosts[r] == h] for h in hosts}
+    columns = min(len(ranks) for ranks in on.values())
     for rank, out in enumerate(results):
-        leader = leaders[hosts[rank]]
-        on_host = [r for r in range(n) if hosts[r] == hosts[rank]]
-        want_shm = [12 * n if rank == leader and r in on_host and r != leader else 0 for r in range(n)]
-        if rank != leader:
-            want_shm[leader] = 12
-        want_tcp = [12 * len(on_host) if rank == leader and r in leaders.values() and r != leader else 0
-                    for r in range(n)]
+        mine = on[hosts[rank]]
+        j = mine.index(rank)
+        want_tcp, want_shm = [0] * n, [0] * n
+        for ranks in on.values():
+            if j < columns and ranks is not mine:
+                want_tcp[ranks[j]] = 12 * len(mine)
+        for r in mine[columns:] if j == 0 else ():
+            want_shm[r] = 12 * n
         assert (out["shm"], out["tcp"]) == (want_shm, want_tcp), (rank, out)
 
 

@@ -19,14 +19,16 @@ A small all-reduce and the barrier meet on each host's board first; then between
 rank j < K of every host crosses with its peers of the same local rank (its column: K exchanges at
 once, each rank holding its host's result already), among more only the leaders (each host's
 lowest rank, column 0) do (select.crossing_columns); the ranks of no column hear from their
-leader. All-gather goes through one leader per host. Reduce-scatter and reduce are in
-two_level_reduce.py, broadcast in two_level_broadcast.py.
+leader. A small all-gather goes the same way (each host gathers its blocks on its board, the
+columns gather every host's by Bruck), a large one through one leader per host. Reduce-scatter and
+reduce are in two_level_reduce.py, broadcast in two_level_broadcast.py.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,11 +37,11 @@ from ..transport.shm_board import Board
 from ..transport.topology import Topology
 from ..types import ReduceKind
 from .barrier import dissemination_barrier, doubling_barrier
-from .board import host_board_all_reduce
+from .board import gather_on_board, host_board_all_reduce
 from .broadcast import chain_broadcast
 from .bruck import bruck_all_gather
 from .call import Call, segment_bounds
-from .direct import INT64_CODE, SIGNAL_CODE, recv_stream, send_stream, shape_header, shapes_to_lengths
+from .direct import INT64_CODE, SIGNAL_CODE, shape_header, shapes_to_lengths
 from .doubling import doubling_steps, recursive_doubling_all_reduce
 from .halving import halving_doubling_all_reduce
 from .overlap import Crossing, Piece, crossing_pieces
@@ -239,51 +241,98 @@ def two_level_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.nda
 
 
 def two_level_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray, sizes: list[int]) -> None:
-    """Gather in the host, exchange whole hosts' blocks among leaders, leaders hand the rest out.
-    Rank r contributes sizes[r] elements (any, even zero); out holds them in rank order. A small
-    total goes through the leaders alone (_all_gather_through_leaders), a large one around rings.
+    """Gather in the host, exchange whole hosts' blocks across hosts, hand the rest out. Rank r
+    contributes sizes[r] elements (any, even zero); out holds them in rank order. A small total
+    goes the small all-reduce's way (_all_gather_by_columns), a large one around rings
+    (gather_across_hosts).
 
     The blocks are staged in host order, so each host's blocks are contiguous; when ranks are
     already numbered host by host (the launcher's placement) the staging area is `out` itself.
     """
-    order = [r for h in topo.hosts for r in h]
-    at = dict(zip(order, np.cumsum([0, *(sizes[r] for r in order)]).tolist()))
-    staged = out if order == sorted(order) else np.empty_like(out)
-    staged[at[c.rank]:at[c.rank] + sizes[c.rank]] = local
-    host = topo.local_ranks(c.rank)
-    spans = [(at[h[0]], at[h[-1]] + sizes[h[-1]]) for h in topo.hosts]
-    if gather_across_hosts(staged.nbytes) is Algorithm.TWO_LEVEL_LEADERS:
-        _all_gather_through_leaders(c, topo, staged, [(at[r], at[r] + sizes[r]) for r in host], spans)
+    lay = _gather_layout(topo, tuple(sizes), c.rank)
+    staged = out if lay.in_place else np.empty_like(out)
+    mine = lay.blocks[topo.local_index(c.rank)]
+    staged[mine[0]:mine[1]] = local
+    form = gather_across_hosts(staged.nbytes)
+    if form is Algorithm.TWO_LEVEL_ONE_SHOT:
+        _all_gather_by_columns(c, topo, staged, lay.blocks, lay.spans)
     else:
-        ring_all_gather_owned(c, staged, host, [(at[r], at[r] + sizes[r]) for r in host])
+        host = topo.local_ranks(c.rank)
+        ring_all_gather_owned(c, staged, host, lay.blocks)
         if c.rank == host[0]:
-            ring_all_gather_owned(c, staged, topo.leaders(), spans)
-        lo, hi = spans[topo.host_of[c.rank]]
+            ring_all_gather_owned(c, staged, topo.leaders(), lay.spans)
+        lo, hi = lay.spans[topo.host_of[c.rank]]
         for a, b in ((0, lo), (hi, len(staged))):
             chain_broadcast(c, host[0], staged[a:b], order=host)
     if staged is not out:
-        starts = np.cumsum([0, *sizes]).tolist()
-        for r in order:
-            out[starts[r]:starts[r] + sizes[r]] = staged[at[r]:at[r] + sizes[r]]
+        for r, (a, b) in enumerate(lay.staged_at):
+            out[lay.starts[r]:lay.starts[r] + b - a] = staged[a:b]
 
 
-def _all_gather_through_leaders(c: Call, topo: Topology, staged: np.ndarray, blocks: list[tuple[int, int]],
-                                spans: list[tuple[int, int]]) -> None:
-    """Each rank hands its block (blocks: its host's, in host order) to its leader, the leaders
-    gather every host's span by Bruck (bruck.py: ceil(log2 hosts) steps), and each leader hands the
-    whole array to its host. Each phase starts only once the one before came in, so a rank that
-    returns has heard from every rank making the same call."""
+class _GatherLayout(NamedTuple):
+    """Where a two-level all-gather(_v) stages every rank's block (in host order)."""
+
+    in_place: bool  # ranks numbered host by host: out itself is the staging area
+    staged_at: tuple[tuple[int, int], ...]  # each rank's block in the staging area, by rank
+    starts: tuple[int, ...]  # each rank's block's start in out, by rank
+    blocks: tuple[tuple[int, int], ...]  # the staged blocks of this rank's host, in host order
+    spans: tuple[tuple[int, int], ...]  # each host's staged blocks together, by host
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_layout(topo: Topology, sizes: tuple[int, ...], rank: int) -> _GatherLayout:
+    """The layout of an all-gather of `sizes` elements per rank, alike for every call of a kind,
+    so kept."""
+    order = [r for h in topo.hosts for r in h]
+    at = dict(zip(order, np.cumsum([0, *(sizes[r] for r in order)]).tolist()))
+    staged_at = tuple((at[r], at[r] + sizes[r]) for r in range(len(sizes)))
+    return _GatherLayout(order == sorted(order), staged_at, tuple(np.cumsum([0, *sizes]).tolist()),
+                         tuple(staged_at[r] for r in topo.local_ranks(rank)),
+                         tuple((staged_at[h[0]][0], staged_at[h[-1]][1]) for h in topo.hosts))
+
+
+def _all_gather_by_columns(c: Call, topo: Topology, staged: np.ndarray, blocks: Sequence[tuple[int, int]],
+                           spans: Sequence[tuple[int, int]]) -> None:
+    """The small all-reduce's shape: every rank of a host gathers the host's blocks in one step (on
+    its board, _gather_in_host), the crossing columns (small_crossing) gather every host's span by
+    Bruck, and each leader hands the whole array to the ranks of no column. Every rank heard, through
+    its host's step and its column or its leader, from every rank before it returns."""
     host = topo.local_ranks(c.rank)
-    leader = host[0]
-    if c.rank != leader:
-        send_stream(c, leader, staged[slice(*blocks[host.index(c.rank)])])
-        recv_stream(c, leader, staged)
-        return
-    for peer, block in zip(host[1:], blocks[1:]):
-        recv_stream(c, peer, staged[slice(*block)])
-    bruck_all_gather(c, staged, spans, topo.leaders())
-    for peer in host[1:]:
-        send_stream(c, peer, staged)
+    board = _gather_in_host(c, host, staged, blocks)
+    column, first = small_crossing(topo, c.rank)
+    if column is not None:
+        bruck_all_gather(c, staged, spans, column)
+    from_leader(c, host, board, staged, first)
+
+
+def _gather_in_host(c: Call, host: tuple[int, ...], staged: np.ndarray,
+                    blocks: Sequence[tuple[int, int]]) -> Board | None:
+    """Every host rank's block (blocks: the host's, back to back in staged) into every host rank's
+    staged: on the host's board, which it returns, where every block fits an entry (in one compiled
+    step where the blocks are equal); else by Bruck over the rings. Each host decides for itself:
+    both leave the same array on every rank. A board holds one entry per rank and call, so where
+    this call took a step there already (all_gather_v's lengths, gathered the same way first), its
+    blocks go over the rings once no host peer still waits there."""
+    board = host_board(c.t, host)
+    sizes = {b - a for a, b in blocks}
+    used = board is not None and board.published(c.rank, c.meta.seq)
+    if board is None or used or max(sizes) * staged.itemsize > board.capacity:
+        if board is not None and used:
+            board.wait_all_finished(c.meta.seq, c.deadline, lambda: c.t.check_health(True))
+        bruck_all_gather(c, staged, blocks, host)
+        return None
+    mine = host.index(c.rank)
+    if len(sizes) == 1 and board.host_ranks == host:
+        gather_on_board(c, board, staged[blocks[0][0]:blocks[-1][1]], staged[slice(*blocks[mine])],
+                        lambda: c.t.host_board_guard(c.tag, c.meta))
+        return board
+    guard = c.t.host_board_guard(c.tag, c.meta)
+    board.publish(c.meta, c.code, staged[slice(*blocks[mine])], c.deadline, guard)
+    for i, (src, (a, b)) in enumerate(zip(host, blocks)):
+        if i != mine:
+            staged[a:b] = board.read_any_size(src, c.meta.seq, c.meta, c.deadline, guard).view(staged.dtype)
+    board.finish(c.meta.seq)
+    return board
 
 
 def two_level_barrier(c: Call, topo: Topology) -> None:
