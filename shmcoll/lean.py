@@ -12,7 +12,9 @@ slice comes back to Python for the failure checks. A broadcast of a C-contiguous
 that fits the board runs its compiled step (kernels.board_broadcast, through Board.broadcast), and
 any other runs its algorithm as a larger all_reduce does (below). So does a reduce, per (dtype,
 element count, op, root): a small one is a one-step all-reduce (plans.reduce_algorithm), whose step
-runs here as the all-reduce's does, under the reduce's own description and header.
+runs here as the all-reduce's does, under the reduce's own description and header. An all_gather
+of a C-contiguous numpy array is kept per (dtype, shape): on one host one within a board entry runs
+its compiled step (kernels.board_all_gather) into a new array, this rank's block copied in first.
 
 A group across hosts (LeanAcrossHosts) runs its small all-reduce, reduce and barrier the same way
 as far as the host's board goes: what is worked out once is the call's description, its board
@@ -29,8 +31,9 @@ a large call that is little of its time, but where ranks share cores every micro
 rank spends is one its host peers wait for (2 hosts x 2 ranks on 2 cores: 50 us more Python per
 call made a 1 MiB all-reduce 150 us slower).
 
-A broadcast across hosts always runs its algorithm that way (plans.broadcast_algorithm): its
-steps are two_level_broadcast.py's, the lean path only skips the general path's work around them.
+A broadcast or an all_gather across hosts always runs its algorithm that way
+(plans.broadcast_algorithm, plans.all_gather_algorithm): its steps are two_level_broadcast.py's or
+two_level.py's, the lean path only skips the general path's work around them.
 
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
@@ -54,7 +57,7 @@ from .algorithms.doubling import doubling_steps
 from .algorithms.ring import summed
 from .algorithms.select import Algorithm, select
 from .errors import InvalidArgument
-from .plans import Where, all_reduce_algorithm, broadcast_algorithm, reduce_algorithm
+from .plans import Where, all_gather_algorithm, all_reduce_algorithm, broadcast_algorithm, reduce_algorithm
 from .runner import Runner
 from .transport.base import BoardGuard, PeerStep, Transport
 from .transport.frame import Meta
@@ -62,7 +65,7 @@ from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS, Board, entry_head
 from .transport.tcp import SwapRow
 from .transport.topology import Topology
 from .types import U8, Collective, ReduceKind
-from .validate import reducible_wire, wire_of
+from .validate import gathered_like, reducible_wire, wire_of
 
 _NOTHING = np.empty(0, np.uint8)  # a barrier's data
 #: Kinds of call (dtype, count, op) remembered per group; training repeats a handful.
@@ -85,11 +88,12 @@ class _Prepared(NamedTuple):
     #: it; None where the board's step runs.
     algorithm: Callable[[Call, np.ndarray], None] | None = None
     source: int = 0  # a broadcast's root as the board step takes it (Board.board_source)
+    shape: tuple[int, ...] = ()  # an all-gather's output
 
 
 class LeanPath:
-    """The common calls of one group (ProcessGroup.all_reduce, reduce, broadcast and barrier try
-    it first)."""
+    """The common calls of one group (ProcessGroup.all_reduce, reduce, broadcast, all_gather and
+    barrier try it first)."""
 
     def __init__(self, runner: Runner, transport: Transport, where: Where, board: Board | None):
         """board: the board the call's step runs on (None: a group of one, or a rank alone on its
@@ -99,6 +103,7 @@ class LeanPath:
         self._prepared: dict[tuple, _Prepared | None] = {}  # all_reduce's, by (dtype, count, op)
         self._casts: dict[tuple, _Prepared | None] = {}  # broadcast's, by (dtype, count, root)
         self._reduces: dict[tuple, _Prepared | None] = {}  # reduce's, by (dtype, count, op, root)
+        self._gathers: dict[tuple, _Prepared | None] = {}  # all_gather's, by (dtype, shape)
         self._alone = transport.world_size == 1  # nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
@@ -170,6 +175,21 @@ class LeanPath:
         flat = data if data.ndim == 1 and data.dtype is p.storage else data.reshape(-1).view(p.storage)
         return self._run(flat, p)
 
+    def all_gather(self, local) -> np.ndarray | None:
+        """Every rank's local concatenated along axis 0 (as ProcessGroup.all_gather returns it), or
+        None, having done nothing, when the call is not the common case (a C-contiguous numpy array
+        of a dtype that can be sent, gathered on this host's board or across hosts)."""
+        if type(local) is not np.ndarray or not local.flags.c_contiguous:
+            return None
+        key = (local.dtype, local.shape)
+        p = self._gathers.get(key)
+        if p is None and (p := self._keep(self._gathers, key, self._prepare_all_gather, local)) is None:
+            return None
+        out = np.empty(p.shape, local.dtype)
+        flat, block, at = out.reshape(-1).view(p.storage), local.size, self._t.rank * local.size
+        flat[at:at + block] = local.reshape(-1).view(p.storage)
+        return out if self._run(flat, p) else None
+
     @staticmethod
     def _keep(kept: dict[tuple, _Prepared | None], key: tuple, prepare: Callable[..., _Prepared | None],
               *args) -> _Prepared | None:
@@ -228,6 +248,25 @@ class LeanPath:
             return p._replace(source=self._board.board_source(root))
         return p._replace(algorithm=broadcast_algorithm(self._group_where, algorithm, root))
 
+    def _prepare_all_gather(self, local: np.ndarray) -> _Prepared | None:
+        """None for a dtype that cannot be sent (the general path says so), or an all-gather this
+        path does not run (_gathering)."""
+        try:
+            wire = wire_of(local, "local")
+        except InvalidArgument:
+            return None
+        flat = local.reshape(-1).view(wire.storage)
+        p = self._prepare_call(Collective.ALL_GATHER, wire.code, flat, ReduceKind.SUM, local.size)
+        p = p._replace(shape=gathered_like(local, self._t.world_size).shape)
+        return p if self._alone else self._gathering(p, select(Collective.ALL_GATHER, flat.nbytes, self._setting))
+
+    def _gathering(self, p: _Prepared, algorithm: Algorithm) -> _Prepared | None:
+        """p as this path runs an all-gather selected to run `algorithm`, or None where the general
+        path runs it: here the board's step, where the board's ranks are the group's in rank order
+        (a larger all-gather reads its peers' arrays, which this path leaves to the general one)."""
+        in_order = self._board.host_ranks == tuple(range(self._t.world_size))
+        return p if algorithm == Algorithm.BOARD and in_order else None
+
     def _casts_on_board(self, algorithm: Algorithm) -> bool:
         """Whether a broadcast selected to run `algorithm` takes the board's step here (across hosts,
         its algorithm always runs)."""
@@ -267,6 +306,8 @@ class LeanPath:
                 pass
             elif p.meta.coll == Collective.BROADCAST:
                 self._cast(flat, p, seq, start)
+            elif p.meta.coll == Collective.ALL_GATHER:
+                self._gather(flat, p, seq, start)
             else:
                 self._reduce(flat, p, seq, start)
                 if p.average:
@@ -299,6 +340,16 @@ class LeanPath:
             guard = self._board_guard(self._t.tag_of(seq), meta)
             self._board.broadcast_rest(status, seq, flat, p.header, p.code, p.source, start + self._t.timeout, guard,
                                        meta)
+
+    def _gather(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+        """The all-gather among the board's ranks in one compiled step (as Board.all_gather runs it;
+        flat: the whole output, this rank's block in place), failures raised."""
+        status = kernels.board_all_gather(self._mem, flat, p.header, self._where, self._board_rank, seq, p.code, 0,
+                                          self._spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+        if status != kernels.BOARD_DONE:
+            meta = p.meta._replace(seq=seq)
+            guard = self._board_guard(self._t.tag_of(seq), meta)
+            self._board.all_gather_rest(status, seq, flat, p.header, p.code, start + self._t.timeout, guard, meta)
 
     def _rest(self, status: int, seq: int, flat: np.ndarray, p: _Prepared, start: float) -> None:
         """A wait outlasted the first slice: go on with the failure checks between slices."""
@@ -366,6 +417,13 @@ class LeanAcrossHosts(LeanPath):
 
     def _casts_on_board(self, algorithm: Algorithm) -> bool:
         return False
+
+    def _gathering(self, p: _Prepared, algorithm: Algorithm) -> _Prepared | None:
+        """Across hosts an all-gather always runs its algorithm (plans.all_gather_algorithm), over
+        the output with this rank's block in place."""
+        gather = all_gather_algorithm(self._group_where, algorithm)
+        at, block = self._t.rank * p.meta.elements, p.meta.elements
+        return p._replace(algorithm=lambda c, out: gather(c, out[at:at + block], out))
 
     def _row_across(self, steps: Sequence[PeerStep], row: SwapRow, flat: np.ndarray, p: _Prepared, tag: int,
                     seq: int, deadline: float) -> None:

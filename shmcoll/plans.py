@@ -227,18 +227,24 @@ def broadcast_algorithm(w: Where, algorithm: Algorithm, root: int) -> Callable[[
 def all_gather(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
     out = gathered_like(arr, w.size)
     flat_in, flat_out = storage_view(arr, wire), storage_view(out, wire)
-    algorithm = select(Collective.ALL_GATHER, flat_in.nbytes, w.setting)
-    if algorithm is Algorithm.TWO_LEVEL:
-        gather = lambda c: two_level_all_gather(c, w.hosts, flat_in, flat_out)
-    elif algorithm is Algorithm.BOARD:
-        gather = lambda c: board_all_gather(c, flat_in, flat_out)
-    elif algorithm is Algorithm.BRUCK:
-        gather = lambda c: bruck_all_gather_blocks(c, flat_in, flat_out)
-    else:
-        gather = lambda c: ring_all_gather(c, flat_in, flat_out)
-        if algorithm is Algorithm.SINGLE_COPY:
-            gather = functools.partial(single_copy_all_gather, local=flat_in, out=flat_out, fallback=gather)
-    return Plan(Collective.ALL_GATHER, wire.code, flat_in.size, _returning(out, gather))
+    gather = all_gather_algorithm(w, select(Collective.ALL_GATHER, flat_in.nbytes, w.setting))
+    return Plan(Collective.ALL_GATHER, wire.code, flat_in.size, _returning(out, gather, flat_in, flat_out))
+
+
+def all_gather_algorithm(w: Where, algorithm: Algorithm) -> Callable[[Call, np.ndarray, np.ndarray], None]:
+    """The all-gather `algorithm` as a function of (call, local, out): out, 1-D, receives every
+    rank's block in rank order (the lean path keeps one per kind of call)."""
+    match algorithm:
+        case Algorithm.TWO_LEVEL:
+            return lambda c, local, out: two_level_all_gather(c, w.hosts, local, out)
+        case Algorithm.BOARD:
+            return board_all_gather
+        case Algorithm.BRUCK:
+            return bruck_all_gather_blocks
+        case Algorithm.SINGLE_COPY:
+            return lambda c, local, out: single_copy_all_gather(
+                c, local=local, out=out, fallback=lambda c: ring_all_gather(c, local, out))
+    return ring_all_gather
 
 
 def gather(w: Where, root: int, arr: np.ndarray, wire: WireType) -> Plan:

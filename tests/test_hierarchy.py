@@ -569,6 +569,50 @@ def test_reduces_agree_whichever_path_each_rank_takes(layout, n, lean_parity, mo
         assert out["results"] == [w.tobytes() for w in want], rank
 
 
+#: (dtype, shape) of each rank's input to the all-gathers by either path: within a board entry
+#: (4 KiB here; a 0-d input counts as one row), past it, and large (past select.SMALL_GATHER_BYTES
+#: in all)
+GATHERS = [(np.float32, (2,)), (np.float64, ()), (np.float16, (3, 5)), (np.int32, (3000,)), (np.int64, (70_001,))]
+
+
+def _gather_input(dtype, shape: tuple[int, ...], rank: int) -> np.ndarray:
+    return (np.arange(int(np.prod(shape))) % 89 + 3 * rank).astype(dtype).reshape(shape)
+
+
+def _all_gathers_by_either_path(pg, lean_parity: int):
+    """GATHERS, each rank's input read-only, on the lean path on ranks of one parity and on the
+    general one on the others, as _small_calls_by_either_path; each result's shape and bytes."""
+    general = _general_path_counted(pg, lean_parity)
+    results = []
+    for dtype, shape in GATHERS:
+        local = _gather_input(dtype, shape, pg.rank)
+        local.flags.writeable = False
+        out = pg.all_gather(local)
+        results.append((out.shape, out.dtype.str, out.tobytes()))
+    return {"path": type(pg._lean).__name__, "general": general, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [(None, 3), ("halves", 4), ("first-alone", 3), ("pairs", 6)])
+@pytest.mark.parametrize("lean_parity", [0, 1])
+def test_all_gathers_agree_whichever_path_each_rank_takes(layout, n, lean_parity, monkeypatch):
+    """An all-gather of a plain array takes the lean path: on one host one within a board entry runs
+    the board's compiled step from a prepared header (a larger one, read from the peers' arrays,
+    takes the general path there too); across hosts every one runs the algorithm plans.py would
+    pick. Both publish and send the same, so ranks on either meet and get every rank's input in
+    rank order."""
+    results = _run_by_either_path(monkeypatch, layout, n, _all_gathers_by_either_path, lean_parity, board_bytes=4096)
+    fits = [np.dtype(dtype).itemsize * int(np.prod(shape)) <= 4096 for dtype, shape in GATHERS]
+    general_on_lean = [] if layout else ["all_gather"] * fits.count(False)
+    want = [np.concatenate([_gather_input(dtype, shape, r).reshape(-1, *shape[1:]) for r in range(n)])
+            for dtype, shape in GATHERS]
+    for rank, out in enumerate(results):
+        lean = rank % 2 == lean_parity
+        assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType"), rank
+        assert out["general"] == (general_on_lean if lean else ["all_gather"] * len(GATHERS)), rank
+        assert out["results"] == [(w.shape, w.dtype.str, w.tobytes()) for w in want], rank
+
+
 @pytest.mark.multiprocess
 def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_shot(monkeypatch):
     """Above a board entry (SHMCOLL_SHM_BOARD_BYTES) but within the one-step size, the ranks of a host
