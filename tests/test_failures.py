@@ -255,7 +255,12 @@ def test_sigkill_while_others_wait_in_barrier(transport, aftermath):
     aftermath.check(pids)
 
 
-def _killed_before_small_all_reduce(rank, n, port, victim, stamps, ready, finish):
+#: small calls whose survivors wait inside a compiled board step over shared memory
+SMALL_BOARD_CALLS = {"all_reduce": lambda pg, data: pg.all_reduce(data),
+                     "all_gather": lambda pg, data: pg.all_gather(data)}
+
+
+def _killed_before_small_call(rank, n, port, victim, name, stamps, ready, finish):
     """Over shared memory the survivors wait inside the compiled board step, asleep on a futex."""
     pg = init_group(rank, n, port)
     check_group_works(pg, ready)
@@ -266,7 +271,7 @@ def _killed_before_small_all_reduce(rank, n, port, victim, stamps, ready, finish
         stamps[rank] = time.monotonic()
         os.kill(os.getpid(), signal.SIGKILL)
         return {"kind": f"victim survived its own SIGKILL (inside={inside})"}
-    out = attempt(lambda: pg.all_reduce(data))
+    out = attempt(lambda: SMALL_BOARD_CALLS[name](pg, data))
     out["fault_s"] = out["end"] - stamps[victim]
     out["broken"] = call_after_failure(pg)
     out["finished_together"] = finish_together(finish)
@@ -274,17 +279,19 @@ def _killed_before_small_all_reduce(rank, n, port, victim, stamps, ready, finish
     return out
 
 
-@pytest.mark.parametrize("kind", ["shm", "tcp"])  # (across hosts a small call never waits on the board)
-def test_sigkill_while_others_wait_in_a_small_all_reduce(kind, monkeypatch, aftermath):
+# (across hosts a small call never waits on the board; a Bruck all-gather over TCP sends to the
+# victim only after it heard from it, so nobody would be seen inside before it dies)
+@pytest.mark.parametrize("kind, name", [("shm", "all_reduce"), ("tcp", "all_reduce"), ("shm", "all_gather")])
+def test_sigkill_while_others_wait_in_a_small_call(kind, name, monkeypatch, aftermath):
     monkeypatch.setenv("SHMCOLL_TRANSPORT", kind)
     n, victim = 3, 1
     stamps = CTX.RawArray("d", n + 1)
-    results, pids = run_tracked(n, _killed_before_small_all_reduce, victim, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
+    results, pids = run_tracked(n, _killed_before_small_call, victim, name, stamps, CTX.Barrier(n), CTX.Barrier(n - 1),
                                 may_die={victim})
     assert results[victim] == Died(-signal.SIGKILL)
     outs = {r: out for r, out in enumerate(results) if r != victim}
-    report_timing(f"SIGKILL before small all_reduce n={n} victim={victim}", outs)
-    assert stamps[n] == 1.0, "the victim died before the others were inside the all_reduce"
+    report_timing(f"SIGKILL before small {name} n={n} victim={victim}", outs)
+    assert stamps[n] == 1.0, f"the victim died before the others were inside the {name}"
     assert_survivors(outs, victim)
     aftermath.check(pids)
 
