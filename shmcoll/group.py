@@ -132,6 +132,8 @@ class ProcessGroup:
     def reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> np.ndarray:
         """Rank i gets slice i (along axis 0, whose length world_size divides) of op over every
         rank's data, as a new array; data is only read."""
+        if self._lean is not None and (out := self._lean.reduce_scatter(data, op)) is not None:  # lean.py
+            return out
         return self._runner.run(self._reduce_scatter_plan(data, op))
 
     def spawn_reduce_scatter(self, data, op: ReduceKind = ReduceKind.SUM) -> CollectiveHandle:

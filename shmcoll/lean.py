@@ -6,23 +6,24 @@ group of one). That is the loss, metric, norm and flag of every training step, a
 overhead is most of the time a call takes. What such a call needs besides its data (wire code, its
 description for errors, the frame header but for the sequence number) is derived once per (dtype,
 element count, op) and kept. A call then takes a sequence number and runs the board's compiled step
-(kernels.board_all_reduce; a barrier is an all-reduce of nothing); only a wait that outlasts a
-slice comes back to Python for the failure checks. A broadcast of a C-contiguous numpy array
-(writable but on the root) is kept per (dtype, element count, root) the same way: on one host one
-that fits the board runs its compiled step (kernels.board_broadcast, through Board.broadcast), and
-any other runs its algorithm as a larger all_reduce does (below). So does a reduce, per (dtype,
-element count, op, root): a small one is a one-step all-reduce (plans.reduce_algorithm), whose step
-runs here as the all-reduce's does, under the reduce's own description and header. An all_gather
-of a C-contiguous numpy array is kept per (dtype, shape): on one host one within a board entry runs
-its compiled step (kernels.board_all_gather) into a new array, this rank's block copied in first.
+(kernels.board_all_reduce; a barrier is an all-reduce of nothing); only a wait that outlasts a slice
+comes back to Python for the failure checks. A broadcast of a C-contiguous numpy array (writable but
+on the root) is kept per (dtype, element count, root) the same way: on one host one that fits the
+board runs its compiled step (kernels.board_broadcast, through Board.broadcast), and any other runs
+its algorithm as a larger all_reduce does (below). So does a reduce, per (dtype, element count, op,
+root): a small one is a one-step all-reduce (plans.reduce_algorithm), whose step runs here as the
+all-reduce's does, under the reduce's own description and header, and so does a small reduce_scatter
+(per dtype, shape and op) on a copy of its input, each rank keeping its block. An all_gather of a
+C-contiguous numpy array is kept per (dtype, shape): on one host one within a board entry runs its
+compiled step (kernels.board_all_gather) into a new array, this rank's block copied in first.
 
-A group across hosts (LeanAcrossHosts) runs its small all-reduce, reduce and barrier the same way
-as far as the host's board goes: what is worked out once is the call's description, its board
-header, whom the rank crosses hosts with and how, and those peers' connections. An all-reduce's
-exchanges across hosts (a small reduce's are the same) then run in a row (Transport.swap_row: one
-native call over TCP, sending the board's header with the call's tag and sequence number written
-in) where two hosts' one-shot or recursive doubling is all its column does; otherwise the steps
-across hosts and back are two_level.py's own.
+A group across hosts (LeanAcrossHosts) runs its small all-reduce, reduce, reduce-scatter and barrier
+the same way as far as the host's board goes: what is worked out once is the call's description, its
+board header, whom the rank crosses hosts with and how, and those peers' connections. An
+all-reduce's exchanges across hosts (a small reduce's and reduce-scatter's are the same) then run in
+a row (Transport.swap_row: one native call over TCP, sending the board's header with the call's tag
+and sequence number written in) where two hosts' one-shot or recursive doubling is all its column
+does; otherwise the steps across hosts and back are two_level.py's own.
 
 A larger all_reduce of such an array takes the same entry: its algorithm, as plans.py would run it
 (plans.all_reduce_algorithm), is kept per kind of call with the rest, and a call runs it with a
@@ -88,12 +89,12 @@ class _Prepared(NamedTuple):
     #: it; None where the board's step runs.
     algorithm: Callable[[Call, np.ndarray], None] | None = None
     source: int = 0  # a broadcast's root as the board step takes it (Board.board_source)
-    shape: tuple[int, ...] = ()  # an all-gather's output
+    shape: tuple[int, ...] = ()  # an all-gather's or a reduce-scatter's output
 
 
 class LeanPath:
-    """The common calls of one group (ProcessGroup.all_reduce, reduce, broadcast, all_gather and
-    barrier try it first)."""
+    """The common calls of one group (ProcessGroup.all_reduce, reduce, reduce_scatter, broadcast,
+    all_gather and barrier try it first)."""
 
     def __init__(self, runner: Runner, transport: Transport, where: Where, board: Board | None):
         """board: the board the call's step runs on (None: a group of one, or a rank alone on its
@@ -104,6 +105,7 @@ class LeanPath:
         self._casts: dict[tuple, _Prepared | None] = {}  # broadcast's, by (dtype, count, root)
         self._reduces: dict[tuple, _Prepared | None] = {}  # reduce's, by (dtype, count, op, root)
         self._gathers: dict[tuple, _Prepared | None] = {}  # all_gather's, by (dtype, shape)
+        self._scatters: dict[tuple, _Prepared | None] = {}  # reduce_scatter's, by (dtype, shape, op)
         self._alone = transport.world_size == 1  # nothing to exchange
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
@@ -190,6 +192,27 @@ class LeanPath:
         flat[at:at + block] = local.reshape(-1).view(p.storage)
         return out if self._run(flat, p) else None
 
+    def reduce_scatter(self, data, op) -> np.ndarray | None:
+        """Block `rank` (along axis 0) of op over every rank's data, as a new array (as
+        ProcessGroup.reduce_scatter returns it), or None, having done nothing, when the call is not
+        the common case: a C-contiguous numpy array of a reducible dtype whose first axis the group
+        cuts in equal blocks, small enough for the one-step all-reduce (plans.reduce_scatter's
+        ONE_STEP) that runs here on a copy of it, under the reduce-scatter's own description."""
+        if type(data) is not np.ndarray or type(op) is not ReduceKind or not data.flags.c_contiguous:
+            return None
+        key = (data.dtype, data.shape, op)
+        p = self._scatters.get(key)
+        if p is None and (p := self._keep(self._scatters, key, self._prepare_reduce_scatter, data, op)) is None:
+            return None
+        work = data.reshape(-1).view(p.storage).copy()
+        if not self._run(work, p):
+            return None
+        out = np.empty(p.shape, data.dtype)
+        mine = out.reshape(-1).view(p.storage)
+        at = self._t.rank * mine.size
+        mine[:] = work[at:at + mine.size]
+        return out
+
     @staticmethod
     def _keep(kept: dict[tuple, _Prepared | None], key: tuple, prepare: Callable[..., _Prepared | None],
               *args) -> _Prepared | None:
@@ -232,6 +255,19 @@ class LeanPath:
         if self._runs(algorithm, data):
             return p
         return p._replace(algorithm=algorithm_of(algorithm, kind))
+
+    def _prepare_reduce_scatter(self, data: np.ndarray, op: ReduceKind) -> _Prepared | None:
+        """As _prepare_reduce; None for data the group cannot cut in equal blocks (the general path
+        says so), and for one larger than the one-step all-reduce this path runs."""
+        n = self._t.world_size
+        if data.ndim == 0 or data.shape[0] % n:
+            return None
+        where = self._group_where
+        p = self._prepare_reduction(Collective.REDUCE_SCATTER, data, op, 0,
+                                    lambda algorithm, kind: all_reduce_algorithm(where, algorithm, kind))
+        if p is None or p.algorithm is not None:
+            return None
+        return p._replace(shape=(data.shape[0] // n, *data.shape[1:]))
 
     def _prepare_broadcast(self, data: np.ndarray, root: int) -> _Prepared | None:
         """None for a dtype that cannot be sent (the general path says so)."""
@@ -389,8 +425,8 @@ class LeanAcrossHosts(LeanPath):
             row = transport.prepare_row(steps) if steps else None
             if steps and row is not None:
                 rows[int(coll)] = (steps, row)
-        if int(Collective.ALL_REDUCE) in rows:  # a small reduce's exchanges are the all-reduce's
-            rows[int(Collective.REDUCE)] = rows[int(Collective.ALL_REDUCE)]
+        if int(Collective.ALL_REDUCE) in rows:  # a small reduce's and reduce-scatter's are the all-reduce's
+            rows[int(Collective.REDUCE)] = rows[int(Collective.REDUCE_SCATTER)] = rows[int(Collective.ALL_REDUCE)]
         return rows
 
     def _runs(self, algorithm: Algorithm, data: np.ndarray) -> bool:

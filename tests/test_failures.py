@@ -506,6 +506,11 @@ def _ag(count=1000, dtype=np.float32):
     return _Call("all_gather", lambda pg: pg.all_gather(np.ones(count, dtype=dtype)), dtype=_wire(dtype), count=count)
 
 
+def _rs(count=1000, dtype=np.float32):
+    return _Call("reduce_scatter", lambda pg: pg.reduce_scatter(np.ones(count, dtype=dtype)),
+                 dtype=_wire(dtype), count=count, op="SUM")
+
+
 def _barrier():
     return _Call("barrier", lambda pg: pg.barrier())
 
@@ -535,6 +540,7 @@ MISMATCHES = [
     ("collective:all_reduce-vs-barrier", 2, 1, _ar(), _barrier()),
     ("collective:all_reduce-vs-all_gather", 3, 0, _ar(), _ag()),
     ("collective:all_gather-vs-barrier", 2, 1, _ag(), _barrier()),
+    ("collective:all_reduce-vs-reduce_scatter", 4, 3, _ar(), _rs()),  # both one step of the board's all-reduce
     ("collective:spawn_all_reduce-vs-barrier", 2, 0, _spawn(), _barrier()),
     ("collective:all_reduce-vs-broadcast", 2, 1, _ar(), _bc(root=0)),  # rank 0 waits for a frame never sent
     ("collective:broadcast-vs-all_gather-big", 4, 2, _bc(count=BIG), _ag(count=BIG // 4)),

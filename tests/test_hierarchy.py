@@ -613,6 +613,60 @@ def test_all_gathers_agree_whichever_path_each_rank_takes(layout, n, lean_parity
         assert out["results"] == [(w.shape, w.dtype.str, w.tobytes()) for w in want], rank
 
 
+#: (dtype, rows per rank, trailing shape, op) of the reduce-scatters by either path: within a board
+#: entry (4 KiB here) and past it
+REDUCE_SCATTERS = [(np.float32, 2, (), shmcoll.ReduceKind.SUM), (np.float16, 3, (5,), shmcoll.ReduceKind.AVG),
+                   (np.int64, 10, (), shmcoll.ReduceKind.MAX), (np.float32, 3000, (), shmcoll.ReduceKind.SUM)]
+
+
+def _reduce_scatter_input(dtype, rows: int, tail: tuple[int, ...], n: int, rank: int) -> np.ndarray:
+    shape = (n * rows, *tail)
+    return (np.arange(int(np.prod(shape))) % 13 + rank).astype(dtype).reshape(shape)
+
+
+def _reduce_scatters_by_either_path(pg, lean_parity: int):
+    """REDUCE_SCATTERS, each rank's input read-only, on the lean path on ranks of one parity and
+    on the general one on the others, as _small_calls_by_either_path; each result's shape and bytes,
+    and whether the input came back unchanged."""
+    general = _general_path_counted(pg, lean_parity)
+    results = []
+    for dtype, rows, tail, op in REDUCE_SCATTERS:
+        data = _reduce_scatter_input(dtype, rows, tail, pg.world_size, pg.rank)
+        data.flags.writeable = False
+        out = pg.reduce_scatter(data, op)
+        kept = data.tobytes() == _reduce_scatter_input(dtype, rows, tail, pg.world_size, pg.rank).tobytes()
+        results.append((out.shape, out.dtype.str, out.tobytes(), kept))
+    return {"path": type(pg._lean).__name__, "general": general, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [(None, 3), ("halves", 4), ("first-alone", 3), ("pairs", 6)])
+@pytest.mark.parametrize("lean_parity", [0, 1])
+def test_reduce_scatters_agree_whichever_path_each_rank_takes(layout, n, lean_parity, monkeypatch):
+    """A small reduce_scatter of a plain array takes the lean path: the one-step all-reduce of a
+    copy of it, from a prepared header (the board's step, and across hosts the column's row of
+    exchanges), under the reduce-scatter's own description; each rank keeps its block. A larger
+    one takes the general path, but on a rank alone on its host (no board step to outgrow). Ranks
+    on either path meet and get exact results, their inputs unchanged."""
+    results = _run_by_either_path(monkeypatch, layout, n, _reduce_scatters_by_either_path, lean_parity,
+                                  board_bytes=4096)
+    fits = [np.dtype(d).itemsize * n * rows * int(np.prod(tail)) <= 4096 for d, rows, tail, _ in REDUCE_SCATTERS]
+    hosts = _hosts(layout, n) if layout else ["one"] * n
+    want = []
+    for dtype, rows, tail, op in REDUCE_SCATTERS:
+        inputs = np.stack([_reduce_scatter_input(np.float64, rows, tail, n, r) for r in range(n)])
+        total = inputs.max(axis=0) if op == shmcoll.ReduceKind.MAX else inputs.sum(axis=0)
+        total = total / n if op == shmcoll.ReduceKind.AVG else total
+        want.append([total[r * rows:(r + 1) * rows].astype(dtype) for r in range(n)])
+    for rank, out in enumerate(results):
+        lean = rank % 2 == lean_parity
+        assert out["path"] == (("LeanAcrossHosts" if layout else "LeanPath") if lean else "NoneType"), rank
+        alone = hosts.count(hosts[rank]) == 1  # no board step: any one-step call runs here
+        general_calls = (0 if alone else fits.count(False)) if lean else len(REDUCE_SCATTERS)
+        assert out["general"] == ["reduce_scatter"] * general_calls, rank
+        assert out["results"] == [(w[rank].shape, w[rank].dtype.str, w[rank].tobytes(), True) for w in want], rank
+
+
 @pytest.mark.multiprocess
 def test_a_small_all_reduce_larger_than_the_board_goes_around_the_host_in_one_shot(monkeypatch):
     """Above a board entry (SHMCOLL_SHM_BOARD_BYTES) but within the one-step size, the ranks of a host
