@@ -298,10 +298,9 @@ class LeanPath:
 
     def _gathering(self, p: _Prepared, algorithm: Algorithm) -> _Prepared | None:
         """p as this path runs an all-gather selected to run `algorithm`, or None where the general
-        path runs it: here the board's step, where the board's ranks are the group's in rank order
-        (a larger all-gather reads its peers' arrays, which this path leaves to the general one)."""
-        in_order = self._board.host_ranks == tuple(range(self._t.world_size))
-        return p if algorithm == Algorithm.BOARD and in_order else None
+        path runs it: here the board's step (a larger all-gather reads its peers' arrays, which this
+        path leaves to the general one)."""
+        return p if algorithm == Algorithm.BOARD else None
 
     def _casts_on_board(self, algorithm: Algorithm) -> bool:
         """Whether a broadcast selected to run `algorithm` takes the board's step here (across hosts,

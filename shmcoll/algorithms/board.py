@@ -68,17 +68,10 @@ def host_board_broadcast(c: Call, data: np.ndarray, root: int | None) -> None:
 
 def board_all_gather(c: Call, local: np.ndarray, out: np.ndarray) -> None:
     """Every rank publishes its block; every rank copies every block into place: one compiled step
-    (Board.all_gather) where the board's ranks are the group's in rank order."""
+    (Board.all_gather; the board's ranks are the group's, in rank order)."""
     block = len(local)
-    if c.board.host_ranks == tuple(range(c.size)):
-        out[c.rank * block:(c.rank + 1) * block] = local
-        gather_on_board(c, c.board, out, local, c.board_guard)
-        return
-    board, guard = c.board, c.board_guard()
-    board.publish(c.meta, c.code, local, c.deadline, guard)
-    for src in range(c.size):
-        out[src * block:(src + 1) * block] = board.read(src, c.meta.seq, c.meta, c.deadline, guard).view(out.dtype)
-    board.finish(c.meta.seq)
+    out[c.rank * block:(c.rank + 1) * block] = local
+    gather_on_board(c, c.board, out, local, c.board_guard)
 
 
 def gather_on_board(c: Call, board: Board, out: np.ndarray, block: np.ndarray,

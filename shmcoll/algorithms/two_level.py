@@ -251,8 +251,7 @@ def two_level_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.n
     """
     lay = _gather_layout(topo, tuple(sizes), c.rank)
     staged = out if lay.in_place else np.empty_like(out)
-    mine = lay.blocks[topo.local_index(c.rank)]
-    staged[mine[0]:mine[1]] = local
+    staged[slice(*lay.staged_at[c.rank])] = local
     form = gather_across_hosts(staged.nbytes)
     if form is Algorithm.TWO_LEVEL_ONE_SHOT:
         _all_gather_by_columns(c, topo, staged, lay.blocks, lay.spans)
@@ -322,7 +321,7 @@ def _gather_in_host(c: Call, host: tuple[int, ...], staged: np.ndarray,
         bruck_all_gather(c, staged, blocks, host)
         return None
     mine = host.index(c.rank)
-    if len(sizes) == 1 and board.host_ranks == host:
+    if len(sizes) == 1:
         gather_on_board(c, board, staged[blocks[0][0]:blocks[-1][1]], staged[slice(*blocks[mine])],
                         lambda: c.t.host_board_guard(c.tag, c.meta))
         return board

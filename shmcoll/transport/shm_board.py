@@ -75,9 +75,10 @@ class Board:
         self.where = np.zeros((max(local_of) + 1, 3), dtype=np.int64)
         for r, local in local_of.items():
             self.where[r] = layout.board_offset(local, 0), layout.board_offset(local, 1), W_DONE + local
-        #: the ranks on this board, in local order, and their rows of `where`: the map of a compiled
-        #: all-reduce among this host's ranks only (the in-host step of a group across hosts; the
-        #: same map as `where` when every rank is local)
+        #: the ranks on this board, in local order, which is rank order (bootstrap numbers a host's
+        #: ranks so, and a compiled all-gather places their blocks so), and their rows of `where`:
+        #: the map of a compiled all-reduce among this host's ranks only (the in-host step of a
+        #: group across hosts; the same map as `where` when every rank is local)
         self.host_ranks = tuple(sorted(local_of, key=local_of.__getitem__))
         self.host_where = np.ascontiguousarray(self.where[list(self.host_ranks)])
 
