@@ -23,7 +23,9 @@ with the loop shmcoll-bench uses (so the columns differ only in the library):
 a NIC has: veth alone moves bytes as fast as the CPU copies them, so its "wire" is CPU time.
 --rounds R runs every column R times, alternating, and keeps each size's best time. Then "the link":
 one Python socket stream from host 1 to host 2, and then one each way at once (GB/s per direction),
-under the congestion control shmcoll's connections take: the most one such connection carries here.
+under the congestion control shmcoll's connections take: the most one such connection carries here,
+each end sending from (or receiving into) one cache-hot MiB; and one each way at once through 64 MiB
+arrays, which every copy reads from or writes to memory, as a large call's data is.
 A library that is not installed is a column of n/a with the reason below the table. Every job is
 killed after --timeout seconds, and whatever it left in the namespaces with it. Exit status 0; 1
 when a job failed; 2 on a usage error.
@@ -69,6 +71,7 @@ HIER, TCP = "hier", "tcp"
 COLUMNS = {HIER: "shmcoll two-level", TCP: "shmcoll flat TCP", OPENMPI: "OpenMPI", GLOO: "gloo"}
 SKIPPED = "skipped"  # a column's status where --columns leaves it out
 LINK_PORT = 45123  # free in any fresh namespace
+LINK_SPAN = 64 << 20  # the data-sized streams' arrays: past every cache, as a large call's data
 SETUP_S = 60.0     # netns.sh up/down, ip netns pids
 AGENT = """#!/bin/sh
 # mpirun's rsh agent, written by bench/hosts_compare.py: mpirun runs "AGENT HOST COMMAND" with the
@@ -283,12 +286,14 @@ def run_layouts(hosts: Hosts, tmp: Path, args: argparse.Namespace) -> dict[str, 
 
 # ---- the link ----
 
-def streams(hosts: Hosts, pairs: list[tuple[int, int]], seconds: float, timeout: float) -> list[float | None]:
-    """GB/s of one Python socket stream per (from, to) pair, all at once (None where one failed)."""
-    ns = ["ip", "netns", "exec"]
-    recvs = [[*ns, hosts.name(b), sys.executable, str(RANK), "recv", str(LINK_PORT)] for _, b in pairs]
-    sends = [[*ns, hosts.name(a), sys.executable, str(RANK), "send", hosts.name(b), str(LINK_PORT), f"{seconds:g}"]
-             for a, b in pairs]
+def streams(hosts: Hosts, pairs: list[tuple[int, int]], seconds: float, timeout: float,
+            span: list[str] | None = None) -> list[float | None]:
+    """GB/s of one Python socket stream per (from, to) pair, all at once (None where one failed);
+    span: hosts_rank.py's --span option for both ends (default one cache-hot MiB)."""
+    ns, span = ["ip", "netns", "exec"], span or []
+    recvs = [[*ns, hosts.name(b), sys.executable, str(RANK), "recv", str(LINK_PORT), *span] for _, b in pairs]
+    sends = [[*ns, hosts.name(a), sys.executable, str(RANK), "send", hosts.name(b), str(LINK_PORT), f"{seconds:g}",
+              *span] for a, b in pairs]
     results = run_together(recvs + sends, seconds + timeout)
     reap(hosts)
     rates: list[float | None] = []
@@ -304,8 +309,12 @@ def measure_link(hosts: Hosts, args: argparse.Namespace) -> dict[str, Any]:
     a, b = hosts.name(0), hosts.name(1)
     one = streams(hosts, [(0, 1)], args.link_seconds, args.timeout)
     both = streams(hosts, [(0, 1), (1, 0)], args.link_seconds, args.timeout)
-    return {"seconds": args.link_seconds, "one_way": {"from": a, "to": b, "gbps": one[0]},
-            "both": [{"from": a, "to": b, "gbps": both[0]}, {"from": b, "to": a, "gbps": both[1]}]}
+    data = streams(hosts, [(0, 1), (1, 0)], args.link_seconds, args.timeout, ["--span", str(LINK_SPAN)])
+
+    def each_way(rates: list[float | None]) -> list[dict[str, Any]]:
+        return [{"from": a, "to": b, "gbps": rates[0]}, {"from": b, "to": a, "gbps": rates[1]}]
+    return {"seconds": args.link_seconds, "one_way": {"from": a, "to": b, "gbps": one[0]}, "both": each_way(both),
+            "both_data_sized": {"span_bytes": LINK_SPAN, "streams": each_way(data)}}
 
 
 # ---- output ----
@@ -367,7 +376,9 @@ def link_lines(link: dict[str, Any], hosts: Hosts) -> list[str]:
     return [f"## the link: one Python socket stream between two hosts ({hosts.subnet}.0/24 through a bridge), "
             f"{link['seconds']:g} s each", "",
             f"one way: {rate(link['one_way'])}",
-            "both directions at once, per direction: " + ", ".join(rate(x) for x in link["both"])]
+            "both directions at once, per direction: " + ", ".join(rate(x) for x in link["both"]),
+            f"both directions at once through {link['both_data_sized']['span_bytes'] >> 20} MiB arrays, per direction: "
+            + ", ".join(rate(x) for x in link["both_data_sized"]["streams"])]
 
 
 # ---- the run ----
@@ -484,7 +495,8 @@ def main(argv: list[str]) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(doc, indent=1) + "\n")
     failed = any(c.status == "failed" for lc in cols.values() for c in lc.values())
-    return 1 if failed or any(x["gbps"] is None for x in [link["one_way"], *link["both"]]) else 0
+    figures = [link["one_way"], *link["both"], *link["both_data_sized"]["streams"]]
+    return 1 if failed or any(x["gbps"] is None for x in figures) else 0
 
 
 if __name__ == "__main__":

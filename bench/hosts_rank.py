@@ -2,8 +2,8 @@
 
     hosts_rank.py shmcoll|openmpi|gloo OUT SIZES [--collective C] [--transport T] [--iters K] [--warmup K]
                   [--max-time S] [--algorithm one-shot|recursive-doubling|ring|halving-doubling]   (shmcoll only)
-    hosts_rank.py recv PORT                  one end of "the link": receive one stream, print its rate
-    hosts_rank.py send HOST PORT SECONDS     the other end: send to HOST:PORT for SECONDS
+    hosts_rank.py recv PORT [--span BYTES]                one end of "the link": receive one stream, print its rate
+    hosts_rank.py send HOST PORT SECONDS [--span BYTES]   the other end: send to HOST:PORT for SECONDS
 
 A rank times a float32 SUM all_reduce (or --collective C), at each size with shmcoll.bench.measure.measure,
 the loop shmcoll-bench and its OpenMPI and gloo peers use (warm-up, an iteration count every rank
@@ -132,35 +132,48 @@ def run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def recv(port: int) -> int:
-    """Accept one stream on `port`, read it to its end; print its bytes and seconds from the first byte."""
+def windows(span: int) -> Iterator[memoryview]:
+    """CHUNK-sized windows of a filled array of `span` bytes, round and round: one window (span
+    CHUNK) stays in cache; a span larger than the caches makes every send read memory and every
+    receive write it, as a large collective's data does. Filled, since a never-written buffer maps
+    the kernel's zero page, which no copy of real data matches."""
+    data = memoryview(np.ones(max(CHUNK, span // CHUNK * CHUNK), np.uint8))
+    while True:
+        for at in range(0, len(data), CHUNK):
+            yield data[at:at + CHUNK]
+
+
+def recv(port: int, span: int) -> int:
+    """Accept one stream on `port`, read it to its end into `span` bytes (windows); print its bytes
+    and seconds from the first byte."""
     with socket.create_server(("", port)) as server:
         server.settimeout(CONNECT_S)
         conn, _ = server.accept()
-    buf = memoryview(bytearray(CHUNK))
+    into = windows(span)
     with conn:
         conn.settimeout(CONNECT_S)
-        conn.recv_into(buf)  # the clock starts at the first byte, not at the connection
+        conn.recv_into(next(into))  # the clock starts at the first byte, not at the connection
         t0, total = time.perf_counter(), 0
-        while got := conn.recv_into(buf):
+        while got := conn.recv_into(next(into)):
             total += got
         seconds = time.perf_counter() - t0
     print(json.dumps({"bytes": total, "seconds": seconds}), flush=True)
     return 0
 
 
-def send(host: str, port: int, seconds: float) -> int:
-    """Connect to host:port (retrying while the receiver starts), send zeros for `seconds`, close;
-    under the congestion control shmcoll's own connections take (SHMCOLL_TCP_CONGESTION)."""
+def send(host: str, port: int, seconds: float, span: int) -> int:
+    """Connect to host:port (retrying while the receiver starts), send `span` bytes (windows) round
+    and round for `seconds`, close; under the congestion control shmcoll's own connections take
+    (SHMCOLL_TCP_CONGESTION)."""
     choice = load_tuning().tcp_congestion
     sock = connect_with_retry(host, port, time.monotonic() + CONNECT_S,
                               prepare=lambda s: set_congestion(s, choice))  # the sender's algorithm is the stream's
-    data = memoryview(bytes(CHUNK))
+    data = windows(span)
     with sock:
         sock.settimeout(CONNECT_S)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            sock.sendall(data)
+            sock.sendall(next(data))
     return 0
 
 
@@ -186,15 +199,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     s.add_argument("host")
     s.add_argument("port", type=int)
     s.add_argument("seconds", type=float)
+    for end in (r, s):
+        end.add_argument("--span", type=int, default=CHUNK, help="bytes the stream cycles through (default 1 MiB)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.role == "recv":
-        return recv(args.port)
+        return recv(args.port, args.span)
     if args.role == "send":
-        return send(args.host, args.port, args.seconds)
+        return send(args.host, args.port, args.seconds, args.span)
     return run_rank(args)
 
 

@@ -1,6 +1,6 @@
 """bench/hosts_compare.py for real, at its smallest: two namespace hosts with one rank each, two sizes,
 one round. Checked: the table's shape, a positive time in every shmcoll cell, the JSON saying what
-the table says, both link figures, and nothing left of the namespaces. OpenMPI's and gloo's cells
+the table says, the three link figures, and nothing left of the namespaces. OpenMPI's and gloo's cells
 are checked only where that library is installed, and no ratio's value ever: these machines are
 noisy. Needs root and `ip netns`, skipped as tests/test_netns_hosts.py skips (SHMCOLL_REQUIRE_NETNS=1
 makes that a failure).
@@ -89,9 +89,14 @@ def test_the_link_is_measured_and_the_hosts_are_gone(run):
     link = doc["link"]
     one = re.search(rf"^one way: (\S+) -> (\S+) {GBPS}$", out, re.M)
     both = re.search(rf"^both directions at once, per direction: \S+ -> \S+ {GBPS}, \S+ -> \S+ {GBPS}$", out, re.M)
-    assert one and both, out
+    data = re.search(rf"^both directions at once through 64 MiB arrays, per direction: \S+ -> \S+ {GBPS}, "
+                     rf"\S+ -> \S+ {GBPS}$", out, re.M)
+    assert one and both and data, out
     assert float(one.group(3)) > 0 and one.group(3) == f"{link['one_way']['gbps']:.2f}"
     assert [both.group(1), both.group(2)] == [f"{x['gbps']:.2f}" for x in link["both"]]
+    assert link["both_data_sized"]["span_bytes"] == 64 << 20
+    assert [data.group(1), data.group(2)] == [f"{x['gbps']:.2f}" for x in link["both_data_sized"]["streams"]]
+    assert all(x["gbps"] > 0 for x in link["both_data_sized"]["streams"])
     prefix = one.group(1)[:-1]
     assert one.group(2) == prefix + "2" and leftovers(prefix) == []
 
@@ -105,7 +110,9 @@ def test_columns_left_out_are_never_started_and_links_have_the_rate_asked(tmp_pa
     out, doc = _run(tmp_path_factory, args)
     assert re.search(r"^# hosts \S+ on \S+ \(tools/netns.sh\), links of 1gbit each way$", out, re.M), out
     assert doc["config"]["link_rate"] == "1gbit"
-    assert all(0 < x["gbps"] <= 0.13 for x in [doc["link"]["one_way"], *doc["link"]["both"]]), doc["link"]
+    link = doc["link"]
+    figures = [link["one_way"], *link["both"], *link["both_data_sized"]["streams"]]
+    assert all(0 < x["gbps"] <= 0.13 for x in figures), link
     columns = doc["layouts"]["2x1"]["columns"]
     assert [columns[c]["status"] for c in ("tcp", GLOO)] == ["skipped", "skipped"], columns
     assert columns["tcp"]["commands"] == columns[GLOO]["commands"] == []
