@@ -79,7 +79,10 @@ reduce_from_peers = _native.reduce_from_peers
 #: sequence number written in (frame.for_call), and data on socket fds[i]; one that receives waits
 #: until that peer's frame (its header ours with srcs[i] as the source, its payload data's length)
 #: is whole in the socket, reads it into inbound and folds it into data (data op theirs for
-#: WAY_OWN_FIRST and WAY_FOLD_IN, theirs op data for WAY_THEIRS_FIRST) or copies it (WAY_TAKE).
+#: WAY_OWN_FIRST and WAY_FOLD_IN, theirs op data for WAY_THEIRS_FIRST) or copies it (WAY_TAKE,
+#: and WAY_SWAP, which sends too). WAY_OURS_EMPTY or WAY_THEIRS_EMPTY added to a way that sends or
+#: receives without folding makes that frame empty (the same header with no payload: a 1-D
+#: array's call), as a broadcast's step sends the array one way and only meets the other.
 #: Each wait lasts at most wait_ns, the row at most left_ns. done: the steps finished; status, of
 #: the step that stopped the row: SWAP_SENT (whatever it sends went out, the peer's frame is not
 #: there in time or another frame comes first: nothing was read); SWAP_PARTIAL (only `sent` bytes
@@ -88,6 +91,7 @@ swap_row = _native.swap_row
 SWAP_DONE, SWAP_SENT, SWAP_PARTIAL = _native.SWAP_DONE, _native.SWAP_SENT, _native.SWAP_PARTIAL
 WAY_THEIRS_FIRST, WAY_OWN_FIRST = _native.WAY_THEIRS_FIRST, _native.WAY_OWN_FIRST
 WAY_GIVE, WAY_TAKE, WAY_FOLD_IN = _native.WAY_GIVE, _native.WAY_TAKE, _native.WAY_FOLD_IN
+WAY_SWAP, WAY_OURS_EMPTY, WAY_THEIRS_EMPTY = _native.WAY_SWAP, _native.WAY_OURS_EMPTY, _native.WAY_THEIRS_EMPTY
 #: duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns,
 #: progress, lead_bytes) -> status: one frame out on socket out_fd (header, then data) while a
 #: peer's comes in on in_fd (native/duplex.h): its header byte for byte `expect`, the heartbeats

@@ -6,7 +6,8 @@ call stays in the socket for the reader thread; a peer that is not there in time
 there, and a socket that takes only part of the frame and a failed send are each reported, never
 waited out; a row sent from a header kept per kind of call sends the call's own frame. Then in
 ranks on simulated hosts: the small all-reduce across two hosts and the doubling among four take
-this path, and a late peer falls back to the receive that waits for it.
+this path, and a late peer falls back to the receive that waits for it. A broadcast's steps send the
+array one way and an empty frame the other, in rows of their own ways.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def test_a_failed_send_is_its_errno(pair):
 
 @pytest.mark.parametrize("change", ["short inbound", "short header", "no loop", "negative wait", "fewer srcs",
                                     "too many steps", "tag past 32 bits", "negative seq", "no such way",
-                                    "fewer ways"])
+                                    "no such flag", "an empty frame folded", "an empty frame never sent",
+                                    "an empty frame of a 2-D call", "fewer ways"])
 def test_arguments_that_do_not_describe_exchanges_are_refused(pair, change):
     data = np.ones(4, dtype=np.float32)
     header = _header(0, data, ReduceKind.SUM)
@@ -177,7 +179,14 @@ def test_arguments_that_do_not_describe_exchanges_are_refused(pair, change):
     index, value = {"short inbound": (7, np.empty(HEADER_SIZE, np.uint8)), "short header": (3, header[:35]),
                     "no loop": (8, 99), "negative wait": (11, -1), "fewer srcs": (1, []),
                     "too many steps": (0, [pair[0].fileno()] * 65), "tag past 32 bits": (4, 1 << 32),
-                    "negative seq": (5, -1), "no such way": (2, bytes([len(Way)])), "fewer ways": (2, b"")}[change]
+                    "negative seq": (5, -1), "no such way": (2, bytes([kernels.WAY_SWAP + 1])),
+                    "no such flag": (2, bytes([kernels.WAY_SWAP | 32])),
+                    "an empty frame folded": (2, bytes([Way.OWN_FIRST | kernels.WAY_THEIRS_EMPTY])),
+                    "an empty frame never sent": (2, bytes([Way.TAKE | kernels.WAY_OURS_EMPTY])),
+                    "an empty frame of a 2-D call": (3, _header(0, data.reshape(2, 2), ReduceKind.SUM)),
+                    "fewer ways": (2, b"")}[change]
+    if change == "an empty frame of a 2-D call":
+        args[2] = bytes([Way.CAST_OUT])
     args[index] = value
     with pytest.raises(ValueError, match="do not describe exchanges|more than 64 steps"):
         kernels.swap_row(*args)
@@ -251,6 +260,81 @@ def test_a_row_among_three_gives_and_takes_back_the_third_ends_array():
         s.close()
 
 
+def _cast_row(socks, rank: int, peers: list[int], data: np.ndarray, ways: list[Way]) -> tuple[int, int, int]:
+    """A broadcast's row (a 1-D float32 array) from a header kept per kind of call."""
+    meta = Meta(seq=0, coll=int(Collective.BROADCAST), dtype=F32.code, elements=data.size)
+    header = frame.pack(DATA, rank, 0, meta, F32.code, data.shape, data.nbytes)
+    return kernels.swap_row([s.fileno() for s in socks], peers, bytes(ways), header, TAG, 3, data,
+                            np.empty(HEADER_SIZE + data.nbytes, np.uint8), F32.code, 0, 0, WAIT_NS,
+                            len(peers) * WAIT_NS)
+
+
+def test_a_broadcasts_row_sends_the_array_one_way_and_an_empty_frame_the_other():
+    """Doubling from end 2 among three (end 2 past the power of two): end 2 gives its array to end 0
+    and hears back an empty frame; end 0 takes it, passes it on to end 1 (whose frame back is
+    empty) and gives end 2 an empty frame last. Every end holds end 2's array, which is read-only
+    (a row that places nothing into its array may); on the wire each empty frame is the array's
+    header with no bytes, as frame.pack writes an array of none."""
+    (s01, s10), (s02, s20) = connected_pair(), connected_pair()
+    source = np.arange(5, dtype=np.float32) * 1.5
+    ends = [np.zeros(5, np.float32), np.full(5, -1, np.float32), source.copy()]
+    ends[2].flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):  # a row that takes the array needs to write it
+        _cast_row([s20], 2, [0], ends[2], [Way.CAST_IN])
+    rows = {0: ([s02, s01, s02], [2, 1, 2], [Way.TAKE, Way.CAST_OUT, Way.GIVE_EMPTY]),
+            1: ([s10], [0], [Way.CAST_IN]), 2: ([s20, s20], [0, 0], [Way.GIVE, Way.TAKE_EMPTY])}
+    results: list = [None] * 3
+
+    def end(i: int) -> None:
+        socks, peers, ways = rows[i]
+        results[i] = _cast_row(socks, i, peers, ends[i], ways)
+    threads = [threading.Thread(target=end, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    end(0)
+    for t in threads:
+        t.join(timeout=30)
+    assert results == [(kernels.SWAP_DONE, 3, HEADER_SIZE), (kernels.SWAP_DONE, 1, HEADER_SIZE),
+                       (kernels.SWAP_DONE, 2, 0)]  # sent: the last step's (end 2's only receives)
+    assert all(e.tobytes() == source.tobytes() for e in ends)
+    for s in (s01, s10, s02, s20):
+        s.close()
+
+
+def test_a_broadcasts_row_copies_a_dtype_that_has_no_reduction(pair):
+    """Bytes (no reduction loop) cast from one end to the other: a row that folds nothing takes any
+    dtype, as the broadcast's general path sends it."""
+    mine, theirs = np.arange(7, dtype=np.uint8), np.zeros(7, np.uint8)
+    meta = Meta(seq=0, coll=int(Collective.BROADCAST), dtype=U8.code, elements=7)
+    results: list = [None, None]
+
+    def end(i: int, data: np.ndarray, way: Way) -> None:
+        header = frame.pack(DATA, i, 0, meta, U8.code, data.shape, data.nbytes)
+        results[i] = kernels.swap_row([pair[i].fileno()], [1 - i], bytes([way]), header, TAG, 3, data,
+                                      np.empty(HEADER_SIZE + data.nbytes, np.uint8), U8.code, 0, 0, WAIT_NS, WAIT_NS)
+    other = threading.Thread(target=end, args=(1, theirs, Way.CAST_IN))
+    other.start()
+    end(0, mine, Way.CAST_OUT)
+    other.join(timeout=30)
+    assert [r[:2] for r in results] == [(kernels.SWAP_DONE, 1)] * 2 and theirs.tolist() == list(range(7))
+
+
+def test_an_empty_frame_on_the_wire_is_the_calls_header_with_no_bytes(pair):
+    """A step that meets (empty frames both ways): what it sends is frame.pack's header of a 1-D
+    array of none, tag and sequence number written in (frame.without_payload of the call's)."""
+    a, b = pair
+    data = np.arange(4, dtype=np.float32)
+    meta = Meta(seq=3, coll=int(Collective.BROADCAST), dtype=F32.code, elements=4)
+    theirs = frame.pack(DATA, 1, TAG, meta, F32.code, (0,), 0)
+    b.sendall(theirs)
+    status, done, sent = _cast_row([a], 0, [1], data, [Way.MEET])
+    mine = frame.pack(DATA, 0, TAG, meta, F32.code, (0,), 0)
+    assert (status, done, sent) == (kernels.SWAP_DONE, 1, HEADER_SIZE)
+    assert read_exactly(b, HEADER_SIZE) == mine == frame.without_payload(frame.pack(DATA, 0, TAG, meta, F32.code,
+                                                                                    data.shape, data.nbytes))
+    assert data.tolist() == [0, 1, 2, 3] and not select.select([a, b], [], [], 0)[0]
+
+
 def test_a_step_that_only_receives_sends_nothing_while_it_waits(pair):
     """A take whose peer is silent: SWAP_SENT once the wait passed, no byte sent, data untouched."""
     a, b = pair
@@ -290,16 +374,21 @@ def test_a_frame_from_another_source_is_not_taken(pair):
 def test_a_prepared_row_is_the_steps_up_to_the_first_peer_out_of_reach():
     """NetTransport.prepare_row: the first steps whose peers it has a connection to, each step's
     way as a byte of ways, the steps that take their peer's connections (each peer's first) and
-    which took each step's; which steps send; None where the first step's peer is out of reach."""
+    which took each step's; which steps send the array (an empty frame is not counted); None where
+    the first step's peer is out of reach. Asked again, it is the same row, not worked out anew."""
     pairs = [connected_pair() for _ in range(2)]
     t = NetTransport(0, 4, {1: pairs[0][0], 3: pairs[1][0]}, timeout=bounds.WAIT_HANG_S)
     try:
         row = t.prepare_row(((1, Way.FOLD_IN), (3, Way.THEIRS_FIRST), (1, Way.GIVE), (2, Way.OWN_FIRST)))
         assert row is not None and (row.peers, row.claims, row.first) == ([1, 3, 1], (0, 1), [0, 1, 0])
-        assert row.ways == bytes([Way.FOLD_IN, Way.THEIRS_FIRST, Way.GIVE]) and row.sends == (False, True, True)
+        assert row.ways == bytes([Way.FOLD_IN, Way.THEIRS_FIRST, Way.GIVE]) and row.sends_data == (False, True, True)
         exchanges = t.prepare_row(((3, Way.OWN_FIRST), (1, Way.THEIRS_FIRST)))
-        assert exchanges is not None and exchanges.sends == (True, True) and exchanges.claims == (0, 1)
+        assert exchanges is not None and exchanges.sends_data == (True, True) and exchanges.claims == (0, 1)
+        cast = t.prepare_row(((1, Way.TAKE_EMPTY), (3, Way.CAST_OUT), (1, Way.CAST_IN), (3, Way.MEET),
+                              (1, Way.GIVE_EMPTY)))
+        assert cast is not None and cast.sends_data == (False, True, False, False, False)
         assert t.prepare_row(((2, Way.OWN_FIRST), (1, Way.OWN_FIRST))) is None
+        assert t.prepare_row(((3, Way.OWN_FIRST), (1, Way.THEIRS_FIRST))) is exchanges
     finally:
         t.close()
         for a, b in pairs:

@@ -386,6 +386,39 @@ static int int_row(PyObject *seq, int64_t *out, Py_ssize_t *n, const char *what)
     return failed;
 }
 
+/* A step's way (swap.h): a kind, and empty frames only where that kind sends or receives one
+   without folding, of a 1-D array's call (an empty frame's header is that of an array of none). */
+static int way_is_valid(uint8_t way, const uint8_t *header, size_t header_bytes) {
+    int kind = way & WAY_KIND_MASK, flags = way & ~WAY_KIND_MASK;
+    if (kind >= WAY_COUNT || (flags & ~(WAY_OURS_EMPTY | WAY_THEIRS_EMPTY)))
+        return 0;
+    if (!flags)
+        return 1;
+    int sends = kind == WAY_SWAP || kind == WAY_GIVE, receives = kind == WAY_SWAP || kind == WAY_TAKE;
+    return header_bytes >= SWAP_DIM0_AT + 8 && header[SWAP_NDIM_AT] == 1 && (sends || !(flags & WAY_OURS_EMPTY)) &&
+           (receives || !(flags & WAY_THEIRS_EMPTY));
+}
+
+/* Whether a row's ways place anything into its data: a root's broadcast only sends (and meets),
+   so its array may be read-only. */
+static int row_writes(const uint8_t *ways, Py_ssize_t steps) {
+    for (Py_ssize_t i = 0; i < steps; ++i)
+        if ((ways[i] & WAY_KIND_MASK) != WAY_GIVE && !(ways[i] & WAY_THEIRS_EMPTY))
+            return 1;
+    return 0;
+}
+
+/* Whether a row's ways fold a peer's array into data (else its bytes are only copied, of any
+   dtype: a broadcast's). */
+static int row_folds(const uint8_t *ways, Py_ssize_t steps) {
+    for (Py_ssize_t i = 0; i < steps; ++i) {
+        int kind = ways[i] & WAY_KIND_MASK;
+        if (kind == WAY_THEIRS_FIRST || kind == WAY_OWN_FIRST || kind == WAY_FOLD_IN)
+            return 1;
+    }
+    return 0;
+}
+
 static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     held_buffer ways = {0}, header = {0}, data = {0}, inbound = {0};
     int64_t fd_list[SWAP_MAX_STEPS], src_list[SWAP_MAX_STEPS];
@@ -396,7 +429,8 @@ static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t narg
         int_row(args[1], src_list, &srcs, "swap_row srcs") || hold(args[2], &ways, 0, "swap_row ways") ||
         as_i64(args[4], &tag) || as_i64(args[5], &seq) || as_i64(args[8], &code) || as_i64(args[9], &op) ||
         as_i64(args[10], &spin_ns) || as_i64(args[11], &wait_ns) || as_i64(args[12], &left_ns) ||
-        hold(args[3], &header, 0, "swap_row header") || hold(args[6], &data, 1, "swap_row data") ||
+        hold(args[3], &header, 0, "swap_row header") ||
+        hold(args[6], &data, row_writes(ways.view.buf, ways.view.len), "swap_row data") ||
         hold(args[7], &inbound, 1, "swap_row inbound"))
         goto done;
     size_t size = sc_element_size((int)code);
@@ -404,13 +438,14 @@ static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t narg
     uint32_t peers[SWAP_MAX_STEPS];
     const uint8_t *way = ways.view.buf;
     int valid = steps == srcs && ways.view.len == steps &&
-                (data.view.len == 0 || (sc_has_loop(code, op) && data.view.len % size == 0)) &&
+                (data.view.len == 0 || !row_folds(way, steps) ||
+                 (sc_has_loop(code, op) && data.view.len % size == 0)) &&
                 header.view.len >= SWAP_SEQ_AT + 8 && header.view.len <= MAX_HEADER_BYTES && tag >= 0 &&
                 tag <= UINT32_MAX && seq >= 0 &&
                 inbound.view.len == header.view.len + data.view.len && spin_ns >= 0 && wait_ns >= 0 && left_ns >= 0;
     for (Py_ssize_t i = 0; valid && i < steps; ++i) {
         valid = fd_list[i] >= 0 && fd_list[i] <= INT32_MAX && src_list[i] >= 0 && src_list[i] <= UINT32_MAX &&
-                way[i] < WAY_COUNT;
+                way_is_valid(way[i], header.view.buf, (size_t)header.view.len);
         fds[i] = (int)fd_list[i];
         peers[i] = (uint32_t)src_list[i];
     }
@@ -568,6 +603,9 @@ PyMODINIT_FUNC PyInit__native(void) {
               PyModule_AddIntConstant(m, "WAY_GIVE", WAY_GIVE) < 0 ||
               PyModule_AddIntConstant(m, "WAY_TAKE", WAY_TAKE) < 0 ||
               PyModule_AddIntConstant(m, "WAY_FOLD_IN", WAY_FOLD_IN) < 0 ||
+              PyModule_AddIntConstant(m, "WAY_SWAP", WAY_SWAP) < 0 ||
+              PyModule_AddIntConstant(m, "WAY_OURS_EMPTY", WAY_OURS_EMPTY) < 0 ||
+              PyModule_AddIntConstant(m, "WAY_THEIRS_EMPTY", WAY_THEIRS_EMPTY) < 0 ||
               PyModule_AddIntConstant(m, "SWAP_SENT", SWAP_SENT) < 0 ||
               PyModule_AddIntConstant(m, "SWAP_PARTIAL", SWAP_PARTIAL) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_DONE", DUPLEX_DONE) < 0 ||

@@ -51,10 +51,12 @@ static int take_frame(int fd, const uint8_t *expect, size_t header_bytes, uint8_
 
 /* The peer's payload into data, as `way` says: folded in one order or the other, or copied. */
 static void place(uint8_t *data, uint8_t *theirs, size_t nbytes, int code, int op, int way) {
-    size_t n = nbytes / sc_element_size(code);
-    if (way == WAY_TAKE) {
+    if (way == WAY_TAKE || way == WAY_SWAP) {
         memcpy(data, theirs, nbytes);
-    } else if (way == WAY_OWN_FIRST || way == WAY_FOLD_IN) {
+        return;
+    }
+    size_t n = nbytes / sc_element_size(code);
+    if (way == WAY_OWN_FIRST || way == WAY_FOLD_IN) {
         sc_reduce(data, theirs, n, code, op);
     } else {
         sc_reduce(theirs, data, n, code, op);
@@ -84,24 +86,32 @@ static int receive_frame(int fd, uint8_t *data, size_t nbytes, const uint8_t *ex
     }
 }
 
+/* A frame's two headers: the array's, and an empty frame's (the same call's, with no payload). */
+struct headers {
+    const uint8_t *full, *empty;
+};
+
 /* One step of the row (swap.h): send, where the way sends; then wait for the peer's frame, read
-   it and place it, where the way receives. */
-static int run_step(int fd, int way, const uint8_t *header, size_t header_bytes, uint8_t *data, size_t nbytes,
-                    const uint8_t *expect, uint8_t *inbound, int code, int op, int64_t spin_ns, int64_t wait_ns,
+   it and place it, where the way receives; either frame empty where the way's flags say so. */
+static int run_step(int fd, int way, struct headers ours, size_t header_bytes, uint8_t *data, size_t nbytes,
+                    struct headers expect, uint8_t *inbound, int code, int op, int64_t spin_ns, int64_t wait_ns,
                     size_t *sent) {
     int64_t start = sc_now_ns(), end = start + wait_ns;
+    int kind = way & WAY_KIND_MASK, ours_empty = way & WAY_OURS_EMPTY, theirs_empty = way & WAY_THEIRS_EMPTY;
     *sent = 0;
-    if (way != WAY_TAKE && way != WAY_FOLD_IN) {
-        int64_t n = send_frame(fd, header, header_bytes, data, nbytes, end);
+    if (kind != WAY_TAKE && kind != WAY_FOLD_IN) {
+        size_t out = ours_empty ? 0 : nbytes;
+        int64_t n = send_frame(fd, ours_empty ? ours.empty : ours.full, header_bytes, data, out, end);
         if (n < 0)
             return (int)n;
         *sent = (size_t)n;
-        if ((size_t)n < header_bytes + nbytes)
+        if ((size_t)n < header_bytes + out)
             return SWAP_PARTIAL;
     }
-    if (way == WAY_GIVE)
+    if (kind == WAY_GIVE)
         return SWAP_DONE;
-    return receive_frame(fd, data, nbytes, expect, header_bytes, inbound, code, op, way, start, spin_ns, end);
+    return receive_frame(fd, data, theirs_empty ? 0 : nbytes, theirs_empty ? expect.empty : expect.full, header_bytes,
+                         inbound, code, op, kind, start, spin_ns, end);
 }
 
 /* n bytes of v at field, little-endian. */
@@ -110,22 +120,33 @@ static void put_le(uint8_t *field, uint64_t v, int n) {
         field[k] = (uint8_t)(v >> (8 * k));
 }
 
+/* The same header with no payload: an empty frame of the same call. */
+static void empty_of(uint8_t *empty, const uint8_t *full, size_t header_bytes) {
+    memcpy(empty, full, header_bytes);
+    put_le(empty + SWAP_NBYTES_AT, 0, 8);
+    put_le(empty + SWAP_DIM0_AT, 0, 8);
+}
+
 int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *ways, const uint8_t *header,
                 size_t header_bytes, uint32_t tag, uint64_t seq, uint8_t *data, size_t nbytes, uint8_t *inbound,
                 int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent) {
-    uint8_t ours[MAX_HEADER_BYTES], expect[MAX_HEADER_BYTES];
+    uint8_t ours[MAX_HEADER_BYTES], expect[MAX_HEADER_BYTES], ours_empty[MAX_HEADER_BYTES],
+        expect_empty[MAX_HEADER_BYTES];
     memcpy(ours, header, header_bytes);
     put_le(ours + SWAP_TAG_AT, tag, 4);
     put_le(ours + SWAP_SEQ_AT, seq, 8);
+    empty_of(ours_empty, ours, header_bytes);
     memcpy(expect, ours, header_bytes);
+    memcpy(expect_empty, ours_empty, header_bytes);
     int64_t end = sc_now_ns() + left_ns;
     for (*done = 0; *done < steps; ++*done) {
         int i = *done;
         put_le(expect + SWAP_SRC_AT, srcs[i], 4);
+        put_le(expect_empty + SWAP_SRC_AT, srcs[i], 4);
         int64_t left = end - sc_now_ns();
         int64_t wait = left < 0 ? 0 : left < wait_ns ? left : wait_ns;
-        int status = run_step(fds[i], ways[i], ours, header_bytes, data, nbytes, expect, inbound, code, op, spin_ns,
-                              wait, sent);
+        int status = run_step(fds[i], ways[i], (struct headers){ours, ours_empty}, header_bytes, data, nbytes,
+                              (struct headers){expect, expect_empty}, inbound, code, op, spin_ns, wait, sent);
         if (status != SWAP_DONE)
             return status;
     }

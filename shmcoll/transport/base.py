@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from .tcp import SwapRow
 
 
+#: What an empty frame carries: nothing (its header alone describes the call).
+EMPTY = np.empty(0, dtype=np.uint8)
 #: What a step of Transport._swaps or _duplexes did: nothing, or sent the array only.
 NOT_STARTED, SENT = range(2)
 #: One step of send_recv_row: the array sent, the array received into, and how (op: folded; None: copied).
@@ -48,17 +50,38 @@ class Way(enum.IntEnum):
     """What a step of exchanges() does with its peer (kernels.swap_row's ways). An exchange sends
     the array and folds the peer's in, in the order both ends use; among a number of ranks that is
     not a power of two, a rank past the largest power of two gives its array to a partner, which
-    folds it in, and takes the result back from it."""
+    folds it in, and takes the result back from it. A broadcast's steps move the array one way and
+    an empty frame, which only describes the call, the other (or empty frames both ways where the
+    array has not come yet): doubling_broadcast.py's."""
 
     THEIRS_FIRST = kernels.WAY_THEIRS_FIRST  # exchange: data = theirs op data
     OWN_FIRST = kernels.WAY_OWN_FIRST  # exchange: data = data op theirs
     GIVE = kernels.WAY_GIVE  # send only
     TAKE = kernels.WAY_TAKE  # receive only: the peer's array replaces data
     FOLD_IN = kernels.WAY_FOLD_IN  # receive only: data = data op theirs
+    CAST_OUT = kernels.WAY_SWAP | kernels.WAY_THEIRS_EMPTY  # send; an empty frame back
+    CAST_IN = kernels.WAY_SWAP | kernels.WAY_OURS_EMPTY  # an empty frame out; the peer's array replaces data
+    MEET = kernels.WAY_SWAP | kernels.WAY_OURS_EMPTY | kernels.WAY_THEIRS_EMPTY  # empty frames both ways
+    GIVE_EMPTY = kernels.WAY_GIVE | kernels.WAY_OURS_EMPTY  # send only, an empty frame
+    TAKE_EMPTY = kernels.WAY_TAKE | kernels.WAY_THEIRS_EMPTY  # receive only, an empty frame
 
     @property
     def sends(self) -> bool:
-        return self in (Way.THEIRS_FIRST, Way.OWN_FIRST, Way.GIVE)
+        return self not in (Way.TAKE, Way.FOLD_IN, Way.TAKE_EMPTY)
+
+    @property
+    def receives(self) -> bool:
+        return self not in (Way.GIVE, Way.GIVE_EMPTY)
+
+    @property
+    def sends_data(self) -> bool:
+        """Whether what this step sends is the array (else nothing, or an empty frame)."""
+        return self.sends and not self & kernels.WAY_OURS_EMPTY
+
+    @property
+    def takes_data(self) -> bool:
+        """Whether what this step receives is the peer's array (else nothing, or an empty frame)."""
+        return self.receives and not self & kernels.WAY_THEIRS_EMPTY
 
 
 #: One step of exchanges(): the peer, and what this rank does with it.
@@ -132,15 +155,16 @@ class Transport(ABC):
             return ()
         peer, way = steps[swapped]
         if done == NOT_STARTED and way.sends:
-            self.send(peer, tag, data, code, meta, deadline)
-        if way is not Way.GIVE:
-            self._fold_theirs(peer, tag, data, code, meta, deadline, op, way)
+            self.send(peer, tag, data if way.sends_data else EMPTY, code, meta, deadline)
+        if way.receives:
+            self._fold_theirs(peer, tag, data if way.takes_data else EMPTY, code, meta, deadline, op, way)
         return steps[swapped + 1:]
 
     def _fold_theirs(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
                      op: ReduceKind, way: Way) -> None:
-        """A step's receive: peer's array folded into data in the order both ends use, or copied (TAKE)."""
-        if way is Way.TAKE or not data.nbytes:  # an empty frame only meets
+        """A step's receive: peer's array folded into data in the order both ends use, or copied
+        (TAKE, CAST_IN), or an empty frame met."""
+        if way in (Way.TAKE, Way.CAST_IN) or not data.nbytes:  # an empty frame only meets
             self.recv_into(peer, tag, data, code, deadline, meta)
             return
         if way is not Way.THEIRS_FIRST:

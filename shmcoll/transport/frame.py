@@ -35,6 +35,8 @@ _TAG = struct.Struct("<I")  # the tag, at TAG_AT
 TAG_AT = 16
 _SEQ = struct.Struct("<Q")  # meta.seq, at SEQ_AT
 SEQ_AT = 28
+NBYTES_AT = 44  # the payload's bytes (8, as meta.seq)
+DIM0_AT = 52  # the payload's first dimension (8)
 
 #: Meta.dtype of calls whose dtype only one rank knows (scatter: the root's data decides).
 ROOTS_DTYPE = 0
@@ -90,6 +92,15 @@ def for_call(header: bytes | np.ndarray, tag: int, seq: int) -> bytes:
     out = bytearray(header)
     _TAG.pack_into(out, TAG_AT, tag)
     _SEQ.pack_into(out, SEQ_AT, seq)
+    return bytes(out)
+
+
+def without_payload(header: bytes) -> bytes:
+    """The header of the same call's empty frame (a 1-D array's header with no bytes and a first
+    dimension of 0): what kernels.swap_row sends for a step whose own frame is empty."""
+    out = bytearray(header)
+    _SEQ.pack_into(out, NBYTES_AT, 0)
+    _SEQ.pack_into(out, DIM0_AT, 0)
     return bytes(out)
 
 

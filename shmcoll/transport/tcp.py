@@ -46,7 +46,7 @@ from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from ..net.congestion import paced
 from ..types import ReduceKind
 from . import frame
-from .base import NOT_STARTED, SENT, LinkTransport, PeerStep, Step, Transport
+from .base import EMPTY, NOT_STARTED, SENT, LinkTransport, PeerStep, Step, Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -78,6 +78,7 @@ DUPLEX_SLICE_SECONDS = CALLER_SLEEP_SECONDS
 #: all-reduce of 2 hosts x 1 took 267-280 us instead of 299-301, 16 MiB 3.96-3.98 ms instead of
 #: 4.49-4.54, 64 MiB on 2 x 2 48.9-49.4 ms instead of 51.4-54.6; 4 x 1 at 16 MiB alike.
 DUPLEX_LEAD_BYTES = 512 << 10
+_ROWS_KEPT = 256  # prepared rows a transport keeps (a group's calls ask for a few kinds)
 #: ... and on one BBR paces (SHMCOLL_TCP_CONGESTION=system on such a kernel), where the larger lead
 #: held every connection in BBR's slow mode: 1 MiB on 2 x 1 took 452-545 us in 3 runs of 3 with
 #: it, 308-312 in 2 of 3 with this one (744 in the third).
@@ -124,6 +125,7 @@ class NetTransport(LinkTransport):
         self._leads = {peer: duplex_lead(sock) for peer, sock in socks.items()}
         self._beats = {peer: frame.pack(HEARTBEAT, peer, 0, Meta(), 0, (), 0) for peer in socks}  # as they come
         self._scratch = threading.local()  # each thread's DUPLEX_SCRATCH_BYTES
+        self._rows: dict[tuple[PeerStep, ...], SwapRow | None] = {}  # prepare_row's, by steps
         for peer, sock in socks.items():
             sock.settimeout(_POLL)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -173,7 +175,17 @@ class NetTransport(LinkTransport):
 
     # ---- both ways at once ----
     def prepare_row(self, steps: Sequence[PeerStep]) -> SwapRow | None:
-        """The first steps whose peers this transport reaches, with their connections looked up."""
+        """The first steps whose peers this transport reaches, with their connections looked up:
+        worked out once per kind of row (the connections are all made at start), since a general
+        path's all-reduce or broadcast asks for its row at every call."""
+        key = tuple(steps)
+        if key not in self._rows:
+            if len(self._rows) >= _ROWS_KEPT:
+                self._rows.clear()
+            self._rows[key] = self._row_of(key)
+        return self._rows[key]
+
+    def _row_of(self, steps: Sequence[PeerStep]) -> SwapRow | None:
         reached: list[PeerStep] = []
         for step in steps:
             if step[0] not in self._inboxes:
@@ -184,7 +196,7 @@ class NetTransport(LinkTransport):
         peers = [peer for peer, _ in reached]
         first = [peers.index(peer) for peer in peers]
         return SwapRow(peers, bytes(way for _, way in reached), tuple(i for i, f in enumerate(first) if f == i), first,
-                       tuple(way.sends for _, way in reached),
+                       tuple(way.sends_data for _, way in reached),
                        [self._inboxes[peer] for peer in peers], [self._send_locks[peer] for peer in peers])
 
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
@@ -223,19 +235,22 @@ class NetTransport(LinkTransport):
         if swapped == claimed:
             return swapped, NOT_STARTED
         peer = peers[swapped]
+        sends_data = row.sends_data[swapped]
         if status == kernels.SWAP_PARTIAL:  # the reader thread drains the peer's frame meanwhile
+            out = frame.for_call(header, tag, seq)
             try:
-                self._send_rest(peer, frame.for_call(header, tag, seq), data, sent, deadline)
+                self._send_rest(peer, out if sends_data else frame.without_payload(out), data if sends_data else EMPTY,
+                                sent, deadline)
             finally:
                 row.send_locks[swapped].release()
         elif status < 0:
             raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
-        self.bytes_to[peer] += data.nbytes if row.sends[swapped] else 0
+        self.bytes_to[peer] += data.nbytes if sends_data else 0
         return swapped, SENT
 
     def _count_sent(self, row: SwapRow, swapped: int, nbytes: int) -> None:
         """bytes_to after a row's first `swapped` steps: data's bytes to each step's peer that sends."""
-        for peer, sends in zip(row.peers[:swapped], row.sends):
+        for peer, sends in zip(row.peers[:swapped], row.sends_data):
             if sends:
                 self.bytes_to[peer] += nbytes
 
@@ -598,7 +613,7 @@ class SwapRow(NamedTuple):
     ways: bytes  # kernels.swap_row's: byte i, what step i does (Way)
     claims: tuple[int, ...]  # the steps that take their peer's connections: each peer's first
     first: list[int]  # for each step, the step that took its peer's connections
-    sends: tuple[bool, ...]  # whether step i sends
+    sends_data: tuple[bool, ...]  # whether step i sends the array (not nothing, or an empty frame)
     inboxes: list[_Inbox]
     send_locks: list[threading.Lock]
 
