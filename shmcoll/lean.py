@@ -55,6 +55,7 @@ from .algorithms import two_level
 from .algorithms.barrier import doubling_barrier
 from .algorithms.call import Call
 from .algorithms.doubling import doubling_steps
+from .algorithms.doubling_broadcast import cast_steps, in_one_row
 from .algorithms.ring import summed
 from .algorithms.select import Algorithm, select
 from .errors import InvalidArgument
@@ -89,6 +90,9 @@ class _Prepared(NamedTuple):
     #: it; None where the board's step runs.
     algorithm: Callable[[Call, np.ndarray], None] | None = None
     source: int = 0  # a broadcast's root as the board step takes it (Board.board_source)
+    #: A broadcast's steps across hosts in this rank's column (doubling_broadcast.cast_steps), and
+    #: their prepared row where the transport runs one (lean across hosts only).
+    cast_row: tuple[Sequence[PeerStep], SwapRow | None] | None = None
     shape: tuple[int, ...] = ()  # an all-gather's or a reduce-scatter's output
 
 
@@ -280,9 +284,13 @@ class LeanPath:
         algorithm = select(Collective.BROADCAST, data.nbytes, self._setting)
         if self._alone:
             return p
-        if self._casts_on_board(algorithm):
-            return p._replace(source=self._board.board_source(root))
+        if self._casts_on_board(algorithm, data):
+            return self._casting(p, root)
         return p._replace(algorithm=broadcast_algorithm(self._group_where, algorithm, root))
+
+    def _casting(self, p: _Prepared, root: int) -> _Prepared:
+        """p as _cast runs a broadcast from root: the root's place on the board."""
+        return p._replace(source=self._board.board_source(root))
 
     def _prepare_all_gather(self, local: np.ndarray) -> _Prepared | None:
         """None for a dtype that cannot be sent (the general path says so), or an all-gather this
@@ -302,9 +310,9 @@ class LeanPath:
         path leaves to the general one)."""
         return p if algorithm == Algorithm.BOARD else None
 
-    def _casts_on_board(self, algorithm: Algorithm) -> bool:
-        """Whether a broadcast selected to run `algorithm` takes the board's step here (across hosts,
-        its algorithm always runs)."""
+    def _casts_on_board(self, algorithm: Algorithm, data: np.ndarray) -> bool:
+        """Whether a broadcast of data selected to run `algorithm` runs here (_cast: the board's
+        step), not as its algorithm."""
         return algorithm == Algorithm.BOARD
 
     def _runs(self, algorithm: Algorithm, data: np.ndarray) -> bool:
@@ -403,7 +411,7 @@ class LeanAcrossHosts(LeanPath):
     two_level.py's would, so ranks may take either path."""
 
     def __init__(self, runner: Runner, transport: Transport, where: Where, topology: Topology):
-        self._host = topology.local_ranks(transport.rank)
+        self._host, self._host_of = topology.local_ranks(transport.rank), topology.host_of
         self._column, self._first_handed = two_level.small_crossing(topology, transport.rank)
         self._reduce_across = two_level.column_all_reduce(topology.n_hosts)
         self._steps = two_level.column_steps(self._column, transport.rank) if self._column is not None else None
@@ -450,8 +458,39 @@ class LeanAcrossHosts(LeanPath):
     def _board_guard(self, tag: int, meta: Meta) -> BoardGuard:
         return self._t.host_board_guard(tag, meta)
 
-    def _casts_on_board(self, algorithm: Algorithm) -> bool:
-        return False
+    def _casts_on_board(self, algorithm: Algorithm, data: np.ndarray) -> bool:
+        """The small two-level broadcast (two_level_broadcast.two_level_one_shot_broadcast), where
+        its host's step runs on the board (or this rank is alone on its host) and its column's steps
+        in one row."""
+        return self._runs(algorithm, data) and in_one_row(data.nbytes, self._chunk_bytes)
+
+    def _casting(self, p: _Prepared, root: int) -> _Prepared:
+        """p as _cast runs a broadcast from root: the root's place on the host's board (none: on
+        another host), and the column's steps across hosts with their row."""
+        board = self._host_board
+        if board is not None:
+            p = p._replace(source=board.board_source(root if root in self._host else None))
+        if self._column is None:
+            return p
+        steps = cast_steps(self._column, self._t.rank, self._host_of[root])
+        return p._replace(cast_row=(steps, self._t.prepare_row(steps)))
+
+    def _cast(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+        """two_level_one_shot_broadcast's frames: the host's board step, where the root's host takes
+        the root's array and the other hosts' ranks only meet; the column's doubling across hosts
+        in one native call (its prepared row); the leader's hand-on to ranks of no column."""
+        if self._host_board is not None:
+            super()._cast(flat, p, seq, start)
+        tag, deadline, meta = self._t.tag_of(seq), start + self._t.timeout, p.meta._replace(seq=seq)
+        if p.cast_row is not None:
+            steps, row = p.cast_row
+            if row is not None:
+                self._row_across(steps, row, flat, p, tag, seq, deadline)
+            else:
+                self._t.exchanges(steps, tag, flat, p.code, meta, deadline, ReduceKind.SUM)
+        if self._handing:
+            two_level.from_leader(Call(self._t, tag, meta, p.code, deadline), self._host, self._host_board, flat,
+                                  self._first_handed, keeps=p.meta.root)
 
     def _gathering(self, p: _Prepared, algorithm: Algorithm) -> _Prepared | None:
         """Across hosts an all-gather always runs its algorithm (plans.all_gather_algorithm), over

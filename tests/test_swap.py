@@ -6,8 +6,8 @@ call stays in the socket for the reader thread; a peer that is not there in time
 there, and a socket that takes only part of the frame and a failed send are each reported, never
 waited out; a row sent from a header kept per kind of call sends the call's own frame. Then in
 ranks on simulated hosts: the small all-reduce across two hosts and the doubling among four take
-this path, and a late peer falls back to the receive that waits for it. A broadcast's steps send the
-array one way and an empty frame the other, in rows of their own ways.
+this path, as do the small broadcast's doubling steps (the array one way, an empty frame the other,
+in rows of their own ways), and a late peer falls back to the receive that waits for it.
 """
 
 from __future__ import annotations
@@ -530,6 +530,35 @@ def test_a_barrier_across_hosts_meets_in_one_call(layout, steps, monkeypatch):
     for rows, most in zip(out, steps):
         assert 0 < len(rows) <= 4 * most and all(done <= most for _, done in rows), rows
     assert any(row == (kernels.SWAP_DONE, most) for rows, most in zip(out, steps) for row in rows)
+
+
+def _broadcast_swaps(pg) -> dict:
+    """Small broadcasts from every root, each swap_row counted; what each rank got."""
+    rows = _count_rows()
+    results = []
+    for root in range(pg.world_size):
+        x = np.arange(3, dtype=np.float32) + (100 * (root + 1) if pg.rank == root else -pg.rank)
+        pg.broadcast(root, x)
+        results.append(x.tolist())
+    return {"rows": rows, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, steps", [("halves", [1] * 4), ("each", [2] * 4), ("each", [3, 1, 2])])
+def test_a_small_broadcast_across_hosts_crosses_in_one_call(layout, steps, monkeypatch):
+    """2+2 ranks: after the host's board each column passes the array on in one native call (one
+    step: the array one way, an empty frame back); 4 hosts of one rank: both doubling steps in one
+    call; 3: the third's hand-offs through the first too (doubling_broadcast.cast_steps). Each
+    rank's steps in one call per broadcast (or fewer, where a peer's frame was in the mailbox
+    first), from every root, and every rank holds the root's array."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    n = len(steps)
+    out = run_ranks(n, _broadcast_swaps)
+    for o, most in zip(out, steps):
+        assert 0 < len(o["rows"]) <= n * most and all(done <= most for _, done in o["rows"]), o["rows"]
+        assert o["results"] == [(np.arange(3) + 100 * (root + 1)).tolist() for root in range(n)]
+    assert any(row == (kernels.SWAP_DONE, most) for o, most in zip(out, steps) for row in o["rows"])
 
 
 @pytest.mark.multiprocess
