@@ -73,16 +73,17 @@ write_to_peers = _native.write_to_peers
 #: in own; d >= 1 also divides each finished piece by d where d > 1 (AVG, float codes) and writes
 #: it into every peer's array (process_vm_writev) while it is still in cache.
 reduce_from_peers = _native.reduce_from_peers
-#: swap_row(fds, srcs, ways, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns,
+#: swap_row(fds, srcs, ways, header, tag, seq, data, into, inbound, code, op, spin_ns, wait_ns,
 #: left_ns) -> (status, done, sent): pairwise steps with TCP peers in a row (native/swap.h), step
 #: i as byte i of ways says (WAY_*). A step that sends sends header, with the call's tag and
 #: sequence number written in (frame.for_call), and data on socket fds[i]; one that receives waits
 #: until that peer's frame (its header ours with srcs[i] as the source, its payload data's length)
 #: is whole in the socket, reads it into inbound and folds it into data (data op theirs for
-#: WAY_OWN_FIRST and WAY_FOLD_IN, theirs op data for WAY_THEIRS_FIRST) or copies it (WAY_TAKE,
-#: and WAY_SWAP, which sends too). WAY_OURS_EMPTY or WAY_THEIRS_EMPTY added to a way that sends or
-#: receives without folding makes that frame empty (the same header with no payload: a 1-D
-#: array's call), as a broadcast's step sends the array one way and only meets the other.
+#: WAY_OWN_FIRST and WAY_FOLD_IN, theirs op data for WAY_THEIRS_FIRST; into must be data) or
+#: copies it into `into` (WAY_TAKE, and WAY_SWAP, which sends too; data's length). WAY_OURS_EMPTY
+#: or WAY_THEIRS_EMPTY added to a way that sends or receives without folding makes that frame
+#: empty (the same header with no payload: a 1-D array's call), as a broadcast's step sends the
+#: array one way and only meets the other.
 #: Each wait lasts at most wait_ns, the row at most left_ns. done: the steps finished; status, of
 #: the step that stopped the row: SWAP_SENT (whatever it sends went out, the peer's frame is not
 #: there in time or another frame comes first: nothing was read); SWAP_PARTIAL (only `sent` bytes

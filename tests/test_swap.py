@@ -59,8 +59,8 @@ def _row(socks, rank: int, peers: list[int], data: np.ndarray, op: ReduceKind, w
     and 3, and its peers here send and expect what frame.pack makes of those)."""
     storage = data.view(np.uint16) if data.dtype == np.float16 else data
     return kernels.swap_row([s.fileno() for s in socks], peers, ways, _header(rank, data, op, seq=0, tag=0),
-                            TAG, 3, storage, np.empty(HEADER_SIZE + data.nbytes, np.uint8), CODES[data.dtype], int(op),
-                            0, wait_ns, len(peers) * wait_ns)
+                            TAG, 3, storage, storage, np.empty(HEADER_SIZE + data.nbytes, np.uint8), CODES[data.dtype],
+                            int(op), 0, wait_ns, len(peers) * wait_ns)
 
 
 def _both_ends(pair, lower: np.ndarray, higher: np.ndarray, op: ReduceKind) -> list[tuple[int, int]]:
@@ -104,7 +104,7 @@ def test_empty_frames_only_meet(pair):
     statuses: list = [None, None]
 
     def end(i: int) -> None:
-        statuses[i] = kernels.swap_row([pair[i].fileno()], [1 - i], bytes([i == 0]), headers[i], TAG, 1, empty,
+        statuses[i] = kernels.swap_row([pair[i].fileno()], [1 - i], bytes([i == 0]), headers[i], TAG, 1, empty, empty,
                                        np.empty(HEADER_SIZE, np.uint8), U8.code, 0, 0, WAIT_NS, WAIT_NS)
     other = threading.Thread(target=end, args=(1,))
     other.start()
@@ -170,14 +170,17 @@ def test_a_failed_send_is_its_errno(pair):
 @pytest.mark.parametrize("change", ["short inbound", "short header", "no loop", "negative wait", "fewer srcs",
                                     "too many steps", "tag past 32 bits", "negative seq", "no such way",
                                     "no such flag", "an empty frame folded", "an empty frame never sent",
-                                    "an empty frame of a 2-D call", "fewer ways"])
+                                    "an empty frame of a 2-D call", "folded into another array",
+                                    "into of another length", "fewer ways"])
 def test_arguments_that_do_not_describe_exchanges_are_refused(pair, change):
     data = np.ones(4, dtype=np.float32)
     header = _header(0, data, ReduceKind.SUM)
-    args = [[pair[0].fileno()], [1], bytes([Way.OWN_FIRST]), header, TAG, 3, data,
+    args = [[pair[0].fileno()], [1], bytes([Way.OWN_FIRST]), header, TAG, 3, data, data,
             np.empty(HEADER_SIZE + data.nbytes, np.uint8), F32.code, int(ReduceKind.SUM), 0, WAIT_NS, WAIT_NS]
-    index, value = {"short inbound": (7, np.empty(HEADER_SIZE, np.uint8)), "short header": (3, header[:35]),
-                    "no loop": (8, 99), "negative wait": (11, -1), "fewer srcs": (1, []),
+    index, value = {"short inbound": (8, np.empty(HEADER_SIZE, np.uint8)), "short header": (3, header[:35]),
+                    "no loop": (9, 99), "negative wait": (12, -1), "fewer srcs": (1, []),
+                    "folded into another array": (7, np.ones(4, dtype=np.float32)),
+                    "into of another length": (7, np.ones(5, dtype=np.float32)),
                     "too many steps": (0, [pair[0].fileno()] * 65), "tag past 32 bits": (4, 1 << 32),
                     "negative seq": (5, -1), "no such way": (2, bytes([kernels.WAY_SWAP + 1])),
                     "no such flag": (2, bytes([kernels.WAY_SWAP | 32])),
@@ -264,7 +267,7 @@ def _cast_row(socks, rank: int, peers: list[int], data: np.ndarray, ways: list[W
     """A broadcast's row (a 1-D float32 array) from a header kept per kind of call."""
     meta = Meta(seq=0, coll=int(Collective.BROADCAST), dtype=F32.code, elements=data.size)
     header = frame.pack(DATA, rank, 0, meta, F32.code, data.shape, data.nbytes)
-    return kernels.swap_row([s.fileno() for s in socks], peers, bytes(ways), header, TAG, 3, data,
+    return kernels.swap_row([s.fileno() for s in socks], peers, bytes(ways), header, TAG, 3, data, data,
                             np.empty(HEADER_SIZE + data.nbytes, np.uint8), F32.code, 0, 0, WAIT_NS,
                             len(peers) * WAIT_NS)
 
@@ -310,13 +313,37 @@ def test_a_broadcasts_row_copies_a_dtype_that_has_no_reduction(pair):
 
     def end(i: int, data: np.ndarray, way: Way) -> None:
         header = frame.pack(DATA, i, 0, meta, U8.code, data.shape, data.nbytes)
-        results[i] = kernels.swap_row([pair[i].fileno()], [1 - i], bytes([way]), header, TAG, 3, data,
+        results[i] = kernels.swap_row([pair[i].fileno()], [1 - i], bytes([way]), header, TAG, 3, data, data,
                                       np.empty(HEADER_SIZE + data.nbytes, np.uint8), U8.code, 0, 0, WAIT_NS, WAIT_NS)
     other = threading.Thread(target=end, args=(1, theirs, Way.CAST_IN))
     other.start()
     end(0, mine, Way.CAST_OUT)
     other.join(timeout=30)
     assert [r[:2] for r in results] == [(kernels.SWAP_DONE, 1)] * 2 and theirs.tolist() == list(range(7))
+
+
+def test_a_swap_sends_one_range_and_takes_the_peers_into_another(pair):
+    """An all-gather's step between two hosts: each end sends its half of the output and takes the
+    other's into the other half (swap_row's `into`), so both hold the whole; data, which it only
+    sends, may be read-only."""
+    ends = [np.array([1, 2, 0, 0], np.float32), np.array([0, 0, 3, 4], np.float32)]
+    halves = [(slice(0, 2), slice(2, 4)), (slice(2, 4), slice(0, 2))]
+    meta = Meta(seq=0, coll=int(Collective.ALL_GATHER), dtype=F32.code, elements=1)
+    results: list = [None, None]
+
+    def end(i: int) -> None:
+        mine, theirs = ends[i][halves[i][0]], ends[i][halves[i][1]]
+        out = mine.copy()
+        out.flags.writeable = False
+        header = frame.pack(DATA, i, 0, meta, F32.code, out.shape, out.nbytes)
+        results[i] = kernels.swap_row([pair[i].fileno()], [1 - i], bytes([Way.SWAP]), header, TAG, 3, out, theirs,
+                                      np.empty(HEADER_SIZE + out.nbytes, np.uint8), F32.code, 0, 0, WAIT_NS, WAIT_NS)
+    other = threading.Thread(target=end, args=(1,))
+    other.start()
+    end(0)
+    other.join(timeout=30)
+    assert [r[:2] for r in results] == [(kernels.SWAP_DONE, 1)] * 2
+    assert ends[0].tolist() == ends[1].tolist() == [1, 2, 3, 4]
 
 
 def test_an_empty_frame_on_the_wire_is_the_calls_header_with_no_bytes(pair):

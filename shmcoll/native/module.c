@@ -399,8 +399,8 @@ static int way_is_valid(uint8_t way, const uint8_t *header, size_t header_bytes)
            (receives || !(flags & WAY_THEIRS_EMPTY));
 }
 
-/* Whether a row's ways place anything into its data: a root's broadcast only sends (and meets),
-   so its array may be read-only. */
+/* Whether a row's ways place anything into `into`: a root's broadcast only sends (and meets), so
+   its array may be read-only. */
 static int row_writes(const uint8_t *ways, Py_ssize_t steps) {
     for (Py_ssize_t i = 0; i < steps; ++i)
         if ((ways[i] & WAY_KIND_MASK) != WAY_GIVE && !(ways[i] & WAY_THEIRS_EMPTY))
@@ -420,26 +420,28 @@ static int row_folds(const uint8_t *ways, Py_ssize_t steps) {
 }
 
 static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    held_buffer ways = {0}, header = {0}, data = {0}, inbound = {0};
+    held_buffer ways = {0}, header = {0}, data = {0}, into = {0}, inbound = {0};
     int64_t fd_list[SWAP_MAX_STEPS], src_list[SWAP_MAX_STEPS];
     int64_t tag, seq, code, op, spin_ns, wait_ns, left_ns;
     Py_ssize_t steps = 0, srcs = 0;
     PyObject *result = NULL;
-    if (check_count(nargs, 13, "swap_row") || int_row(args[0], fd_list, &steps, "swap_row fds") ||
+    if (check_count(nargs, 14, "swap_row") || int_row(args[0], fd_list, &steps, "swap_row fds") ||
         int_row(args[1], src_list, &srcs, "swap_row srcs") || hold(args[2], &ways, 0, "swap_row ways") ||
-        as_i64(args[4], &tag) || as_i64(args[5], &seq) || as_i64(args[8], &code) || as_i64(args[9], &op) ||
-        as_i64(args[10], &spin_ns) || as_i64(args[11], &wait_ns) || as_i64(args[12], &left_ns) ||
+        as_i64(args[4], &tag) || as_i64(args[5], &seq) || as_i64(args[9], &code) || as_i64(args[10], &op) ||
+        as_i64(args[11], &spin_ns) || as_i64(args[12], &wait_ns) || as_i64(args[13], &left_ns) ||
         hold(args[3], &header, 0, "swap_row header") ||
-        hold(args[6], &data, row_writes(ways.view.buf, ways.view.len), "swap_row data") ||
-        hold(args[7], &inbound, 1, "swap_row inbound"))
+        hold(args[6], &data, row_folds(ways.view.buf, ways.view.len), "swap_row data") ||
+        hold(args[7], &into, row_writes(ways.view.buf, ways.view.len), "swap_row into") ||
+        hold(args[8], &inbound, 1, "swap_row inbound"))
         goto done;
     size_t size = sc_element_size((int)code);
     int fds[SWAP_MAX_STEPS];
     uint32_t peers[SWAP_MAX_STEPS];
     const uint8_t *way = ways.view.buf;
     int valid = steps == srcs && ways.view.len == steps &&
+                into.view.len == data.view.len &&
                 (data.view.len == 0 || !row_folds(way, steps) ||
-                 (sc_has_loop(code, op) && data.view.len % size == 0)) &&
+                 (sc_has_loop(code, op) && data.view.len % size == 0 && into.view.buf == data.view.buf)) &&
                 header.view.len >= SWAP_SEQ_AT + 8 && header.view.len <= MAX_HEADER_BYTES && tag >= 0 &&
                 tag <= UINT32_MAX && seq >= 0 &&
                 inbound.view.len == header.view.len + data.view.len && spin_ns >= 0 && wait_ns >= 0 && left_ns >= 0;
@@ -457,14 +459,15 @@ static PyObject *swap_row(PyObject *self, PyObject *const *args, Py_ssize_t narg
     int status, finished;
     Py_BEGIN_ALLOW_THREADS
     status = sc_swap_row(fds, peers, (int)steps, way, header.view.buf, (size_t)header.view.len,
-                         (uint32_t)tag, (uint64_t)seq, data.view.buf, (size_t)data.view.len, inbound.view.buf,
-                         (int)code, (int)op, spin_ns, wait_ns, left_ns, &finished, &sent);
+                         (uint32_t)tag, (uint64_t)seq, data.view.buf, into.view.buf, (size_t)data.view.len,
+                         inbound.view.buf, (int)code, (int)op, spin_ns, wait_ns, left_ns, &finished, &sent);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(iin)", status, finished, (Py_ssize_t)sent);
 done:
     release(&ways);
     release(&header);
     release(&data);
+    release(&into);
     release(&inbound);
     return result;
 }
@@ -574,7 +577,7 @@ static PyMethodDef methods[] = {
      "rank order into own; deliver 0 keeps the result there, d >= 1 also divides each piece by d (where d > 1) "
      "and writes it into every peer's array"},
     {"swap_row", (PyCFunction)(void (*)(void))swap_row, METH_FASTCALL,
-     "swap_row(fds, srcs, ways, header, tag, seq, data, inbound, code, op, spin_ns, wait_ns, left_ns) -> "
+     "swap_row(fds, srcs, ways, header, tag, seq, data, into, inbound, code, op, spin_ns, wait_ns, left_ns) -> "
      "(status, done, sent): pairwise steps with TCP peers in a row (native/swap.h), ways[i] step i's WAY_*"},
     {"duplex", (PyCFunction)(void (*)(void))duplex, METH_FASTCALL,
      "duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns, progress, "

@@ -64,8 +64,8 @@ static void place(uint8_t *data, uint8_t *theirs, size_t nbytes, int code, int o
     }
 }
 
-/* Wait for the peer's frame until end, then read it and place it into data. */
-static int receive_frame(int fd, uint8_t *data, size_t nbytes, const uint8_t *expect, size_t header_bytes,
+/* Wait for the peer's frame until end, then read it and place it into `into`. */
+static int receive_frame(int fd, uint8_t *into, size_t nbytes, const uint8_t *expect, size_t header_bytes,
                          uint8_t *inbound, int code, int op, int way, int64_t start, int64_t spin_ns, int64_t end) {
     for (;;) {
         int got = take_frame(fd, expect, header_bytes, inbound, header_bytes + nbytes);
@@ -73,7 +73,7 @@ static int receive_frame(int fd, uint8_t *data, size_t nbytes, const uint8_t *ex
             return SWAP_SENT;
         if (got > 0) {
             if (nbytes > 0)
-                place(data, inbound + header_bytes, nbytes, code, op, way);
+                place(into, inbound + header_bytes, nbytes, code, op, way);
             return SWAP_DONE;
         }
         int64_t now = sc_now_ns();
@@ -93,9 +93,9 @@ struct headers {
 
 /* One step of the row (swap.h): send, where the way sends; then wait for the peer's frame, read
    it and place it, where the way receives; either frame empty where the way's flags say so. */
-static int run_step(int fd, int way, struct headers ours, size_t header_bytes, uint8_t *data, size_t nbytes,
-                    struct headers expect, uint8_t *inbound, int code, int op, int64_t spin_ns, int64_t wait_ns,
-                    size_t *sent) {
+static int run_step(int fd, int way, struct headers ours, size_t header_bytes, const uint8_t *data, uint8_t *into,
+                    size_t nbytes, struct headers expect, uint8_t *inbound, int code, int op, int64_t spin_ns,
+                    int64_t wait_ns, size_t *sent) {
     int64_t start = sc_now_ns(), end = start + wait_ns;
     int kind = way & WAY_KIND_MASK, ours_empty = way & WAY_OURS_EMPTY, theirs_empty = way & WAY_THEIRS_EMPTY;
     *sent = 0;
@@ -110,7 +110,7 @@ static int run_step(int fd, int way, struct headers ours, size_t header_bytes, u
     }
     if (kind == WAY_GIVE)
         return SWAP_DONE;
-    return receive_frame(fd, data, theirs_empty ? 0 : nbytes, theirs_empty ? expect.empty : expect.full, header_bytes,
+    return receive_frame(fd, into, theirs_empty ? 0 : nbytes, theirs_empty ? expect.empty : expect.full, header_bytes,
                          inbound, code, op, kind, start, spin_ns, end);
 }
 
@@ -128,8 +128,9 @@ static void empty_of(uint8_t *empty, const uint8_t *full, size_t header_bytes) {
 }
 
 int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *ways, const uint8_t *header,
-                size_t header_bytes, uint32_t tag, uint64_t seq, uint8_t *data, size_t nbytes, uint8_t *inbound,
-                int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent) {
+                size_t header_bytes, uint32_t tag, uint64_t seq, const uint8_t *data, uint8_t *into, size_t nbytes,
+                uint8_t *inbound, int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done,
+                size_t *sent) {
     uint8_t ours[MAX_HEADER_BYTES], expect[MAX_HEADER_BYTES], ours_empty[MAX_HEADER_BYTES],
         expect_empty[MAX_HEADER_BYTES];
     memcpy(ours, header, header_bytes);
@@ -145,7 +146,7 @@ int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *
         put_le(expect_empty + SWAP_SRC_AT, srcs[i], 4);
         int64_t left = end - sc_now_ns();
         int64_t wait = left < 0 ? 0 : left < wait_ns ? left : wait_ns;
-        int status = run_step(fds[i], ways[i], (struct headers){ours, ours_empty}, header_bytes, data, nbytes,
+        int status = run_step(fds[i], ways[i], (struct headers){ours, ours_empty}, header_bytes, data, into, nbytes,
                               (struct headers){expect, expect_empty}, inbound, code, op, spin_ns, wait, sent);
         if (status != SWAP_DONE)
             return status;

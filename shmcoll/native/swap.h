@@ -53,13 +53,15 @@ enum {
    `header` then describes a 1-D array).
    Once the whole frame waits in the socket it is read into `inbound` (header then payload) and
    folded (data op theirs or theirs op data: float operations in one order on both ends, so both
-   hold bitwise the same result) or copied into data; empty frames only meet. Each wait polls for
-   spin_ns, yielding the core between looks, then sleeps in ppoll, for at most wait_ns and within
-   left_ns of the row's start. Nothing but those frames is ever read. *done: the steps finished;
+   hold bitwise the same result) or copied into `into` (data itself, or, for a row that only
+   copies, another array of its length: an all-gather's step sends its own range and takes the
+   peer's); empty frames only meet. Each wait polls for spin_ns, yielding the core between looks,
+   then sleeps in ppoll, for at most wait_ns and within left_ns of the row's start. Nothing but those frames is ever read. *done: the steps finished;
    the row stops at the first step that does not finish, which is the status's (SWAP_SENT for a
    step that only receives: nothing was read). */
 int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *ways, const uint8_t *header,
-                size_t header_bytes, uint32_t tag, uint64_t seq, uint8_t *data, size_t nbytes, uint8_t *inbound,
-                int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done, size_t *sent);
+                size_t header_bytes, uint32_t tag, uint64_t seq, const uint8_t *data, uint8_t *into, size_t nbytes,
+                uint8_t *inbound, int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done,
+                size_t *sent);
 
 #endif

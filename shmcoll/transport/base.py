@@ -59,6 +59,7 @@ class Way(enum.IntEnum):
     GIVE = kernels.WAY_GIVE  # send only
     TAKE = kernels.WAY_TAKE  # receive only: the peer's array replaces data
     FOLD_IN = kernels.WAY_FOLD_IN  # receive only: data = data op theirs
+    SWAP = kernels.WAY_SWAP  # exchange: the peer's array replaces data (or fills swap_row's `into`)
     CAST_OUT = kernels.WAY_SWAP | kernels.WAY_THEIRS_EMPTY  # send; an empty frame back
     CAST_IN = kernels.WAY_SWAP | kernels.WAY_OURS_EMPTY  # an empty frame out; the peer's array replaces data
     MEET = kernels.WAY_SWAP | kernels.WAY_OURS_EMPTY | kernels.WAY_THEIRS_EMPTY  # empty frames both ways
@@ -163,8 +164,8 @@ class Transport(ABC):
     def _fold_theirs(self, peer: int, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
                      op: ReduceKind, way: Way) -> None:
         """A step's receive: peer's array folded into data in the order both ends use, or copied
-        (TAKE, CAST_IN), or an empty frame met."""
-        if way in (Way.TAKE, Way.CAST_IN) or not data.nbytes:  # an empty frame only meets
+        (TAKE, CAST_IN, SWAP), or an empty frame met."""
+        if way in (Way.TAKE, Way.CAST_IN, Way.SWAP) or not data.nbytes:  # an empty frame only meets
             self.recv_into(peer, tag, data, code, deadline, meta)
             return
         if way is not Way.THEIRS_FIRST:
@@ -193,9 +194,10 @@ class Transport(ABC):
         return None
 
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
-                 op: ReduceKind, deadline: float) -> tuple[int, int]:
+                 op: ReduceKind, deadline: float, into: np.ndarray | None = None) -> tuple[int, int]:
         """A prepared row's exchanges at once, as _swaps, from a frame header packed once for calls
-        like this one (the native call writes in their tag and sequence number)."""
+        like this one (the native call writes in their tag and sequence number); into: where a row
+        that only copies places its peers' arrays (default data; the same length)."""
         raise NotImplementedError(f"the {self.name} transport runs no rows of exchanges")
 
     def send_recv(self, to: int, src: int, tag: int, out: np.ndarray, into: np.ndarray, code: int, meta: Meta,

@@ -71,8 +71,8 @@ class HierarchicalTransport(Transport):
         return self.net.prepare_row(steps[:remote]) if remote else None
 
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
-                 op: ReduceKind, deadline: float) -> tuple[int, int]:
-        return self.net.swap_row(row, header, tag, seq, data, code, op, deadline)
+                 op: ReduceKind, deadline: float, into: np.ndarray | None = None) -> tuple[int, int]:
+        return self.net.swap_row(row, header, tag, seq, data, code, op, deadline, into)
 
     def _remote_steps(self, steps: Sequence[PeerStep]) -> int:
         """How many of the first steps have remote peers."""

@@ -200,7 +200,7 @@ class NetTransport(LinkTransport):
                        [self._inboxes[peer] for peer in peers], [self._send_locks[peer] for peer in peers])
 
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
-                 op: ReduceKind, deadline: float) -> tuple[int, int]:
+                 op: ReduceKind, deadline: float, into: np.ndarray | None = None) -> tuple[int, int]:
         """Exchanges in a row, in one native call (kernels.swap_row: each step sends, waits,
         reads and folds, as its way says, with no Python between), as far as this thread can have
         the steps' connections at once (_claim_row): all are claimed first, so no reader thread
@@ -227,8 +227,8 @@ class NetTransport(LinkTransport):
             left_s = max(0.0, deadline - time.monotonic())
             inbound = np.empty(HEADER_SIZE + data.nbytes, np.uint8)
             status, swapped, sent = kernels.swap_row(
-                fds, peers, row.ways[:claimed], header, tag, seq, data, inbound, code, int(op), self._native_spin_ns,
-                int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
+                fds, peers, row.ways[:claimed], header, tag, seq, data, data if into is None else into, inbound, code,
+                int(op), self._native_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
         finally:
             self._release_row(row, claimed, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
         self._count_sent(row, swapped, data.nbytes)
