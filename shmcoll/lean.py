@@ -57,14 +57,15 @@ from .algorithms.call import Call
 from .algorithms.doubling import doubling_steps
 from .algorithms.doubling_broadcast import cast_steps, in_one_row
 from .algorithms.ring import summed
-from .algorithms.select import Algorithm, select
+from .algorithms.select import Algorithm, gather_across_hosts, select
 from .errors import InvalidArgument
 from .plans import Where, all_gather_algorithm, all_reduce_algorithm, broadcast_algorithm, reduce_algorithm
 from .runner import Runner
-from .transport.base import BoardGuard, PeerStep, Transport
-from .transport.frame import Meta
+from .transport import frame
+from .transport.base import NOT_STARTED, BoardGuard, PeerStep, Transport, Way
+from .transport.frame import DATA, Meta
 from .transport.shm_board import DONE_SLEEPERS, WAIT_SLICE_NS, Board, entry_header
-from .transport.tcp import SwapRow
+from .transport.tcp import SWAP_MAX_BYTES, SwapRow
 from .transport.topology import Topology
 from .types import U8, Collective, ReduceKind
 from .validate import gathered_like, reducible_wire, wire_of
@@ -72,6 +73,17 @@ from .validate import gathered_like, reducible_wire, wire_of
 _NOTHING = np.empty(0, np.uint8)  # a barrier's data
 #: Kinds of call (dtype, count, op) remembered per group; training repeats a handful.
 MAX_PREPARED = 1024
+
+
+class _GatherRow(NamedTuple):
+    """A small all-gather's step across two hosts (LeanAcrossHosts._gathering): this host's blocks
+    out to the column's peer, the other host's in, in one native call."""
+
+    peer: int
+    mine: slice  # this host's blocks in the output
+    theirs: slice  # the other host's
+    header: bytes  # the frame of this host's blocks, sequence number 0
+    row: SwapRow
 
 
 class _Prepared(NamedTuple):
@@ -93,6 +105,7 @@ class _Prepared(NamedTuple):
     #: A broadcast's steps across hosts in this rank's column (doubling_broadcast.cast_steps), and
     #: their prepared row where the transport runs one (lean across hosts only).
     cast_row: tuple[Sequence[PeerStep], SwapRow | None] | None = None
+    gather_row: _GatherRow | None = None  # an all-gather's step across hosts (lean across hosts only)
     shape: tuple[int, ...] = ()  # an all-gather's or a reduce-scatter's output
 
 
@@ -411,7 +424,7 @@ class LeanAcrossHosts(LeanPath):
     two_level.py's would, so ranks may take either path."""
 
     def __init__(self, runner: Runner, transport: Transport, where: Where, topology: Topology):
-        self._host, self._host_of = topology.local_ranks(transport.rank), topology.host_of
+        self._host, self._host_of, self._hosts = topology.local_ranks(transport.rank), topology.host_of, topology.hosts
         self._column, self._first_handed = two_level.small_crossing(topology, transport.rank)
         self._reduce_across = two_level.column_all_reduce(topology.n_hosts)
         self._steps = two_level.column_steps(self._column, transport.rank) if self._column is not None else None
@@ -493,11 +506,57 @@ class LeanAcrossHosts(LeanPath):
                                   self._first_handed, keeps=p.meta.root)
 
     def _gathering(self, p: _Prepared, algorithm: Algorithm) -> _Prepared | None:
-        """Across hosts an all-gather always runs its algorithm (plans.all_gather_algorithm), over
-        the output with this rank's block in place."""
+        """Between two hosts of as many ranks, numbered host by host, a small all-gather runs here
+        (_gather: two_level._all_gather_by_columns's frames); any other runs its algorithm
+        (plans.all_gather_algorithm) over the output with this rank's block in place."""
+        row = self._gather_row(p, algorithm)
+        if row is not None:
+            return p._replace(gather_row=row)
         gather = all_gather_algorithm(self._group_where, algorithm)
         at, block = self._t.rank * p.meta.elements, p.meta.elements
         return p._replace(algorithm=lambda c, out: gather(c, out[at:at + block], out))
+
+    def _gather_row(self, p: _Prepared, algorithm: Algorithm) -> _GatherRow | None:
+        """The step across hosts _gather runs, where the general path would gather the host's equal
+        blocks on its board (or this rank is alone on its host), in place (ranks numbered host by
+        host), and cross in one exchange per column (2 hosts of as many ranks, all in a column,
+        within what one native call swaps); else None."""
+        hosts, block_bytes = self._hosts, p.meta.elements * p.storage.itemsize
+        k = len(self._host)
+        if (algorithm != Algorithm.TWO_LEVEL or len(hosts) != 2 or len(hosts[1]) != k
+                or hosts != (tuple(range(k)), tuple(range(k, 2 * k)))
+                or gather_across_hosts(2 * k * block_bytes) != Algorithm.TWO_LEVEL_ONE_SHOT
+                or k * block_bytes > SWAP_MAX_BYTES
+                or (self._host_board is not None and block_bytes > self._host_board.capacity)):
+            return None
+        first = self._host_of[self._t.rank]
+        peer = self._t.rank + (k if first == 0 else -k)
+        elements = k * p.meta.elements
+        mine, theirs = (slice(first * elements, (first + 1) * elements),
+                        slice((1 - first) * elements, (2 - first) * elements))
+        row = self._t.prepare_row(((peer, Way.SWAP),))
+        if row is None:
+            return None
+        header = frame.pack(DATA, self._t.rank, 0, p.meta, p.code, (elements,), elements * p.storage.itemsize)
+        return _GatherRow(peer, mine, theirs, header, row)
+
+    def _gather(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+        """two_level._all_gather_by_columns's frames between two hosts: the host's blocks on its
+        board in one compiled step, then this host's blocks out to the column's peer and the other
+        host's in, in one native call (the general path's Bruck, one step); flat: the whole output,
+        this rank's block in place."""
+        g = p.gather_row
+        assert g is not None
+        mine, theirs = flat[g.mine], flat[g.theirs]
+        if self._host_board is not None:
+            super()._gather(mine, p, seq, start)
+        tag, deadline = self._t.tag_of(seq), start + self._t.timeout
+        swapped, done = self._t.swap_row(g.row, g.header, tag, seq, mine, p.code, ReduceKind.SUM, deadline, theirs)
+        if swapped == 0:  # the peer's frame did not come in the native call's wait: the general receive
+            meta = p.meta._replace(seq=seq)
+            if done == NOT_STARTED:
+                self._t.send(g.peer, tag, mine, p.code, meta, deadline)
+            self._t.recv_into(g.peer, tag, theirs, p.code, deadline, meta)
 
     def _row_across(self, steps: Sequence[PeerStep], row: SwapRow, flat: np.ndarray, p: _Prepared, tag: int,
                     seq: int, deadline: float) -> None:

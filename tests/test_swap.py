@@ -588,6 +588,30 @@ def test_a_small_broadcast_across_hosts_crosses_in_one_call(layout, steps, monke
     assert any(row == (kernels.SWAP_DONE, most) for o, most in zip(out, steps) for row in o["rows"])
 
 
+def _all_gather_swaps(pg) -> dict:
+    """Small all-gathers of every rank's (rank, i), each swap_row counted; what each rank got."""
+    rows = _count_rows()
+    results = []
+    for i in range(4):
+        results.append(pg.all_gather(np.array([pg.rank, i], np.int64)).tolist())
+    return {"rows": rows, "results": results}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("each", 2)])
+def test_a_small_all_gather_between_two_hosts_crosses_in_one_call(layout, n, monkeypatch):
+    """2+2 ranks and 2 hosts of one: after the host's board, each column swaps its host's blocks in
+    one native call per all-gather (the other host's straight into place), and every rank holds
+    every block in rank order."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    out = run_ranks(n, _all_gather_swaps)
+    for o in out:
+        assert 0 < len(o["rows"]) <= 4 and all(done <= 1 for _, done in o["rows"]), o["rows"]
+        assert o["results"] == [[x for r in range(n) for x in (r, i)] for i in range(4)]
+    assert any(row == (kernels.SWAP_DONE, 1) for o in out for row in o["rows"])
+
+
 @pytest.mark.multiprocess
 def test_a_late_peer_is_waited_for_by_the_general_receive(monkeypatch):
     """Rank 2 (the other host's first rank) comes 0.2 s late to the last call: rank 0's native wait
