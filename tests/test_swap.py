@@ -232,6 +232,21 @@ def test_a_row_of_doubling_steps_gives_every_end_the_same_bits():
         s.close()
 
 
+def _ends_at_once(count: int, end) -> list:
+    """end(i) for ends 0 .. count - 1 at once, each on a thread of its own but end 0; their results."""
+    results: list = [None] * count
+
+    def run(i: int) -> None:
+        results[i] = end(i)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, count)]
+    for t in threads:
+        t.start()
+    run(0)
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
 def test_a_row_among_three_gives_and_takes_back_the_third_ends_array():
     """Three ends, recursive doubling with one past the power of two: end 2 gives its array to end 0
     and takes the result back; end 0 folds it in first, exchanges with end 1, and gives the result
@@ -246,17 +261,8 @@ def test_a_row_among_three_gives_and_takes_back_the_third_ends_array():
     ends = [a.copy() for a in arrays]
     rows = {0: ([s02, s01, s02], [2, 1, 2], [Way.FOLD_IN, Way.OWN_FIRST, Way.GIVE]),
             1: ([s10], [0], [Way.THEIRS_FIRST]), 2: ([s20, s20], [0, 0], [Way.GIVE, Way.TAKE])}
-    results: list = [None] * 3
-
-    def end(i: int) -> None:
-        socks, peers, ways = rows[i]
-        results[i] = _row(socks, i, peers, ends[i], ReduceKind.SUM, bytes(ways))[:2]
-    threads = [threading.Thread(target=end, args=(i,)) for i in (1, 2)]
-    for t in threads:
-        t.start()
-    end(0)
-    for t in threads:
-        t.join(timeout=30)
+    results = _ends_at_once(3, lambda i: _row(rows[i][0], i, rows[i][1], ends[i], ReduceKind.SUM,
+                                              bytes(rows[i][2]))[:2])
     assert results == [(kernels.SWAP_DONE, 3), (kernels.SWAP_DONE, 1), (kernels.SWAP_DONE, 2)]
     assert all(e.tobytes() == expected.tobytes() for e in ends)
     for s in (s01, s10, s02, s20):
@@ -286,17 +292,7 @@ def test_a_broadcasts_row_sends_the_array_one_way_and_an_empty_frame_the_other()
         _cast_row([s20], 2, [0], ends[2], [Way.CAST_IN])
     rows = {0: ([s02, s01, s02], [2, 1, 2], [Way.TAKE, Way.CAST_OUT, Way.GIVE_EMPTY]),
             1: ([s10], [0], [Way.CAST_IN]), 2: ([s20, s20], [0, 0], [Way.GIVE, Way.TAKE_EMPTY])}
-    results: list = [None] * 3
-
-    def end(i: int) -> None:
-        socks, peers, ways = rows[i]
-        results[i] = _cast_row(socks, i, peers, ends[i], ways)
-    threads = [threading.Thread(target=end, args=(i,)) for i in (1, 2)]
-    for t in threads:
-        t.start()
-    end(0)
-    for t in threads:
-        t.join(timeout=30)
+    results = _ends_at_once(3, lambda i: _cast_row(rows[i][0], i, rows[i][1], ends[i], rows[i][2]))
     assert results == [(kernels.SWAP_DONE, 3, HEADER_SIZE), (kernels.SWAP_DONE, 1, HEADER_SIZE),
                        (kernels.SWAP_DONE, 2, 0)]  # sent: the last step's (end 2's only receives)
     assert all(e.tobytes() == source.tobytes() for e in ends)
