@@ -218,6 +218,36 @@ def test_two_subgroups_concurrently(a, b):
         assert done == [ROUNDS] * ((rank in a) + (rank in b))
 
 
+def _spawned_gather_beside_subgroup_calls(pg):
+    """A world gather spawned (the worker thread) while the main thread runs a sub-group's small
+    broadcast and all-gather with the same peers; rank 0 finishes the gather before its own
+    sub-group calls every other round, so the others' sub-group steps wait on a rank that waits
+    on their gathers. Each thread must leave the connections it shares to the other while it
+    waits (else the two wait on each other until the deadline)."""
+    sub = pg.split(list(reversed(range(pg.world_size))))
+    root = pg.world_size - 1  # sub-group rank 0
+    for i in range(30):
+        handle = pg.spawn_gather(0, np.array([pg.rank, i], np.int64))
+        if pg.rank == 0 and i % 2:
+            gathered = handle.join(WAIT_HANG_S)
+        y = np.arange(5, dtype=np.float32) + i if pg.rank == root else np.zeros(5, np.float32)
+        sub.broadcast(0, y)
+        assert y.tolist() == (np.arange(5) + i).tolist(), f"broadcast {i}"
+        assert sub.all_gather(np.array([sub.rank, i])).tolist() == [x for r in range(pg.world_size) for x in (r, i)]
+        if not (pg.rank == 0 and i % 2):
+            gathered = handle.join(WAIT_HANG_S)
+        if pg.rank == 0:
+            assert gathered.tolist() == [x for r in range(pg.world_size) for x in (r, i)], f"gather {i}"
+    sub.close()
+    return True
+
+
+@pytest.mark.usefixtures("layout")
+def test_a_spawned_call_and_a_subgroups_calls_share_peers_without_waiting_on_each_other(monkeypatch):
+    monkeypatch.setenv("SHMCOLL_TIMEOUT", "30")  # a deadlock fails within the run, as CollectiveTimeout
+    assert run_ranks(4, _spawned_gather_beside_subgroup_calls) == [True] * 4
+
+
 def _nested(pg):
     g = pg.split([3, 1, 2])  # parent ranks 3,1,2 -> sub ranks 0,1,2
     inner = g.split([2, 0]) if g is not None else None  # sub ranks 2,0 = parent ranks 2,3
