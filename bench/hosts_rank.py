@@ -137,7 +137,7 @@ def windows(span: int) -> Iterator[memoryview]:
     CHUNK) stays in cache; a span larger than the caches makes every send read memory and every
     receive write it, as a large collective's data does. Filled, since a never-written buffer maps
     the kernel's zero page, which no copy of real data matches."""
-    data = memoryview(np.ones(max(CHUNK, span // CHUNK * CHUNK), np.uint8))
+    data = np.ones(max(CHUNK, span // CHUNK * CHUNK), np.uint8).data
     while True:
         for at in range(0, len(data), CHUNK):
             yield data[at:at + CHUNK]
