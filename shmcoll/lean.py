@@ -73,17 +73,32 @@ from .validate import gathered_like, reducible_wire, wire_of
 _NOTHING = np.empty(0, np.uint8)  # a barrier's data
 #: Kinds of call (dtype, count, op) remembered per group; training repeats a handful.
 MAX_PREPARED = 1024
+#: Largest all-gather (in all) whose Bruck steps among more than two hosts run here as rows
+#: (LeanAcrossHosts._gather): such a step sends, then receives, where the general path's duplex
+#: does both at once, and the blocks go through a rotated copy. On 4 hosts x 1 (namespaces) the
+#: rows took 380-410 us at 16 B against 430-540, about as long at 64 KiB, longer at 256 KiB.
+ROTATED_GATHER_BYTES = 64 << 10
 
 
-class _GatherRow(NamedTuple):
-    """A small all-gather's step across two hosts (LeanAcrossHosts._gathering): this host's blocks
-    out to the column's peer, the other host's in, in one native call."""
+class _BruckStep(NamedTuple):
+    """One step of Bruck's all-gather across hosts (bruck.py) in one native call: `hosts` hosts'
+    blocks out to `to`, as many in from `src` (one swap where they are one peer)."""
 
-    peer: int
-    mine: slice  # this host's blocks in the output
-    theirs: slice  # the other host's
-    header: bytes  # the frame of this host's blocks, sequence number 0
+    to: int
+    src: int
+    distance: int  # in hosts: what comes in lands this far along the rotated array
+    hosts: int  # how many hosts' blocks go each way
+    header: bytes  # the frame of what goes out, sequence number 0
     row: SwapRow
+
+
+class _GatherRows(NamedTuple):
+    """A small all-gather across hosts of as many ranks each, numbered host by host
+    (LeanAcrossHosts._gathering): the host's blocks in the output, and this rank's Bruck steps in
+    its crossing column (none for a rank of no column, which hears from its leader)."""
+
+    mine: slice  # this host's blocks in the output
+    steps: tuple[_BruckStep, ...]
 
 
 class _Prepared(NamedTuple):
@@ -105,7 +120,7 @@ class _Prepared(NamedTuple):
     #: A broadcast's steps across hosts in this rank's column (doubling_broadcast.cast_steps), and
     #: their prepared row where the transport runs one (lean across hosts only).
     cast_row: tuple[Sequence[PeerStep], SwapRow | None] | None = None
-    gather_row: _GatherRow | None = None  # an all-gather's step across hosts (lean across hosts only)
+    gather_rows: _GatherRows | None = None  # an all-gather's steps across hosts (lean across hosts only)
     shape: tuple[int, ...] = ()  # an all-gather's or a reduce-scatter's output
 
 
@@ -506,57 +521,90 @@ class LeanAcrossHosts(LeanPath):
                                   self._first_handed, keeps=p.meta.root)
 
     def _gathering(self, p: _Prepared, algorithm: Algorithm) -> _Prepared | None:
-        """Between two hosts of as many ranks, numbered host by host, a small all-gather runs here
+        """Among hosts of as many ranks, numbered host by host, a small all-gather runs here
         (_gather: two_level._all_gather_by_columns's frames); any other runs its algorithm
         (plans.all_gather_algorithm) over the output with this rank's block in place."""
-        row = self._gather_row(p, algorithm)
-        if row is not None:
-            return p._replace(gather_row=row)
+        rows = self._gather_rows(p, algorithm)
+        if rows is not None:
+            return p._replace(gather_rows=rows)
         gather = all_gather_algorithm(self._group_where, algorithm)
         at, block = self._t.rank * p.meta.elements, p.meta.elements
         return p._replace(algorithm=lambda c, out: gather(c, out[at:at + block], out))
 
-    def _gather_row(self, p: _Prepared, algorithm: Algorithm) -> _GatherRow | None:
-        """The step across hosts _gather runs, where the general path would gather the host's equal
-        blocks on its board (or this rank is alone on its host), in place (ranks numbered host by
-        host), and cross in one exchange per column (2 hosts of as many ranks, all in a column,
-        within what one native call swaps); else None."""
-        hosts, block_bytes = self._hosts, p.meta.elements * p.storage.itemsize
-        k = len(self._host)
-        if (algorithm != Algorithm.TWO_LEVEL or len(hosts) != 2 or len(hosts[1]) != k
-                or hosts != (tuple(range(k)), tuple(range(k, 2 * k)))
-                or gather_across_hosts(2 * k * block_bytes) != Algorithm.TWO_LEVEL_ONE_SHOT
-                or k * block_bytes > SWAP_MAX_BYTES
+    def _gather_rows(self, p: _Prepared, algorithm: Algorithm) -> _GatherRows | None:
+        """What _gather runs, where the general path would gather the host's equal blocks on its
+        board (or this rank is alone on its host) in place (hosts of as many ranks, numbered host by
+        host), and its column's Bruck steps fit native calls; else None."""
+        hosts, k, block_bytes = self._hosts, len(self._host), p.meta.elements * p.storage.itemsize
+        n = len(hosts)
+        if (algorithm != Algorithm.TWO_LEVEL or hosts != tuple(tuple(range(h * k, (h + 1) * k)) for h in range(n))
+                or gather_across_hosts(n * k * block_bytes) != Algorithm.TWO_LEVEL_ONE_SHOT
+                or n // 2 * k * block_bytes > SWAP_MAX_BYTES
+                or (n > 2 and n * k * block_bytes > ROTATED_GATHER_BYTES)
                 or (self._host_board is not None and block_bytes > self._host_board.capacity)):
             return None
-        first = self._host_of[self._t.rank]
-        peer = self._t.rank + (k if first == 0 else -k)
-        elements = k * p.meta.elements
-        mine, theirs = (slice(first * elements, (first + 1) * elements),
-                        slice((1 - first) * elements, (2 - first) * elements))
-        row = self._t.prepare_row(((peer, Way.SWAP),))
-        if row is None:
+        position, span = self._host_of[self._t.rank], k * p.meta.elements
+        steps = self._bruck_steps(p, position, span) if self._column is not None else ()
+        if steps is None:
             return None
-        header = frame.pack(DATA, self._t.rank, 0, p.meta, p.code, (elements,), elements * p.storage.itemsize)
-        return _GatherRow(peer, mine, theirs, header, row)
+        return _GatherRows(slice(position * span, (position + 1) * span), steps)
+
+    def _bruck_steps(self, p: _Prepared, position: int, span: int) -> tuple[_BruckStep, ...] | None:
+        """This rank's steps of Bruck's all-gather in its column (bruck.bruck_all_gather's frames:
+        in step k, the first min(2^k, n - 2^k) hosts' blocks from this host on, out to the host 2^k
+        before, as many in from the host 2^k after), each with its row; None where the transport
+        runs no rows."""
+        column, n = self._column, len(self._hosts)
+        assert column is not None
+        steps, distance = [], 1
+        while distance < n:
+            count = min(distance, n - distance)
+            to, src = column[(position - distance) % n], column[(position + distance) % n]
+            row = self._t.prepare_row(((to, Way.SWAP),) if to == src else ((to, Way.GIVE), (src, Way.TAKE)))
+            if row is None:
+                return None
+            header = frame.pack(DATA, self._t.rank, 0, p.meta, p.code, (count * span,),
+                                count * span * p.storage.itemsize)
+            steps.append(_BruckStep(to, src, distance, count, header, row))
+            distance <<= 1
+        return tuple(steps)
 
     def _gather(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
-        """two_level._all_gather_by_columns's frames between two hosts: the host's blocks on its
-        board in one compiled step, then this host's blocks out to the column's peer and the other
-        host's in, in one native call (the general path's Bruck, one step); flat: the whole output,
-        this rank's block in place."""
-        g = p.gather_row
+        """two_level._all_gather_by_columns's frames: the host's blocks on its board in one compiled
+        step; in a crossing column, Bruck's steps, each one native call, over the hosts' blocks
+        rotated to start at this host's (so what goes and comes is one range); the leader's hand-on
+        to ranks of no column. flat: the whole output, this rank's block in place."""
+        g = p.gather_rows
         assert g is not None
-        mine, theirs = flat[g.mine], flat[g.theirs]
         if self._host_board is not None:
-            super()._gather(mine, p, seq, start)
-        tag, deadline = self._t.tag_of(seq), start + self._t.timeout
-        swapped, done = self._t.swap_row(g.row, g.header, tag, seq, mine, p.code, ReduceKind.SUM, deadline, theirs)
-        if swapped == 0:  # the peer's frame did not come in the native call's wait: the general receive
-            meta = p.meta._replace(seq=seq)
-            if done == NOT_STARTED:
-                self._t.send(g.peer, tag, mine, p.code, meta, deadline)
-            self._t.recv_into(g.peer, tag, theirs, p.code, deadline, meta)
+            super()._gather(flat[g.mine], p, seq, start)
+        tag, deadline, at = self._t.tag_of(seq), start + self._t.timeout, g.mine.start
+        if len(g.steps) == 1:  # two hosts: the other host's blocks straight into place
+            theirs = flat[:at] if at else flat[g.mine.stop:]
+            self._bruck_step(g.steps[0], flat[g.mine], theirs, p, tag, seq, deadline)
+        elif g.steps:
+            span = g.mine.stop - at
+            rotated = np.empty_like(flat)
+            rotated[:span] = flat[g.mine]
+            for s in g.steps:
+                self._bruck_step(s, rotated[:s.hosts * span], rotated[s.distance * span:(s.distance + s.hosts) * span],
+                                 p, tag, seq, deadline)
+            flat[at:], flat[:at] = rotated[:len(flat) - at], rotated[len(flat) - at:]
+        if self._handing:
+            two_level.from_leader(Call(self._t, tag, p.meta._replace(seq=seq), p.code, deadline), self._host,
+                                  self._host_board, flat, self._first_handed)
+
+    def _bruck_step(self, s: _BruckStep, out: np.ndarray, into: np.ndarray, p: _Prepared, tag: int, seq: int,
+                    deadline: float) -> None:
+        """One step's frames in its native call; where the row stops (a peer's frame not there
+        within its wait), the rest as the general path would: the send, then the receive."""
+        swapped, done = self._t.swap_row(s.row, s.header, tag, seq, out, p.code, ReduceKind.SUM, deadline, into)
+        if swapped == len(s.row.peers):
+            return
+        meta = p.meta._replace(seq=seq)
+        if swapped == 0 and done == NOT_STARTED:
+            self._t.send(s.to, tag, out, p.code, meta, deadline)
+        self._t.recv_into(s.src, tag, into, p.code, deadline, meta)
 
     def _row_across(self, steps: Sequence[PeerStep], row: SwapRow, flat: np.ndarray, p: _Prepared, tag: int,
                     seq: int, deadline: float) -> None:

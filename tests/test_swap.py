@@ -594,18 +594,20 @@ def _all_gather_swaps(pg) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout, n", [("halves", 4), ("each", 2)])
-def test_a_small_all_gather_between_two_hosts_crosses_in_one_call(layout, n, monkeypatch):
+@pytest.mark.parametrize("layout, n, calls, steps", [("halves", 4, 1, 1), ("each", 2, 1, 1), ("each", 4, 2, 2),
+                                                     ("each", 3, 2, 2)])
+def test_a_small_all_gather_across_hosts_runs_each_bruck_step_in_one_call(layout, n, calls, steps, monkeypatch):
     """2+2 ranks and 2 hosts of one: after the host's board, each column swaps its host's blocks in
-    one native call per all-gather (the other host's straight into place), and every rank holds
-    every block in rank order."""
+    one native call per all-gather (the other host's straight into place); 4 and 3 hosts of one:
+    Bruck's two steps, each one call of two steps (this host's blocks out to the host before, the
+    next host's in). Every rank holds every block in rank order."""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
     out = run_ranks(n, _all_gather_swaps)
     for o in out:
-        assert 0 < len(o["rows"]) <= 4 and all(done <= 1 for _, done in o["rows"]), o["rows"]
+        assert 0 < len(o["rows"]) <= 4 * calls and all(done <= steps for _, done in o["rows"]), o["rows"]
         assert o["results"] == [[x for r in range(n) for x in (r, i)] for i in range(4)]
-    assert any(row == (kernels.SWAP_DONE, 1) for o in out for row in o["rows"])
+    assert any(row == (kernels.SWAP_DONE, steps) for o in out for row in o["rows"])
 
 
 @pytest.mark.multiprocess
