@@ -49,7 +49,8 @@ static int take_frame(int fd, const uint8_t *expect, size_t header_bytes, uint8_
     return recv(fd, inbound, total, MSG_DONTWAIT) == (ssize_t)total ? 1 : -1; /* peeked whole: cannot fall short */
 }
 
-/* The peer's payload into data, as `way` says: folded in one order or the other, or copied. */
+/* The peer's payload into data (swap_row's `into`), as `way` says: folded in one order or the
+   other, or copied. */
 static void place(uint8_t *data, uint8_t *theirs, size_t nbytes, int code, int op, int way) {
     if (way == WAY_TAKE || way == WAY_SWAP) {
         memcpy(data, theirs, nbytes);

@@ -35,9 +35,9 @@ enum {
     WAY_THEIRS_FIRST = 0, /* send; data = theirs op data */
     WAY_OWN_FIRST = 1,    /* send; data = data op theirs */
     WAY_GIVE = 2,         /* send only */
-    WAY_TAKE = 3,         /* receive only: the peer's payload replaces data */
+    WAY_TAKE = 3,         /* receive only: the peer's payload replaces into's */
     WAY_FOLD_IN = 4,      /* receive only: data = data op theirs */
-    WAY_SWAP = 5,         /* send; the peer's payload replaces data */
+    WAY_SWAP = 5,         /* send; the peer's payload replaces into's */
     WAY_COUNT = 6,
     WAY_KIND_MASK = 7,
     WAY_OURS_EMPTY = 8,    /* the frame this step sends is empty */
@@ -56,9 +56,9 @@ enum {
    hold bitwise the same result) or copied into `into` (data itself, or, for a row that only
    copies, another array of its length: an all-gather's step sends its own range and takes the
    peer's); empty frames only meet. Each wait polls for spin_ns, yielding the core between looks,
-   then sleeps in ppoll, for at most wait_ns and within left_ns of the row's start. Nothing but those frames is ever read. *done: the steps finished;
-   the row stops at the first step that does not finish, which is the status's (SWAP_SENT for a
-   step that only receives: nothing was read). */
+   then sleeps in ppoll, for at most wait_ns and within left_ns of the row's start. Nothing but
+   those frames is ever read. *done: the steps finished; the row stops at the first step that does
+   not finish, which is the status's (SWAP_SENT for a step that only receives: nothing was read). */
 int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *ways, const uint8_t *header,
                 size_t header_bytes, uint32_t tag, uint64_t seq, const uint8_t *data, uint8_t *into, size_t nbytes,
                 uint8_t *inbound, int code, int op, int64_t spin_ns, int64_t wait_ns, int64_t left_ns, int *done,

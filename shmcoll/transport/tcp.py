@@ -70,6 +70,7 @@ PEEK_BYTES = 4096
 #: Largest array a pairwise exchange sends and receives in one native call (NetTransport.swap_row):
 #: the small all-reduce's, whose time is mostly the calls around the kernel's.
 SWAP_MAX_BYTES = 256 << 10
+_ROWS_KEPT = 256  # prepared rows a transport keeps (a group's calls ask for a few kinds)
 #: Seconds one native duplex call (NetTransport._duplexes) runs before it returns for a look at the
 #: group's health and the deadline, and is called again where it stopped.
 DUPLEX_SLICE_SECONDS = CALLER_SLEEP_SECONDS
@@ -78,7 +79,6 @@ DUPLEX_SLICE_SECONDS = CALLER_SLEEP_SECONDS
 #: all-reduce of 2 hosts x 1 took 267-280 us instead of 299-301, 16 MiB 3.96-3.98 ms instead of
 #: 4.49-4.54, 64 MiB on 2 x 2 48.9-49.4 ms instead of 51.4-54.6; 4 x 1 at 16 MiB alike.
 DUPLEX_LEAD_BYTES = 512 << 10
-_ROWS_KEPT = 256  # prepared rows a transport keeps (a group's calls ask for a few kinds)
 #: ... and on one BBR paces (SHMCOLL_TCP_CONGESTION=system on such a kernel), where the larger lead
 #: held every connection in BBR's slow mode: 1 MiB on 2 x 1 took 452-545 us in 3 runs of 3 with
 #: it, 308-312 in 2 of 3 with this one (744 in the third).
