@@ -53,6 +53,7 @@ import numpy as np
 from . import kernels
 from .algorithms import two_level
 from .algorithms.barrier import doubling_barrier
+from .algorithms.bruck import bruck_schedule
 from .algorithms.call import Call
 from .algorithms.doubling import doubling_steps
 from .algorithms.doubling_broadcast import cast_steps, in_one_row
@@ -554,19 +555,17 @@ class LeanAcrossHosts(LeanPath):
         in step k, the first min(2^k, n - 2^k) hosts' blocks from this host on, out to the host 2^k
         before, as many in from the host 2^k after), each with its row; None where the transport
         runs no rows."""
-        column, n = self._column, len(self._hosts)
+        column = self._column
         assert column is not None
-        steps, distance = [], 1
-        while distance < n:
-            count = min(distance, n - distance)
-            to, src = column[(position - distance) % n], column[(position + distance) % n]
+        steps = []
+        for distance, count, to_at, src_at in bruck_schedule(len(column), position):
+            to, src = column[to_at], column[src_at]
             row = self._t.prepare_row(((to, Way.SWAP),) if to == src else ((to, Way.GIVE), (src, Way.TAKE)))
             if row is None:
                 return None
             header = frame.pack(DATA, self._t.rank, 0, p.meta, p.code, (count * span,),
                                 count * span * p.storage.itemsize)
             steps.append(_BruckStep(to, src, distance, count, header, row))
-            distance <<= 1
         return tuple(steps)
 
     def _gather(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:

@@ -12,7 +12,7 @@ them all has seen every position (so disagreement fails everywhere).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -31,16 +31,22 @@ def bruck_all_gather(c: Call, buf: np.ndarray, spans: Sequence[tuple[int, int]],
     rank's own is in place, the others arrive. Each step's frame out and frame in go at once
     (Transport.send_recv: over TCP one native duplex), a wrapped range packed into one frame."""
     n, p = len(members), members.index(c.rank)
-    distance = 1
-    while distance < n:
-        count = min(distance, n - distance)
+    for _, count, to, src in bruck_schedule(n, p):
         out = _packed(buf, wrapped_ranges(spans, p, count))
-        into_ranges = wrapped_ranges(spans, (p + distance) % n, count)
+        into_ranges = wrapped_ranges(spans, src, count)
         into = _packed(buf, into_ranges) if len(into_ranges) > 1 else buf[slice(*into_ranges[0])]
-        c.t.send_recv(members[(p - distance) % n], members[(p + distance) % n], c.tag, out, into, c.code, c.meta,
-                      c.deadline)
+        c.t.send_recv(members[to], members[src], c.tag, out, into, c.code, c.meta, c.deadline)
         if len(into_ranges) > 1:
             _unpack(into, buf, into_ranges)
+
+
+def bruck_schedule(n: int, p: int) -> Iterator[tuple[int, int, int, int]]:
+    """Position p's steps among n, in order: (distance, count, to, src): the count blocks from p on
+    go out to position `to` (distance before), as many come in from `src` (distance after), whose
+    blocks they are, from src on."""
+    distance = 1
+    while distance < n:
+        yield distance, min(distance, n - distance), (p - distance) % n, (p + distance) % n
         distance <<= 1
 
 
