@@ -32,9 +32,13 @@ a large call that is little of its time, but where ranks share cores every micro
 rank spends is one its host peers wait for (2 hosts x 2 ranks on 2 cores: 50 us more Python per
 call made a 1 MiB all-reduce 150 us slower).
 
-A broadcast or an all_gather across hosts always runs its algorithm that way
-(plans.broadcast_algorithm, plans.all_gather_algorithm): its steps are two_level_broadcast.py's or
-two_level.py's, the lean path only skips the general path's work around them.
+Across hosts a small broadcast (two_level_broadcast.two_level_one_shot_broadcast's, within a board
+entry and one frame per step) runs here too: the host's board step, the column's doubling steps
+as one prepared row, the leader's hand-on. So does a small all-gather among hosts of as many ranks,
+numbered host by host: the host's board step, then each Bruck step of the column in one native
+call (two_level._all_gather_by_columns's frames). Any other broadcast or all-gather across hosts
+runs its algorithm that way (plans.broadcast_algorithm, plans.all_gather_algorithm): the lean path
+only skips the general path's work around it.
 
 Anything else, or anything unusual (a spawned call still running, another thread's call, a broken
 or closed group, SHMCOLL_DEBUG), returns False before touching anything, and group.py takes the
@@ -510,16 +514,16 @@ class LeanAcrossHosts(LeanPath):
         in one native call (its prepared row); the leader's hand-on to ranks of no column."""
         if self._host_board is not None:
             super()._cast(flat, p, seq, start)
-        tag, deadline, meta = self._t.tag_of(seq), start + self._t.timeout, p.meta._replace(seq=seq)
+        tag, deadline = self._t.tag_of(seq), start + self._t.timeout
         if p.cast_row is not None:
             steps, row = p.cast_row
             if row is not None:
                 self._row_across(steps, row, flat, p, tag, seq, deadline)
             else:
-                self._t.exchanges(steps, tag, flat, p.code, meta, deadline, ReduceKind.SUM)
+                self._t.exchanges(steps, tag, flat, p.code, p.meta._replace(seq=seq), deadline, ReduceKind.SUM)
         if self._handing:
-            two_level.from_leader(Call(self._t, tag, meta, p.code, deadline), self._host, self._host_board, flat,
-                                  self._first_handed, keeps=p.meta.root)
+            two_level.from_leader(Call(self._t, tag, p.meta._replace(seq=seq), p.code, deadline), self._host,
+                                  self._host_board, flat, self._first_handed, keeps=p.meta.root)
 
     def _gathering(self, p: _Prepared, algorithm: Algorithm) -> _Prepared | None:
         """Among hosts of as many ranks, numbered host by host, a small all-gather runs here
