@@ -105,6 +105,16 @@ WAY_SWAP, WAY_OURS_EMPTY, WAY_THEIRS_EMPTY = _native.WAY_SWAP, _native.WAY_OURS_
 #: IN_ELSEWHERE: the caller drains that socket while it sends the rest, progress[0] bytes having
 #: gone out); below 0, -errno of a failed send.
 duplex = _native.duplex
+#: duplex_row(steps, at, header, beats, tag, seq, data, scratch, code, op, spin_ns, wait_ns,
+#: progress) -> status: duplexes in a row (native/duplex.h), each step with its own peers: steps
+#: is int64 (count, DUPLEX_STEP_WORDS), a row per step of (out_fd, in_fd, src, out_at, out_bytes,
+#: in_at, in_bytes, folds, lead_bytes), byte ranges of data; header is ours for the call's 1-D
+#: array (frame.pack), the native call writes in the tag, the sequence number and each frame's
+#: size (and the source of the one it expects); beats holds each step's peer's heartbeat header.
+#: From step at[0] on, which advances past each whole step (progress starting over), within
+#: wait_ns in all: duplex's status of the step at at[0], DUPLEX_DONE once every step is whole.
+duplex_row = _native.duplex_row
+DUPLEX_STEP_WORDS = _native.DUPLEX_STEP_WORDS
 DUPLEX_DONE, DUPLEX_PENDING, DUPLEX_ENDED = _native.DUPLEX_DONE, _native.DUPLEX_PENDING, _native.DUPLEX_ENDED
 DUPLEX_ELSEWHERE = _native.DUPLEX_ELSEWHERE
 IN_WAITING, IN_BODY, IN_DONE = _native.IN_WAITING, _native.IN_BODY, _native.IN_DONE

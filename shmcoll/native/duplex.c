@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "reduce.h"
+#include "swap.h"
 #include "words.h"
 
 /* Fold pending scratch bytes once this many have come (or the payload is whole): each batch is
@@ -177,4 +178,43 @@ int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct d
             woke_idle = 1;
         }
     }
+}
+
+/* Step k's frames' headers: ours (`header` with the call's tag and sequence number) with the sizes
+   of what goes out written in, and the same with the source and sizes of what comes in. */
+static void step_headers(const struct duplex_step *k, uint8_t *ours, uint8_t *expect, size_t header_bytes,
+                         size_t size) {
+    sc_put_le(ours + SWAP_NBYTES_AT, (uint64_t)k->out_bytes, 8);
+    sc_put_le(ours + SWAP_DIM0_AT, (uint64_t)k->out_bytes / size, 8);
+    memcpy(expect, ours, header_bytes);
+    sc_put_le(expect + SWAP_SRC_AT, (uint64_t)k->src, 4);
+    sc_put_le(expect + SWAP_NBYTES_AT, (uint64_t)k->in_bytes, 8);
+    sc_put_le(expect + SWAP_DIM0_AT, (uint64_t)k->in_bytes / size, 8);
+}
+
+int sc_duplex_row(const struct duplex_step *steps, int count, int *at, const uint8_t *header, size_t header_bytes,
+                  const uint8_t *beats, uint32_t tag, uint64_t seq, uint8_t *data, uint8_t *scratch,
+                  size_t scratch_bytes, int code, int op, struct duplex_progress *progress, int64_t spin_ns,
+                  int64_t wait_ns) {
+    uint8_t ours[MAX_HEADER_BYTES], expect[MAX_HEADER_BYTES];
+    memcpy(ours, header, header_bytes);
+    sc_put_le(ours + SWAP_TAG_AT, tag, 4);
+    sc_put_le(ours + SWAP_SEQ_AT, seq, 8);
+    size_t size = sc_element_size(code);
+    int64_t end = sc_now_ns() + wait_ns;
+    for (; *at < count; ++*at) {
+        const struct duplex_step *k = &steps[*at];
+        step_headers(k, ours, expect, header_bytes, size);
+        struct duplex_out out = {(int)k->out_fd, ours, header_bytes, data + k->out_at, (size_t)k->out_bytes,
+                                 (size_t)k->lead_bytes};
+        struct duplex_in in = {(int)k->in_fd, expect, beats + (size_t)*at * header_bytes, header_bytes,
+                               data + k->in_at, (size_t)k->in_bytes, scratch, k->folds ? scratch_bytes : 0,
+                               code, k->folds ? op : -1};
+        int64_t left = end - sc_now_ns();
+        int status = sc_duplex(&out, &in, progress, spin_ns, left > 0 ? left : 0);
+        if (status != DUPLEX_DONE)
+            return status;
+        *progress = (struct duplex_progress){.beats = progress->beats};
+    }
+    return DUPLEX_DONE;
 }

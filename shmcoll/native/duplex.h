@@ -77,6 +77,33 @@ struct duplex_progress {
 int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *progress,
               int64_t spin_ns, int64_t wait_ns);
 
+/* One step of a row (sc_duplex_row): bytes [out_at, out_at + out_bytes) of the row's data out to
+   the peer on out_fd while rank src's frame of the same call comes in on in_fd into bytes
+   [in_at, in_at + in_bytes), folded with the row's op (folds) or copied; lead_bytes as a duplex's.
+   As int64 words: Python keeps a row as an int64 array of DUPLEX_STEP_WORDS per step. */
+struct duplex_step {
+    int64_t out_fd, in_fd, src, out_at, out_bytes, in_at, in_bytes, folds, lead_bytes;
+};
+enum { DUPLEX_STEP_WORDS = 9 };
+
+/* A ring's or halving-doubling's steps in a row, from step *at on: each moves as sc_duplex moves
+   one, its frames' headers made from `header` (ours, of the call's array: the tag, sequence number
+   and payload's size written in, and the source of the frame that comes in), beats + k *
+   header_bytes the heartbeat header of step k's peer. A whole step advances *at and starts
+   *progress over; a step starts once the one before is whole, so it may send what an earlier one
+   received. Within wait_ns in all: sc_duplex's result for the step at *at, DUPLEX_DONE once every
+   step is whole. */
+int sc_duplex_row(const struct duplex_step *steps, int count, int *at, const uint8_t *header, size_t header_bytes,
+                  const uint8_t *beats, uint32_t tag, uint64_t seq, uint8_t *data, uint8_t *scratch,
+                  size_t scratch_bytes, int code, int op, struct duplex_progress *progress, int64_t spin_ns,
+                  int64_t wait_ns);
+
+/* n bytes of v at field, little-endian: a frame header's field. */
+static inline void sc_put_le(uint8_t *field, uint64_t v, int n) {
+    for (int k = 0; k < n; ++k)
+        field[k] = (uint8_t)(v >> (8 * k));
+}
+
 /* One non-blocking sendmsg of what is left of header + data after `done` bytes: the bytes it
    took (0 when the socket has no room), or -errno. */
 int64_t sc_send_some(int fd, const uint8_t *header, size_t header_bytes, const uint8_t *data, size_t nbytes,

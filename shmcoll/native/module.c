@@ -528,6 +528,79 @@ done:
     return result;
 }
 
+/* Whether a row's steps lie within data (their ranges) and describe duplexes: valid fds, a lead, a
+   loop for the folds and whole elements to fold. */
+static int row_steps_are_valid(const struct duplex_step *steps, Py_ssize_t count, size_t data_bytes, int64_t code,
+                               int64_t op) {
+    size_t size = sc_element_size((int)code);
+    for (Py_ssize_t i = 0; i < count; ++i) {
+        const struct duplex_step *k = &steps[i];
+        if (k->out_fd < 0 || k->out_fd > INT32_MAX || k->in_fd < 0 || k->in_fd > INT32_MAX || k->src < 0 ||
+            k->src > UINT32_MAX || k->lead_bytes <= 0 || k->out_at < 0 || k->out_bytes < 0 || k->in_at < 0 ||
+            k->in_bytes < 0 || (uint64_t)k->out_at + (uint64_t)k->out_bytes > data_bytes ||
+            (uint64_t)k->in_at + (uint64_t)k->in_bytes > data_bytes || k->out_bytes % size || k->in_bytes % size)
+            return 0;
+        if (k->folds && !sc_has_loop((int)code, (int)op))
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *duplex_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer steps = {0}, at = {0}, header = {0}, beats = {0}, data = {0}, scratch = {0}, progress = {0};
+    int64_t tag, seq, code, op, spin_ns, wait_ns;
+    PyObject *result = NULL;
+    if (check_count(nargs, 13, "duplex_row") || as_i64(args[4], &tag) || as_i64(args[5], &seq) ||
+        as_i64(args[8], &code) || as_i64(args[9], &op) || as_i64(args[10], &spin_ns) || as_i64(args[11], &wait_ns) ||
+        hold(args[0], &steps, 0, "duplex_row steps") || hold(args[1], &at, 1, "duplex_row at") ||
+        hold(args[2], &header, 0, "duplex_row header") || hold(args[3], &beats, 0, "duplex_row beats") ||
+        hold(args[6], &data, 1, "duplex_row data") || hold(args[7], &scratch, 1, "duplex_row scratch") ||
+        hold(args[12], &progress, 1, "duplex_row progress"))
+        goto done;
+    Py_ssize_t count = steps.view.len / (Py_ssize_t)sizeof(struct duplex_step);
+    struct duplex_step *row = steps.view.buf;
+    int64_t *next = at.view.buf;
+    struct duplex_progress *p = progress.view.buf;
+    size_t header_bytes = (size_t)header.view.len;
+    int valid = steps.view.len % (Py_ssize_t)sizeof(struct duplex_step) == 0 && (uintptr_t)row % 8 == 0 &&
+                count <= INT32_MAX && at.view.len == sizeof *next && (uintptr_t)next % 8 == 0 && *next >= 0 &&
+                *next <= count && header_bytes >= SWAP_DIM0_AT + 8 && header_bytes <= MAX_HEADER_BYTES &&
+                header.view.len && ((const uint8_t *)header.view.buf)[SWAP_NDIM_AT] == 1 &&
+                beats.view.len == count * header.view.len && tag >= 0 && tag <= UINT32_MAX && seq >= 0 &&
+                progress.view.len == sizeof *p && (uintptr_t)p % 8 == 0 &&
+                row_steps_are_valid(row, count, (size_t)data.view.len, code, op);
+    if (valid && *next < count) {
+        const struct duplex_step *k = &row[*next];
+        struct duplex_out out = {(int)k->out_fd, header.view.buf, header_bytes, data.view.buf, (size_t)k->out_bytes,
+                                 (size_t)k->lead_bytes};
+        struct duplex_in in = {(int)k->in_fd, header.view.buf, beats.view.buf, header_bytes, data.view.buf,
+                               (size_t)k->in_bytes, scratch.view.buf, (size_t)scratch.view.len, (int)code,
+                               k->folds ? (int)op : -1};
+        valid = duplex_is_valid(&out, &in, p, spin_ns, wait_ns);
+    }
+    if (!valid) {
+        PyErr_SetString(PyExc_ValueError, "duplex_row: arguments do not describe a row of duplexes");
+        goto done;
+    }
+    int status, step = (int)*next;
+    Py_BEGIN_ALLOW_THREADS
+    status = sc_duplex_row(row, (int)count, &step, header.view.buf, header_bytes, beats.view.buf, (uint32_t)tag,
+                           (uint64_t)seq, data.view.buf, scratch.view.buf, (size_t)scratch.view.len, (int)code,
+                           (int)op, p, spin_ns, wait_ns);
+    Py_END_ALLOW_THREADS
+    *next = step;
+    result = PyLong_FromLong(status);
+done:
+    release(&steps);
+    release(&at);
+    release(&header);
+    release(&beats);
+    release(&data);
+    release(&scratch);
+    release(&progress);
+    return result;
+}
+
 static PyObject *collapse_to_huge_pages(PyObject *self, PyObject *arg) {
     held_buffer mem = {0};
     if (hold(arg, &mem, 0, "collapse_to_huge_pages"))
@@ -579,6 +652,9 @@ static PyMethodDef methods[] = {
     {"swap_row", (PyCFunction)(void (*)(void))swap_row, METH_FASTCALL,
      "swap_row(fds, srcs, ways, header, tag, seq, data, into, inbound, code, op, spin_ns, wait_ns, left_ns) -> "
      "(status, done, sent): pairwise steps with TCP peers in a row (native/swap.h), ways[i] step i's WAY_*"},
+    {"duplex_row", (PyCFunction)(void (*)(void))duplex_row, METH_FASTCALL,
+     "duplex_row(steps, at, header, beats, tag, seq, data, scratch, code, op, spin_ns, wait_ns, progress) -> status: "
+     "duplexes in a row from step at[0] on (native/duplex.h), at[0] advanced past each whole step"},
     {"duplex", (PyCFunction)(void (*)(void))duplex, METH_FASTCALL,
      "duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns, progress, "
      "lead_bytes) -> status: one frame out while one comes in (native/duplex.h); op < 0 copies; progress: "
@@ -612,6 +688,7 @@ PyMODINIT_FUNC PyInit__native(void) {
               PyModule_AddIntConstant(m, "SWAP_SENT", SWAP_SENT) < 0 ||
               PyModule_AddIntConstant(m, "SWAP_PARTIAL", SWAP_PARTIAL) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_DONE", DUPLEX_DONE) < 0 ||
+              PyModule_AddIntConstant(m, "DUPLEX_STEP_WORDS", DUPLEX_STEP_WORDS) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_PENDING", DUPLEX_PENDING) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_ENDED", DUPLEX_ENDED) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_ELSEWHERE", DUPLEX_ELSEWHERE) < 0 ||

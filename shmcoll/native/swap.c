@@ -115,17 +115,11 @@ static int run_step(int fd, int way, struct headers ours, size_t header_bytes, c
                          inbound, code, op, kind, start, spin_ns, end);
 }
 
-/* n bytes of v at field, little-endian. */
-static void put_le(uint8_t *field, uint64_t v, int n) {
-    for (int k = 0; k < n; ++k)
-        field[k] = (uint8_t)(v >> (8 * k));
-}
-
 /* The same header with no payload: an empty frame of the same call. */
 static void empty_of(uint8_t *empty, const uint8_t *full, size_t header_bytes) {
     memcpy(empty, full, header_bytes);
-    put_le(empty + SWAP_NBYTES_AT, 0, 8);
-    put_le(empty + SWAP_DIM0_AT, 0, 8);
+    sc_put_le(empty + SWAP_NBYTES_AT, 0, 8);
+    sc_put_le(empty + SWAP_DIM0_AT, 0, 8);
 }
 
 int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *ways, const uint8_t *header,
@@ -135,16 +129,16 @@ int sc_swap_row(const int *fds, const uint32_t *srcs, int steps, const uint8_t *
     uint8_t ours[MAX_HEADER_BYTES], expect[MAX_HEADER_BYTES], ours_empty[MAX_HEADER_BYTES],
         expect_empty[MAX_HEADER_BYTES];
     memcpy(ours, header, header_bytes);
-    put_le(ours + SWAP_TAG_AT, tag, 4);
-    put_le(ours + SWAP_SEQ_AT, seq, 8);
+    sc_put_le(ours + SWAP_TAG_AT, tag, 4);
+    sc_put_le(ours + SWAP_SEQ_AT, seq, 8);
     empty_of(ours_empty, ours, header_bytes);
     memcpy(expect, ours, header_bytes);
     memcpy(expect_empty, ours_empty, header_bytes);
     int64_t end = sc_now_ns() + left_ns;
     for (*done = 0; *done < steps; ++*done) {
         int i = *done;
-        put_le(expect + SWAP_SRC_AT, srcs[i], 4);
-        put_le(expect_empty + SWAP_SRC_AT, srcs[i], 4);
+        sc_put_le(expect + SWAP_SRC_AT, srcs[i], 4);
+        sc_put_le(expect_empty + SWAP_SRC_AT, srcs[i], 4);
         int64_t left = end - sc_now_ns();
         int64_t wait = left < 0 ? 0 : left < wait_ns ? left : wait_ns;
         int status = run_step(fds[i], ways[i], (struct headers){ours, ours_empty}, header_bytes, data, into, nbytes,
