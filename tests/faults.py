@@ -4,7 +4,6 @@ the conventions. `init_group`..`tracked` run inside the ranks, the rest in the t
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import os
 import signal
@@ -69,20 +68,25 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
     """Deliver `sig` to this rank just before its `after_sends`-th frame from now on; stamp the time.
     A frame is a transport send, the send of a pairwise exchange or of a ring's step in native calls
     over TCP (kernels.swap_row, whose row of exchanges counts as one; kernels.duplex's first call
-    of a frame, before it sent anything) or, over shared memory, an entry published on the board
-    (the small collectives' way: by Board.publish, or by the compiled step that all_reduce,
-    barrier, broadcast and all_gather run). With min_items, only sends of at least that many elements count
-    (data frames, not the signalling frames of an agreement step)."""
-    count = itertools.count(1)
+    of a frame, before it sent anything; kernels.duplex_row's, before it sent anything, as many as
+    the steps it has left: it fires before the row where the row holds that frame) or, over shared
+    memory, an entry published on the board (the small collectives' way: by Board.publish, or by
+    the compiled step that all_reduce, barrier, broadcast and all_gather run). With min_items,
+    only sends of at least that many elements count (data frames, not the signalling frames of an
+    agreement step)."""
+    sent = [0]  # frames so far
 
     def counts(args) -> bool:
         return not min_items or (len(args) > 2 and getattr(args[2], "size", 0) >= min_items)
 
-    def armed(real, resumed=lambda args: False):
-        """real, firing first at the frame it sends; resumed(args): a call that goes on with a frame
-        an earlier one began, which is not another frame."""
+    def armed(real, resumed=lambda args: False, frames=lambda args: 1):
+        """real, firing first at the frames it sends (frames(args) of them); resumed(args): a call
+        that goes on with a frame an earlier one began, which is not another frame."""
         def fire_then_call(*args, **kwargs):
-            if not resumed(args) and counts(args) and next(count) == after_sends:
+            before = sent[0]
+            if not resumed(args) and counts(args):
+                sent[0] += frames(args)
+            if before < after_sends <= sent[0]:
                 stamps[pg.rank] = time.monotonic()
                 # To this thread, not the process: a process-directed SIGSTOP is taken by the main
                 # thread (asleep in join() for spawn_*), and until it gets a core and stops the
@@ -95,6 +99,8 @@ def arm_signal(pg, after_sends: int, sig: int, stamps, min_items: int = 0) -> No
     transport.send = armed(transport.send)
     kernels.swap_row = armed(kernels.swap_row)
     kernels.duplex = armed(kernels.duplex, resumed=lambda args: bool(args[12][0]))  # its progress: bytes sent
+    kernels.duplex_row = armed(kernels.duplex_row, resumed=lambda args: bool(args[12][0]),
+                               frames=lambda args: len(args[0]) - int(args[1][0]))  # its steps left
     board = transport.board or transport.host_board  # across hosts, the in-host steps of small calls
     if board is not None:  # the board's calls: published in Python, or in one compiled step
         board.publish = armed(board.publish)

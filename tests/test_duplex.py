@@ -335,12 +335,13 @@ def test_a_transport_leads_by_how_its_connection_is_paced(algorithm, monkeypatch
     assert intos[0].tolist() == outs[1].tolist() and intos[1].tolist() == outs[0].tolist()
 
 
-def _counting(statuses: list[int]):
-    """kernels.duplex as it is now, each call's status appended to statuses."""
-    duplex = kernels.duplex
+def _counting(statuses: list[int], native=None):
+    """kernels.duplex (or another native call with a status) as it is now, each call's status
+    appended to statuses."""
+    call = kernels.duplex if native is None else native
 
     def counted(*args):
-        statuses.append(duplex(*args))
+        statuses.append(call(*args))
         return statuses[-1]
     return counted
 
@@ -561,9 +562,11 @@ def test_a_row_stopped_by_another_frame_finishes_its_steps(transports, monkeypat
 
 
 def _large_calls(pg) -> dict:
-    """Large all-reduces and all-gathers, each native duplex status counted; results and bytes sent."""
+    """Large all-reduces and all-gathers, each native duplex status counted (a step's, or a row of
+    steps'); results and bytes sent."""
     statuses: list[int] = []
     kernels.duplex = _counting(statuses)  # in a rank process of its own
+    kernels.duplex_row = _counting(statuses, kernels.duplex_row)
     sums, gathered = [], []
     for i in range(3):
         x = np.arange(300_001, dtype=np.float32) + pg.rank + i

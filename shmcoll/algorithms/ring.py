@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels
-from ..transport.base import Step
+from ..transport.base import RangeStep, Step
 from ..types import ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
 
@@ -88,14 +88,28 @@ def ring_reduce_scatter_op(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequ
 
 def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:
     """In place over a 1-D storage array; AVG is a SUM scaled by each segment's owner between the
-    two phases, which otherwise run as one row of steps."""
+    two phases, which otherwise run as one schedule (Transport.send_recv_ranges)."""
     ring = _members(c, members)
-    owned = segment_bounds(len(data), len(ring))
     if op is ReduceKind.AVG:
+        owned = segment_bounds(len(data), len(ring))
         ring_reduce_scatter_op(c, data, op, ring, owned)
         ring_all_gather_owned(c, data, ring, owned)
         return
-    _run_ring(c, ring, _ring_steps(c, data, ring, owned, 1, op) + _ring_steps(c, data, ring, owned, 0, None))
+    steps = _ring_all_reduce_ranges(tuple(ring), c.rank, len(data), data.itemsize, c.chunk_bytes)
+    c.t.send_recv_ranges(steps, c.tag, data, c.code, c.meta, c.deadline, op)
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_all_reduce_ranges(ring: tuple[int, ...], rank: int, count: int, itemsize: int,
+                            chunk_bytes: int) -> tuple[RangeStep, ...]:
+    """ring_all_reduce's steps at rank's position of the ring, as _ring_steps cuts them: the
+    reduce-scatter's (folding), then the all-gather's; the same for every call of a kind, so kept."""
+    n, p = len(ring), ring.index(rank)
+    owned = tuple(segment_bounds(count, n))
+    pieces = chunk_count(max(b - a for a, b in owned), itemsize, chunk_bytes)
+    to, src = ring[(p + 1) % n], ring[(p - 1) % n]
+    return tuple((to, src, *bounds, folds) for first, folds in ((1, True), (0, False))
+                 for bounds in _ring_bounds(n, p, owned, pieces, first))
 
 
 def one_shot_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:

@@ -87,6 +87,10 @@ class Way(enum.IntEnum):
 
 #: One step of exchanges(): the peer, and what this rank does with it.
 PeerStep = tuple[int, Way]
+#: One step of send_recv_ranges(): elements [out_lo, out_hi) of the array to rank `to` while rank
+#: src's frame of the call comes into [in_lo, in_hi), folded with the call's op (folds) or copied:
+#: (to, src, out_lo, out_hi, in_lo, in_hi, folds).
+RangeStep = tuple[int, int, int, int, int, int, bool]
 
 
 class BoardGuard(Protocol):
@@ -228,6 +232,33 @@ class Transport(ABC):
         """The first steps of send_recv_row() where this transport can run them at once: how many
         it ran whole, and what it did of the next one: SENT (out went, src's array is still to be
         received) or NOT_STARTED (nothing: the default)."""
+        return 0, NOT_STARTED
+
+    def send_recv_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
+                         deadline: float, op: ReduceKind | None) -> None:
+        """A whole schedule of send_recv() steps over ranges of one array (a 1-D storage array),
+        each step with its own peers, worked out once per kind of call (ring.py's, halving.py's):
+        a transport may run them all in one native call (`_duplex_ranges`); the rest go as
+        send_recv_row() runs each peer's run of steps."""
+        finished, done = self._duplex_ranges(steps, tag, data, code, meta, deadline, op)
+        if finished < len(steps) and done == SENT:
+            _, src, _, _, lo, hi, folds = steps[finished]
+            self.recv_into(src, tag, data[lo:hi], code, deadline, meta, op if folds else None)
+            finished += 1
+        at = finished
+        while at < len(steps):
+            to, src = steps[at][:2]
+            run = []
+            while at < len(steps) and steps[at][:2] == (to, src):
+                _, _, a, b, lo, hi, folds = steps[at]
+                run.append((data[a:b], data[lo:hi], op if folds else None))
+                at += 1
+            self.send_recv_row(to, src, tag, run, code, meta, deadline)
+
+    def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
+                       deadline: float, op: ReduceKind | None) -> tuple[int, int]:
+        """The first steps of send_recv_ranges() where this transport runs them at once: how many
+        it ran whole, and what it did of the next one (as _duplexes; the default: nothing)."""
         return 0, NOT_STARTED
 
     @abstractmethod

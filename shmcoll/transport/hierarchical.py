@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, PeerLost
 from ..types import ReduceKind
-from .base import NOT_STARTED, BoardGuard, PeerStep, Step, Transport
+from .base import NOT_STARTED, BoardGuard, PeerStep, RangeStep, Step, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
@@ -90,6 +90,17 @@ class HierarchicalTransport(Transport):
             return self.net._duplexes(to, src, tag, steps, code, meta, deadline)
         except PeerLost:
             self.shm.check_health(strict=False)  # as _sliced: an abort's reason that came through this host
+            raise
+
+    def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
+                       deadline: float, op: ReduceKind | None) -> tuple[int, int]:
+        """The TCP side's send_recv_ranges() where every step's peers are remote."""
+        if any(to in self._local or src in self._local for to, src, *_ in steps):
+            return 0, NOT_STARTED
+        try:
+            return self.net._duplex_ranges(steps, tag, data, code, meta, deadline, op)
+        except PeerLost:
+            self.shm.check_health(strict=False)  # as _duplexes
             raise
 
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:

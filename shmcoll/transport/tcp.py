@@ -46,7 +46,7 @@ from ..errors import CollectiveError, CollectiveTimeout, PeerLost
 from ..net.congestion import paced
 from ..types import ReduceKind
 from . import frame
-from .base import EMPTY, NOT_STARTED, SENT, LinkTransport, PeerStep, Step, Transport
+from .base import EMPTY, NOT_STARTED, SENT, LinkTransport, PeerStep, RangeStep, Step, Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -126,6 +126,7 @@ class NetTransport(LinkTransport):
         self._beats = {peer: frame.pack(HEARTBEAT, peer, 0, Meta(), 0, (), 0) for peer in socks}  # as they come
         self._scratch = threading.local()  # each thread's DUPLEX_SCRATCH_BYTES
         self._rows: dict[tuple[PeerStep, ...], SwapRow | None] = {}  # prepare_row's, by steps
+        self._range_rows: dict[tuple, RangeRow | None] = {}  # _range_row's, by steps and element size
         for peer, sock in socks.items():
             sock.settimeout(_POLL)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -338,6 +339,129 @@ class NetTransport(LinkTransport):
         finally:
             self._send_locks[to].release()
         return swapped, SENT
+
+    def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
+                       deadline: float, op: ReduceKind | None) -> tuple[int, int]:
+        """send_recv_ranges()'s steps in one native call (kernels.duplex_row), a slice at a time,
+        where this thread can hold every connection they use at once (their peers' inboxes and send
+        locks, all taken first, as _duplexes takes one pair's): no Python between the steps. Where
+        the row stops (another frame first on a step's socket, or only the wait for a peer's frame
+        left after a slice: _duplexes's reasons), the rest of that step's frame goes out here and
+        its receive is left to recv (SENT)."""
+        row = self._range_row(tuple(steps), data.itemsize)
+        if row is None or not self._claim_all(row, tag):
+            return 0, NOT_STARTED
+        at, progress = np.zeros(1, np.int64), np.zeros(5, np.int64)
+        header = frame.pack(DATA, self.rank, tag, meta, code, (0,), 0)
+        status = kernels.DUPLEX_PENDING
+        try:
+            try:
+                status = self._row_slices(row, at, header, tag, meta.seq, data, code, op, deadline, progress)
+            finally:
+                self._release_inboxes(row, int(at[0]), progress)
+            for to, _, nbytes in row.steps[:int(at[0])]:
+                self.bytes_to[to] += nbytes
+            if status == kernels.DUPLEX_DONE:
+                return len(steps), SENT
+            i = int(at[0])
+            to, _, a, b = steps[i][:4]
+            self._send_rest(to, frame.pack(DATA, self.rank, tag, meta, code, (b - a,), (b - a) * data.itemsize),
+                            data[a:b], int(progress[_SENT]), deadline)
+            self.bytes_to[to] += (b - a) * data.itemsize
+            return i, SENT
+        finally:
+            for lock in row.send_locks:
+                lock.release()
+
+    def _row_slices(self, row: RangeRow, at: np.ndarray, header: bytes, tag: int, seq: int, data: np.ndarray,
+                    code: int, op: ReduceKind | None, deadline: float, progress: np.ndarray) -> int:
+        """kernels.duplex_row a slice at a time, with _run_duplex's looks between slices: its status
+        once the row is whole, another frame comes first, or only a wait is left."""
+        scratch = self._thread_scratch()
+        if self._mailbox.troubled or time.monotonic() > deadline:
+            to, src, nbytes = row.steps[0]
+            self._check_between_slices(to, src, HEADER_SIZE + nbytes, progress, deadline)
+        while True:
+            wait_s = min(DUPLEX_SLICE_SECONDS, max(0.0, deadline - time.monotonic()))
+            status = kernels.duplex_row(row.table, at, header, row.beats, tag, seq, data, scratch, code,
+                                        -1 if op is None else int(op), self._native_spin_ns, int(wait_s * 1e9),
+                                        progress)
+            if progress[_BEATS]:
+                for src in row.srcs:
+                    self._mailbox.touch(src)
+                progress[_BEATS] = 0
+            if status in (kernels.DUPLEX_DONE, kernels.DUPLEX_ELSEWHERE):
+                return status
+            to, src, nbytes = row.steps[int(at[0])]
+            frame_bytes = HEADER_SIZE + nbytes
+            if status == kernels.DUPLEX_ENDED:
+                self._connection_ended(src, self._inboxes[src], "its connection closed (process died?)",
+                                       graceful=False)
+                raise PeerLost(f"rank {src}'s connection ended (process died?)", src)
+            if status < 0:
+                raise PeerLost(f"sending to rank {to} failed: {os.strerror(-status)}", to)
+            if progress[_IN_STATE] == kernels.IN_WAITING and progress[_SENT] == frame_bytes:
+                return status  # only the wait is left: as _only_waiting
+            self._check_between_slices(to, src, frame_bytes, progress, deadline)
+
+    def _range_row(self, steps: tuple[RangeStep, ...], itemsize: int) -> RangeRow | None:
+        """The native row of send_recv_ranges()'s steps over an array of itemsize-byte elements,
+        worked out once per kind (its connections, byte ranges and peers' heartbeats); None where
+        some peer is not this transport's."""
+        key = (steps, itemsize)
+        if key not in self._range_rows:
+            if len(self._range_rows) >= _ROWS_KEPT:
+                self._range_rows.clear()
+            self._range_rows[key] = self._range_row_of(steps, itemsize)
+        return self._range_rows[key]
+
+    def _range_row_of(self, steps: tuple[RangeStep, ...], itemsize: int) -> RangeRow | None:
+        if not steps or any(to not in self._socks or src not in self._inboxes for to, src, *_ in steps):
+            return None
+        table = np.array([(self._socks[to].fileno(), self._inboxes[src].sock.fileno(), src, a * itemsize,
+                           (b - a) * itemsize, lo * itemsize, (hi - lo) * itemsize, folds, self._leads[to])
+                          for to, src, a, b, lo, hi, folds in steps], np.int64)
+        tos = tuple(dict.fromkeys(to for to, *_ in steps))
+        srcs = tuple(dict.fromkeys(src for _, src, *_ in steps))
+        peers = tuple((to, src, (b - a) * itemsize) for to, src, a, b, *_ in steps)
+        return RangeRow(table, peers, b"".join(self._beats[src] for _, src, *_ in steps), tos, srcs,
+                        [self._inboxes[src] for src in srcs], [self._send_locks[to] for to in tos])
+
+    def _claim_all(self, row: RangeRow, tag: int) -> bool:
+        """Every inbox and send lock of a row taken, where this thread can have them all at once
+        (no reader thread reading, nothing of this call queued from any of its peers, no send
+        under way to any); False, holding nothing, where it cannot."""
+        taken: list[threading.Lock] = []
+        for src, inbox in zip(row.srcs, row.inboxes):
+            if not inbox.lock.acquire(blocking=False):
+                break
+            taken.append(inbox.lock)
+            if self._mailbox.has(src, tag):
+                break
+        else:
+            for lock in row.send_locks:
+                if not lock.acquire(blocking=False):
+                    break
+                taken.append(lock)
+            else:
+                for inbox in row.inboxes:
+                    inbox.quiet_reader()
+                return True
+        for lock in taken:
+            lock.release()
+        return False
+
+    def _release_inboxes(self, row: RangeRow, stopped: int, progress: np.ndarray) -> None:
+        """Give back a row's inboxes: a frame the row was reading when it gave up (a failure
+        elsewhere ended the wait) leaves its stream unreadable, which counts as ended; the reader
+        thread naps on a socket whose frames the row found."""
+        cut_off = stopped < len(row.steps) and progress[_IN_STATE] == kernels.IN_BODY
+        src_at = row.steps[stopped][1] if stopped < len(row.steps) else -1
+        for src, inbox in zip(row.srcs, row.inboxes):
+            inbox.lock.release()
+            if cut_off and src == src_at and not inbox.finished:
+                self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
+            inbox.leave(found=any(peer == src for _, peer, _ in row.steps[:stopped]))
 
     def _run_duplex(self, to: int, src: int, inbox: _Inbox, header: bytes, out: np.ndarray, into: np.ndarray,
                     code: int, meta: Meta, tag: int, deadline: float, op: ReduceKind | None,
@@ -616,6 +740,19 @@ class SwapRow(NamedTuple):
     sends_data: tuple[bool, ...]  # whether step i sends the array (not nothing, or an empty frame)
     inboxes: list[_Inbox]
     send_locks: list[threading.Lock]
+
+
+class RangeRow(NamedTuple):
+    """send_recv_ranges()'s steps as one native row (NetTransport._range_row): kernels.duplex_row's
+    table, and the connections its steps use, looked up once per kind of call."""
+
+    table: np.ndarray  # int64 (steps, kernels.DUPLEX_STEP_WORDS)
+    steps: tuple[tuple[int, int, int], ...]  # each step's (to, src, bytes sent)
+    beats: bytes  # each step's peer's heartbeat header, one after another
+    tos: tuple[int, ...]  # the ranks the steps send to, each once
+    srcs: tuple[int, ...]  # ... and receive from
+    inboxes: list[_Inbox]  # srcs'
+    send_locks: list[threading.Lock]  # tos'
 
 
 class _Inbox:

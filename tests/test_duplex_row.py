@@ -1,0 +1,290 @@
+"""A whole schedule of duplex steps in one native call (kernels.duplex_row,
+Transport.send_recv_ranges).
+
+Over real TCP connections on loopback. The native row alone: two ends run a ring's two steps
+(the second sends what the first folded in), small and far past the sockets' buffers, with the
+headers frame.pack writes; a row whose wait runs out goes on from where it stopped; arguments that
+do not describe a row are refused. Then NetTransports fully connected: ring_all_reduce among 3
+(every step to one peer, from another) and halving-doubling among 4 (a partner per step) run in
+one native call each and send the bytes the general path sends; a peer that sends and receives
+each step on its own meets a row; a row stopped by another frame, or whose connections another
+thread holds, finishes the general way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shmcoll import kernels
+from shmcoll.algorithms.call import Call, segment_bounds
+from shmcoll.algorithms.halving import halving_doubling_all_reduce
+from shmcoll.algorithms.ring import ring_all_reduce
+from shmcoll.transport import frame
+from shmcoll.transport.frame import DATA, HEARTBEAT, Meta
+from shmcoll.transport.tcp import DUPLEX_LEAD_BYTES, NetTransport
+from shmcoll.types import F32, I64, Collective, ReduceKind
+
+import bounds
+from harness import connected_pair
+
+TAG, SEQ = 9, 4
+WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machine; the tests do not wait it out
+
+
+def _meta(n: int, code: int) -> Meta:
+    return Meta(seq=SEQ, coll=int(Collective.ALL_REDUCE), dtype=code, elements=n)
+
+
+def _two_step_row(fd: int, me: int, n: int, itemsize: int) -> np.ndarray:
+    """A ring of two at position me over one connection: step 1 sends this end's half and folds the
+    peer's into the other half, step 2 sends that half, finished, and copies the peer's in."""
+    half = n // 2 * itemsize
+    mine, theirs = (0, half) if me == 0 else (half, 0)
+    size = (n * itemsize - half) if me else half
+    other = n * itemsize - size
+    rows = [(fd, fd, 1 - me, theirs, other, mine, size, 1, DUPLEX_LEAD_BYTES),
+            (fd, fd, 1 - me, mine, size, theirs, other, 0, DUPLEX_LEAD_BYTES)]
+    return np.array(rows, np.int64)
+
+
+def _native_row(sock, me: int, data: np.ndarray, code: int, op: int, wait_ns: int = WAIT_NS) -> tuple[int, int]:
+    """One end's row to the end, called again while its wait runs out: the last status and the calls."""
+    steps = _two_step_row(sock.fileno(), me, len(data), data.itemsize)
+    header = frame.pack(DATA, me, 0, _meta(len(data), code), code, (0,), 0)
+    beats = frame.pack(HEARTBEAT, 1 - me, 0, Meta(), 0, (), 0) * len(steps)
+    at, progress, scratch = np.zeros(1, np.int64), np.zeros(5, np.int64), np.empty(256 << 10, np.uint8)
+    calls = 0
+    while True:
+        calls += 1
+        status = kernels.duplex_row(steps, at, header, beats, TAG, SEQ, data, scratch, code, op, 0, wait_ns,
+                                    progress)
+        if status != kernels.DUPLEX_PENDING:
+            assert at[0] == (len(steps) if status == kernels.DUPLEX_DONE else at[0])
+            return status, calls
+        wait_ns = WAIT_NS
+
+
+def _both_rows(pair, arrays: list[np.ndarray], code: int, op: int, first_wait_ns: int = WAIT_NS) -> list:
+    results: list = [None, None]
+
+    def end(i: int) -> None:
+        results[i] = _native_row(pair[i], i, arrays[i], code, op, first_wait_ns if i == 0 else WAIT_NS)
+    other = threading.Thread(target=end, args=(1,))
+    other.start()
+    end(0)
+    other.join(timeout=bounds.WAIT_HANG_S)
+    assert not other.is_alive()
+    return results
+
+
+@pytest.mark.parametrize("n, dtype, wire", [(1001, np.float32, F32), (12 << 20, np.float32, F32),
+                                             (3 << 20, np.int64, I64)])
+def test_two_ends_run_a_ring_of_two_in_one_call(pair, n, dtype, wire):
+    """Both ends end with the sum, the second step sending what the first folded in, also far past
+    the sockets' buffers and with odd halves."""
+    arrays = [np.arange(n, dtype=dtype), np.arange(n, dtype=dtype) * 3]
+    results = _both_rows(pair, arrays, wire.code, int(ReduceKind.SUM))
+    assert [status for status, _ in results] == [kernels.DUPLEX_DONE] * 2
+    want = np.arange(n, dtype=dtype) * 4
+    assert np.array_equal(arrays[0], want) and np.array_equal(arrays[1], want)
+
+
+def test_a_row_whose_wait_runs_out_goes_on_where_it_stopped(pair):
+    """Rank 0's first call may wait no time at all: it returns pending, and the next calls finish
+    the step it stopped in and the rest."""
+    n = 8 << 20
+    arrays = [np.ones(n, np.float32), np.full(n, 2.0, np.float32)]
+    results = _both_rows(pair, arrays, F32.code, int(ReduceKind.SUM), first_wait_ns=0)
+    assert results[0][0] == kernels.DUPLEX_DONE and results[0][1] >= 2
+    assert np.all(arrays[0] == 3.0) and np.all(arrays[1] == 3.0)
+
+
+def _row_args(pair) -> list:
+    data = np.zeros(1000, np.float32)
+    steps = _two_step_row(pair[0].fileno(), 0, len(data), 4)
+    header = frame.pack(DATA, 0, 0, _meta(1000, F32.code), F32.code, (0,), 0)
+    beats = frame.pack(HEARTBEAT, 1, 0, Meta(), 0, (), 0) * 2
+    return [steps, np.zeros(1, np.int64), header, beats, TAG, SEQ, data, np.empty(4096, np.uint8), F32.code,
+            int(ReduceKind.SUM), 0, 0, np.zeros(5, np.int64)]
+
+
+def _past_the_data(args: list) -> None:
+    args[0] = args[0].copy()
+    args[0][1, 3] = 4000 - 100  # step 2 sends bytes [3900, 3900 + 2000) of a 4000-byte array
+
+
+@pytest.mark.parametrize("change", [
+    _past_the_data,
+    lambda args: args.__setitem__(1, np.array([3], np.int64)),  # a step past the last
+    lambda args: args.__setitem__(3, args[3][:-1]),  # a heartbeat header short
+    lambda args: args.__setitem__(2, args[2][:40]),  # a header without the payload's size
+    lambda args: args.__setitem__(9, 99),  # no loop for this op
+    lambda args: args.__setitem__(0, args[0][:, :8].copy()),  # steps of the wrong width
+], ids=["range", "at", "beats", "header", "op", "width"])
+def test_arguments_that_do_not_describe_a_row_are_refused(pair, change):
+    args = _row_args(pair)
+    change(args)
+    with pytest.raises(ValueError, match="duplex_row"):
+        kernels.duplex_row(*args)
+
+
+# ---- in transports ----
+
+@pytest.fixture
+def mesh():
+    """Four NetTransports, every pair of them connected over loopback."""
+    socks: list[dict] = [{} for _ in range(4)]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            socks[i][j], socks[j][i] = connected_pair()
+    ends = [NetTransport(r, 4, socks[r], timeout=bounds.WAIT_HANG_S) for r in range(4)]
+    yield ends
+    for t in ends:
+        t.close()
+
+
+def _statuses(monkeypatch) -> list[int]:
+    """Every kernels.duplex_row call's status, from now on."""
+    statuses: list[int] = []
+    row = kernels.duplex_row
+
+    def counted(*args):
+        statuses.append(row(*args))
+        return statuses[-1]
+    monkeypatch.setattr(kernels, "duplex_row", counted)
+    return statuses
+
+
+def _at_once(ranks, run) -> None:
+    """run(rank) on a thread of each rank but the first, and the first's here."""
+    others = [threading.Thread(target=run, args=(r,)) for r in ranks[1:]]
+    for thread in others:
+        thread.start()
+    run(ranks[0])
+    for thread in others:
+        thread.join(timeout=bounds.WAIT_HANG_S)
+        assert not thread.is_alive()
+
+
+def _all_reduce_among(mesh, members: tuple[int, ...], algorithm, n: int) -> list[np.ndarray]:
+    arrays = {r: np.arange(n, dtype=np.float32) + r for r in members}
+    meta = Meta(seq=SEQ, coll=int(Collective.ALL_REDUCE), dtype=F32.code, elements=n)
+
+    def run(r: int) -> None:
+        c = Call(mesh[r], TAG, meta, F32.code, time.monotonic() + bounds.WAIT_HANG_S, 256 << 10)
+        algorithm(c, arrays[r], ReduceKind.SUM, members)
+    _at_once(members, run)
+    want = np.arange(n, dtype=np.float32) * len(members) + sum(members)
+    for r in members:
+        assert np.array_equal(arrays[r], want)
+    return [arrays[r] for r in members]
+
+
+def _segment_bytes(n: int, parts: int, which) -> int:
+    bounds = segment_bounds(n, parts)
+    return 4 * sum(bounds[s][1] - bounds[s][0] for s in which)
+
+
+def test_a_ring_of_three_runs_as_one_native_row_each(mesh, monkeypatch):
+    """ring_all_reduce among 3 of 4 transports: each rank's steps (each segment in frames of 256
+    KiB) to its right neighbour, from its left, run in one native call (where a rank's reader
+    thread took no frame of the call before it began: at least one rank's), and each rank sends the
+    ring's bytes, to its right neighbour alone: the two segments before its own in the
+    reduce-scatter, its own and the one before in the all-gather."""
+    statuses = _statuses(monkeypatch)
+    n = 600_001
+    _all_reduce_among(mesh, (0, 1, 2), ring_all_reduce, n)
+    assert kernels.DUPLEX_DONE in statuses and set(statuses) <= {kernels.DUPLEX_DONE, kernels.DUPLEX_PENDING}
+    for p in range(3):
+        want = [0] * 4
+        want[(p + 1) % 3] = _segment_bytes(n, 3, [(p - 1) % 3, (p - 2) % 3, p, (p - 1) % 3])
+        assert mesh[p].bytes_to == want
+
+
+def test_halving_doubling_among_four_runs_as_one_native_row_each(mesh, monkeypatch):
+    """Each rank's halving and doubling steps, with a partner per step, in one native call (as the
+    ring's: at least one rank's); each
+    rank sends its partners what the general path sends: half the array, then a quarter, to its
+    first and second partner, and back the other way."""
+    statuses = _statuses(monkeypatch)
+    n = 1_000_003
+    _all_reduce_among(mesh, (0, 1, 2, 3), halving_doubling_all_reduce, n)
+    assert kernels.DUPLEX_DONE in statuses and set(statuses) <= {kernels.DUPLEX_DONE, kernels.DUPLEX_PENDING}
+    for p in range(4):
+        far, near = p ^ 2, p ^ 1
+        assert mesh[p].bytes_to[far] == _segment_bytes(n, 4, [s for s in range(4) if s // 2 != p // 2]) \
+            + _segment_bytes(n, 4, [p, near])
+        assert mesh[p].bytes_to[near] == _segment_bytes(n, 4, [near]) + _segment_bytes(n, 4, [p])
+
+
+def _ring_of_two(t: NetTransport, data: np.ndarray, deadline: float) -> None:
+    c = Call(t, TAG, _meta(len(data), F32.code), F32.code, deadline, len(data) * 4)  # a frame per step
+    ring_all_reduce(c, data, ReduceKind.SUM, (0, 1))
+
+
+def _steps_one_by_one(t: NetTransport, data: np.ndarray, deadline: float) -> None:
+    """Rank 1's side of the ring of two without any native call, each step a send, then a receive:
+    the first half out, the second folded in, then that sum out and the first copied in."""
+    half, meta = len(data) // 2, _meta(len(data), F32.code)
+    t.send(0, TAG, data[:half], F32.code, meta, deadline)
+    t.recv_into(0, TAG, data[half:], F32.code, deadline, meta, ReduceKind.SUM)
+    t.send(0, TAG, data[half:], F32.code, meta, deadline)
+    t.recv_into(0, TAG, data[:half], F32.code, deadline, meta)
+
+
+def _rank_0_against(mesh, peer_side, n: int) -> list[np.ndarray]:
+    """Rank 0 runs its ring of two with rank 1 while rank 1 runs peer_side (in a thread)."""
+    arrays = [np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)]
+    deadline = time.monotonic() + bounds.WAIT_HANG_S
+    other = threading.Thread(target=peer_side, args=(mesh[1], arrays[1], deadline))
+    other.start()
+    _ring_of_two(mesh[0], arrays[0], deadline)
+    other.join(timeout=bounds.WAIT_HANG_S)
+    assert not other.is_alive()
+    return arrays
+
+
+@pytest.mark.parametrize("n", [1001, 6 << 20])
+def test_a_row_meets_a_peer_that_takes_the_general_path(mesh, n):
+    """The frames a row sends and expects are those of send and recv: both end with the sum."""
+    for data in _rank_0_against(mesh, _steps_one_by_one, n):
+        assert np.all(data == 3.0)
+
+
+def test_a_row_stopped_by_another_frame_finishes_its_steps(mesh, monkeypatch):
+    """Rank 1 sends a message of another call first: rank 0's row finds it, stops, and the step and
+    the rest finish the general way; the other message waits in the mailbox."""
+    statuses = _statuses(monkeypatch)
+
+    def another_frame_first(t: NetTransport, data: np.ndarray, deadline: float) -> None:
+        t.send(0, TAG + 1, np.full(3, 7, np.float32), F32.code, _meta(3, F32.code), deadline)
+        _steps_one_by_one(t, data, deadline)
+
+    inbox = mesh[0]._inboxes[1]  # the reader thread naps, as after a caller found its frame
+    inbox._quiet_until = time.monotonic() + bounds.WAIT_HANG_S
+    inbox.mute_reader(True)
+    for data in _rank_0_against(mesh, another_frame_first, 1 << 20):
+        assert np.all(data == 3.0)
+    assert kernels.DUPLEX_ELSEWHERE in statuses
+    extra = mesh[0].recv(1, TAG + 1, time.monotonic() + bounds.WAIT_HANG_S)
+    assert extra.payload.view(np.float32).tolist() == [7.0] * 3
+
+
+def test_a_row_whose_connection_another_thread_holds_goes_the_general_way(mesh, monkeypatch):
+    """Another thread of rank 0 is sending to rank 1: the row cannot hold that connection, runs no
+    native call, and the steps go as send_recv_row runs them; the results are the same."""
+    statuses = _statuses(monkeypatch)
+    lock = mesh[0]._send_locks[1]
+    lock.acquire()
+    release = threading.Timer(0.2, lock.release)
+    release.start()
+    try:
+        for data in _rank_0_against(mesh, _ring_of_two, 1 << 20):
+            assert np.all(data == 3.0)
+    finally:
+        release.join()
+    assert statuses.count(kernels.DUPLEX_DONE) <= 1  # rank 1's row, where it held its connections first
