@@ -56,6 +56,11 @@ board_broadcast = _native.board_broadcast
 #: place; each rank publishes its own block (the header describes that block) and copies every
 #: other rank's into place.
 board_all_gather = _native.board_all_gather
+#: board_gather_open(...) -> status: board_all_gather's arguments and step, but this rank's
+#: reading of the call is not marked done: it goes on reading its peers' arrays, whose addresses
+#: the blocks carry (algorithms/single_copy.py), and Board.finish marks it once the call is over.
+#: The header is whatever the call's board entry describes (its array, not the block).
+board_gather_open = _native.board_gather_open
 #: address_of(buffer) -> the address of a contiguous buffer's first byte in this process: what a
 #: rank publishes for peers to read or write (numpy's __array_interface__ builds a dict each time).
 address_of = _native.address_of

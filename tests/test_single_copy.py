@@ -373,6 +373,19 @@ def test_ranks_that_reduce_different_lengths_fail_alike():
         assert out["kind"] == "CollectiveMismatch", out
 
 
+def _mismatched_once_agreed(pg):
+    pg.all_reduce(np.ones(ELEMENTS, dtype=np.float32))  # the agreement: later calls publish in one compiled step
+    return attempt(lambda: pg.all_reduce(np.ones(ELEMENTS + 64 * pg.rank, dtype=np.float32)))
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_agreed_and_then_reduce_different_lengths_fail_alike():
+    """Once the ranks agreed, a call publishes and reads every rank's descriptor in one compiled
+    step (Board.gather_open), which compares the calls as the entries' reads do."""
+    for out in run_ranks(3, _mismatched_once_agreed, env=SMALL_BOARD):
+        assert out["kind"] == "CollectiveMismatch", out
+
+
 def _killed_in_step(pg, victim: int, call: str, step: str, agreed, finish, elements: int = ELEMENTS):
     data = np.ones(elements, dtype=np.float32)
     pg.all_reduce(data)  # the agreement, so the fault hits a call that reads peers

@@ -6,7 +6,8 @@ memory, or writes into them (Linux cross-memory attach, `process_vm_readv` and `
 the kernel copies once), as OpenMPI's shared-memory transport does for large messages. Every call:
 
 1. publishes on the board where its array is (pid and address) with the call's header, so
-   mismatched calls are caught as on any board call, and reads every rank's;
+   mismatched calls are caught as on any board call, and reads every rank's (once the ranks have
+   agreed, below, in one compiled step: Board.gather_open);
 2. moves what it needs between its peers' arrays and its own:
    - all_reduce: each rank owns an equal range; it folds that range of every rank's array in rank
      order (kernels.reduce_from_peers, through a scratch area that stays in cache) into its own
@@ -51,7 +52,7 @@ import numpy as np
 from .. import kernels
 from ..errors import CollectiveError, PeerLost
 from ..transport.base import BoardGuard
-from ..transport.shm_board import Board
+from ..transport.shm_board import Board, entry_header
 from ..types import ReduceKind
 from .call import Call, segment_bounds
 from .overlap import Crossing, in_pieces
@@ -210,6 +211,8 @@ def _publish_and_agree(c: Call, among: Readers, source: np.ndarray, fallback: Fa
         return None
     address = kernels.address_of(source)
     _prefer_huge_pages(source, address)
+    if board.single_copy_agreed and among.ranks == board.host_ranks:
+        return _gather_descriptors(c, among, source, address)
     guard, seq = among.guard(), c.meta.seq
     board.publish(c.meta, c.code, source, c.deadline, guard, payload=_descriptor(address))
     descriptors = [board.read(src, seq, c.meta, c.deadline, guard).view(np.int64) for src in among.ranks]
@@ -220,6 +223,17 @@ def _publish_and_agree(c: Call, among: Readers, source: np.ndarray, fallback: Fa
             fallback(c)
             return None
     return np.array([d[PID:ADDRESS + 1] for d in descriptors])  # a copy: the entries change after the call
+
+
+def _gather_descriptors(c: Call, among: Readers, source: np.ndarray, address: int) -> np.ndarray:
+    """_publish_and_agree's publish and reads in one compiled step (Board.gather_open: the same
+    entries), once the ranks agreed: every board rank's (pid, address), this rank's reading left
+    open until _finish."""
+    descriptors = np.empty((len(among.ranks), DESCRIPTOR_BYTES // 8), np.int64)
+    descriptors[among.ranks.index(c.rank)] = _descriptor(address)
+    header = entry_header(c.rank, c.meta, c.code, source)
+    among.board.gather_open(c.meta.seq, descriptors, header, c.code, c.deadline, among.guard, c.meta)
+    return descriptors[:, PID:ADDRESS + 1].copy()
 
 
 def _finish(c: Call, among: Readers) -> None:

@@ -93,6 +93,7 @@ int64_t sc_board_step(const struct board_call *c, int64_t position, int64_t spin
         }
         take_entry(c, r, payload, size);
     }
-    sc_store_and_wake(done_word(c, c->rank), c->seq + 1, c->done_sleepers);
+    if (!c->keeps_reading)
+        sc_store_and_wake(done_word(c, c->rank), c->seq + 1, c->done_sleepers);
     return BOARD_DONE;
 }

@@ -34,6 +34,10 @@ struct board_call {
        copy (a broadcast); any other: entries carry no payload (the ranks only meet: a broadcast's
        hosts other than the root's). Every entry is waited for and its call compared alike. */
     int source;
+    /* Whether this rank goes on reading its peers after the step (their arrays, whose addresses
+       the entries carry: algorithms/single_copy.py): then it does not mark its reading done,
+       Board.finish does once the call is over. */
+    int keeps_reading;
 };
 
 /* From `position` (0 at first): BOARD_DONE, -(2 + r), or a position to call again with after a

@@ -234,36 +234,39 @@ static int where_fits(const struct board_call *c, size_t entry, Py_ssize_t mem_l
     return 1;
 }
 
-enum step_kind { STEP_ALL_REDUCE, STEP_BROADCAST, STEP_ALL_GATHER };
+enum step_kind { STEP_ALL_REDUCE, STEP_BROADCAST, STEP_ALL_GATHER, STEP_GATHER_OPEN };
 
-/* board_all_reduce's, board_broadcast's and board_all_gather's arguments, alike but for args[7]: an
-   all-reduce's op, a broadcast's source (the board rank whose payload the others copy; past the
-   last, nobody's), none for an all-gather (its later arguments come one place earlier). */
+/* board_all_reduce's, board_broadcast's, board_all_gather's and board_gather_open's arguments,
+   alike but for args[7]: an all-reduce's op, a broadcast's source (the board rank whose payload the
+   others copy; past the last, nobody's), none for an all-gather (its later arguments come one place
+   earlier). */
 static PyObject *board_step(PyObject *const *args, Py_ssize_t nargs, const char *name, enum step_kind kind) {
     held_buffer mem = {0}, data = {0}, header = {0}, where = {0};
     int64_t rank, seq, code, op_or_source = 0, position, spin_ns, slice_ns, done_sleepers;
     PyObject *result = NULL;
-    int late = kind == STEP_ALL_GATHER ? 7 : 8; /* where position and the arguments after it are */
+    int gathers = kind == STEP_ALL_GATHER || kind == STEP_GATHER_OPEN;
+    int late = gathers ? 7 : 8; /* where position and the arguments after it are */
     if (check_count(nargs, late + 4, name) || as_i64(args[4], &rank) || as_i64(args[5], &seq) ||
-        as_i64(args[6], &code) || (kind != STEP_ALL_GATHER && as_i64(args[7], &op_or_source)) ||
+        as_i64(args[6], &code) || (!gathers && as_i64(args[7], &op_or_source)) ||
         as_i64(args[late], &position) || as_i64(args[late + 1], &spin_ns) || as_i64(args[late + 2], &slice_ns) ||
         as_i64(args[late + 3], &done_sleepers) || hold(args[0], &mem, 1, "board mem") ||
         hold(args[1], &data, kind != STEP_BROADCAST || rank != op_or_source, "board data") ||
         hold(args[2], &header, 0, "board header") || hold(args[3], &where, 0, "board where"))
         goto done;
-    int source = kind == STEP_ALL_REDUCE    ? BOARD_FOLD_ALL
-                 : kind == STEP_ALL_GATHER ? BOARD_GATHER_ALL
-                                           : (int)(op_or_source < INT32_MAX ? op_or_source : INT32_MAX);
+    int source = kind == STEP_ALL_REDUCE ? BOARD_FOLD_ALL
+                 : gathers               ? BOARD_GATHER_ALL
+                                         : (int)(op_or_source < INT32_MAX ? op_or_source : INT32_MAX);
     struct board_call call = {
         .mem = mem.view.buf, .where = where.view.buf, .ranks = (int)(where.view.len / (3 * 8)), .rank = (int)rank,
         .data = data.view.buf, .nbytes = (size_t)data.view.len, .header = header.view.buf, .seq = (uint64_t)seq,
         .code = (int)code, .op = kind == STEP_ALL_REDUCE ? (int)op_or_source : 0, .source = source,
+        .keeps_reading = kind == STEP_GATHER_OPEN,
     };
     size_t size = sc_element_size(call.code);
-    int valid = kind == STEP_BROADCAST    ? op_or_source >= 0
-                : kind == STEP_ALL_GATHER ? call.ranks > 0 && call.nbytes % (size_t)call.ranks == 0
-                                          : call.nbytes == 0 || (sc_has_loop(code, op_or_source) && call.nbytes % size == 0);
-    size_t entry = kind == STEP_ALL_GATHER && call.ranks > 0 ? call.nbytes / (size_t)call.ranks : call.nbytes;
+    int valid = kind == STEP_BROADCAST ? op_or_source >= 0
+                : gathers              ? call.ranks > 0 && call.nbytes % (size_t)call.ranks == 0
+                                       : call.nbytes == 0 || (sc_has_loop(code, op_or_source) && call.nbytes % size == 0);
+    size_t entry = gathers && call.ranks > 0 ? call.nbytes / (size_t)call.ranks : call.nbytes;
     if (header.view.len != BOARD_HEADER_BYTES || where.view.len % 24 || (uintptr_t)call.where % 8 ||
         rank < 0 || rank >= call.ranks || seq < 0 || position < 0 || position > call.ranks || !valid ||
         !where_fits(&call, entry, mem.view.len) || (uintptr_t)call.mem % 8 ||
@@ -295,6 +298,10 @@ static PyObject *board_broadcast(PyObject *self, PyObject *const *args, Py_ssize
 
 static PyObject *board_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return board_step(args, nargs, "board_all_gather", STEP_ALL_GATHER);
+}
+
+static PyObject *board_gather_open(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return board_step(args, nargs, "board_gather_open", STEP_GATHER_OPEN);
 }
 
 static PyObject *read_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -636,6 +643,9 @@ static PyMethodDef methods[] = {
      "done_sleepers)"},
     {"board_all_gather", (PyCFunction)(void (*)(void))board_all_gather, METH_FASTCALL,
      "board_all_gather(mem, out, header, where, rank, seq, code, position, spin_ns, slice_ns, done_sleepers)"},
+    {"board_gather_open", (PyCFunction)(void (*)(void))board_gather_open, METH_FASTCALL,
+     "board_gather_open(mem, out, header, where, rank, seq, code, position, spin_ns, slice_ns, done_sleepers): "
+     "board_all_gather, this rank's reading not marked done"},
     {"address_of", (PyCFunction)(void (*)(void))address_of, METH_FASTCALL,
      "address_of(buffer) -> the address of a contiguous buffer's first byte in this process"},
     {"read_peer", (PyCFunction)(void (*)(void))read_peer, METH_FASTCALL,

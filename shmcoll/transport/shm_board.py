@@ -152,6 +152,20 @@ class Board:
             self.mem, out, header, self.host_where, self._me, seq, code, position, spin, wait, DONE_SLEEPERS),
             seq, out, deadline, check, want)
 
+    def gather_open(self, seq: int, out: np.ndarray, header: np.ndarray, code: int, deadline: float,
+                    guard: Callable[[], Callable[[int], None]], want: Meta) -> None:
+        """publish() of this rank's block of out (one equal block per rank of host_ranks, in that
+        order) with the call's header (of its array), and every board rank's block read into
+        place, in one compiled call (kernels.board_gather_open): the entries publish() and read()
+        would write and check, but this rank's reading stays open: finish() ends it, once its
+        peers may change what the blocks describe (a large call's arrays, single_copy.py)."""
+        status = kernels.board_gather_open(self.mem, out, header, self.host_where, self._me, seq, code, 0,
+                                           self.spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+        if status != kernels.BOARD_DONE:
+            self._finish_step(status, lambda position, spin, wait: kernels.board_gather_open(
+                self.mem, out, header, self.host_where, self._me, seq, code, position, spin, wait, DONE_SLEEPERS),
+                seq, out, deadline, guard(), want)
+
     def _finish_step(self, status: int, step: Callable[[int, int, int], int], seq: int, data: np.ndarray,
                      deadline: float, check: Callable[[int], None], want: Meta) -> None:
         """Go on with a compiled board step (step(position, spin_ns, slice_ns) -> status) that returned
