@@ -113,7 +113,8 @@ duplex = _native.duplex
 #: duplex_row(steps, at, header, beats, tag, seq, data, scratch, code, op, spin_ns, wait_ns,
 #: progress) -> status: duplexes in a row (native/duplex.h), each step with its own peers: steps
 #: is int64 (count, DUPLEX_STEP_WORDS), a row per step of (out_fd, in_fd, src, out_at, out_bytes,
-#: in_at, in_bytes, folds, lead_bytes), byte ranges of data; header is ours for the call's 1-D
+#: out_count, in_at, in_bytes, in_count, folds, lead_bytes): byte ranges of data and their
+#: elements (what the frames' headers say); header is ours for the call's 1-D
 #: array (frame.pack), the native call writes in the tag, the sequence number and each frame's
 #: size (and the source of the one it expects); beats holds each step's peer's heartbeat header.
 #: From step at[0] on, which advances past each whole step (progress starting over), within

@@ -42,12 +42,14 @@ def _meta(n: int, code: int) -> Meta:
 def _two_step_row(fd: int, me: int, n: int, itemsize: int) -> np.ndarray:
     """A ring of two at position me over one connection: step 1 sends this end's half and folds the
     peer's into the other half, step 2 sends that half, finished, and copies the peer's in."""
-    half = n // 2 * itemsize
+    half = n // 2
     mine, theirs = (0, half) if me == 0 else (half, 0)
-    size = (n * itemsize - half) if me else half
-    other = n * itemsize - size
-    rows = [(fd, fd, 1 - me, theirs, other, mine, size, 1, DUPLEX_LEAD_BYTES),
-            (fd, fd, 1 - me, mine, size, theirs, other, 0, DUPLEX_LEAD_BYTES)]
+    size = (n - half) if me else half
+    other = n - size
+    rows = [(fd, fd, 1 - me, theirs * itemsize, other * itemsize, other, mine * itemsize, size * itemsize, size, 1,
+             DUPLEX_LEAD_BYTES),
+            (fd, fd, 1 - me, mine * itemsize, size * itemsize, size, theirs * itemsize, other * itemsize, other, 0,
+             DUPLEX_LEAD_BYTES)]
     return np.array(rows, np.int64)
 
 
@@ -123,7 +125,7 @@ def _past_the_data(args: list) -> None:
     lambda args: args.__setitem__(3, args[3][:-1]),  # a heartbeat header short
     lambda args: args.__setitem__(2, args[2][:40]),  # a header without the payload's size
     lambda args: args.__setitem__(9, 99),  # no loop for this op
-    lambda args: args.__setitem__(0, args[0][:, :8].copy()),  # steps of the wrong width
+    lambda args: args.__setitem__(0, args[0][:, :10].copy()),  # steps of the wrong width
 ], ids=["range", "at", "beats", "header", "op", "width"])
 def test_arguments_that_do_not_describe_a_row_are_refused(pair, change):
     args = _row_args(pair)

@@ -182,14 +182,13 @@ int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct d
 
 /* Step k's frames' headers: ours (`header` with the call's tag and sequence number) with the sizes
    of what goes out written in, and the same with the source and sizes of what comes in. */
-static void step_headers(const struct duplex_step *k, uint8_t *ours, uint8_t *expect, size_t header_bytes,
-                         size_t size) {
+static void step_headers(const struct duplex_step *k, uint8_t *ours, uint8_t *expect, size_t header_bytes) {
     sc_put_le(ours + SWAP_NBYTES_AT, (uint64_t)k->out_bytes, 8);
-    sc_put_le(ours + SWAP_DIM0_AT, (uint64_t)k->out_bytes / size, 8);
+    sc_put_le(ours + SWAP_DIM0_AT, (uint64_t)k->out_count, 8);
     memcpy(expect, ours, header_bytes);
     sc_put_le(expect + SWAP_SRC_AT, (uint64_t)k->src, 4);
     sc_put_le(expect + SWAP_NBYTES_AT, (uint64_t)k->in_bytes, 8);
-    sc_put_le(expect + SWAP_DIM0_AT, (uint64_t)k->in_bytes / size, 8);
+    sc_put_le(expect + SWAP_DIM0_AT, (uint64_t)k->in_count, 8);
 }
 
 int sc_duplex_row(const struct duplex_step *steps, int count, int *at, const uint8_t *header, size_t header_bytes,
@@ -200,11 +199,10 @@ int sc_duplex_row(const struct duplex_step *steps, int count, int *at, const uin
     memcpy(ours, header, header_bytes);
     sc_put_le(ours + SWAP_TAG_AT, tag, 4);
     sc_put_le(ours + SWAP_SEQ_AT, seq, 8);
-    size_t size = sc_element_size(code);
     int64_t end = sc_now_ns() + wait_ns;
     for (; *at < count; ++*at) {
         const struct duplex_step *k = &steps[*at];
-        step_headers(k, ours, expect, header_bytes, size);
+        step_headers(k, ours, expect, header_bytes);
         struct duplex_out out = {(int)k->out_fd, ours, header_bytes, data + k->out_at, (size_t)k->out_bytes,
                                  (size_t)k->lead_bytes};
         struct duplex_in in = {(int)k->in_fd, expect, beats + (size_t)*at * header_bytes, header_bytes,

@@ -77,14 +77,15 @@ struct duplex_progress {
 int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *progress,
               int64_t spin_ns, int64_t wait_ns);
 
-/* One step of a row (sc_duplex_row): bytes [out_at, out_at + out_bytes) of the row's data out to
-   the peer on out_fd while rank src's frame of the same call comes in on in_fd into bytes
-   [in_at, in_at + in_bytes), folded with the row's op (folds) or copied; lead_bytes as a duplex's.
-   As int64 words: Python keeps a row as an int64 array of DUPLEX_STEP_WORDS per step. */
+/* One step of a row (sc_duplex_row): bytes [out_at, out_at + out_bytes) of the row's data
+   (out_count elements, what its frame's header says) out to the peer on out_fd while rank src's
+   frame of the same call comes in on in_fd into bytes [in_at, in_at + in_bytes) (in_count
+   elements), folded with the row's op (folds) or copied; lead_bytes as a duplex's. As int64 words:
+   Python keeps a row as an int64 array of DUPLEX_STEP_WORDS per step. */
 struct duplex_step {
-    int64_t out_fd, in_fd, src, out_at, out_bytes, in_at, in_bytes, folds, lead_bytes;
+    int64_t out_fd, in_fd, src, out_at, out_bytes, out_count, in_at, in_bytes, in_count, folds, lead_bytes;
 };
-enum { DUPLEX_STEP_WORDS = 9 };
+enum { DUPLEX_STEP_WORDS = 11 };
 
 /* A ring's or halving-doubling's steps in a row, from step *at on: each moves as sc_duplex moves
    one, its frames' headers made from `header` (ours, of the call's array: the tag, sequence number

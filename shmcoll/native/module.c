@@ -535,19 +535,19 @@ done:
     return result;
 }
 
-/* Whether a row's steps lie within data (their ranges) and describe duplexes: valid fds, a lead, a
-   loop for the folds and whole elements to fold. */
+/* Whether a row's steps lie within data (their ranges) and describe duplexes: valid fds, a lead,
+   counts of elements, and a loop and whole elements for the folds. */
 static int row_steps_are_valid(const struct duplex_step *steps, Py_ssize_t count, size_t data_bytes, int64_t code,
                                int64_t op) {
-    size_t size = sc_element_size((int)code);
     for (Py_ssize_t i = 0; i < count; ++i) {
         const struct duplex_step *k = &steps[i];
         if (k->out_fd < 0 || k->out_fd > INT32_MAX || k->in_fd < 0 || k->in_fd > INT32_MAX || k->src < 0 ||
             k->src > UINT32_MAX || k->lead_bytes <= 0 || k->out_at < 0 || k->out_bytes < 0 || k->in_at < 0 ||
-            k->in_bytes < 0 || (uint64_t)k->out_at + (uint64_t)k->out_bytes > data_bytes ||
-            (uint64_t)k->in_at + (uint64_t)k->in_bytes > data_bytes || k->out_bytes % size || k->in_bytes % size)
+            k->in_bytes < 0 || k->out_count < 0 || k->in_count < 0 ||
+            (uint64_t)k->out_at + (uint64_t)k->out_bytes > data_bytes ||
+            (uint64_t)k->in_at + (uint64_t)k->in_bytes > data_bytes)
             return 0;
-        if (k->folds && !sc_has_loop((int)code, (int)op))
+        if (k->folds && !(sc_has_loop((int)code, (int)op) && k->in_bytes % sc_element_size((int)code) == 0))
             return 0;
     }
     return 1;

@@ -419,8 +419,8 @@ class NetTransport(LinkTransport):
         if not steps or any(to not in self._socks or src not in self._inboxes for to, src, *_ in steps):
             return None
         table = np.array([(self._socks[to].fileno(), self._inboxes[src].sock.fileno(), src, a * itemsize,
-                           (b - a) * itemsize, lo * itemsize, (hi - lo) * itemsize, folds, self._leads[to])
-                          for to, src, a, b, lo, hi, folds in steps], np.int64)
+                           (b - a) * itemsize, b - a, lo * itemsize, (hi - lo) * itemsize, hi - lo, folds,
+                           self._leads[to]) for to, src, a, b, lo, hi, folds in steps], np.int64)
         tos = tuple(dict.fromkeys(to for to, *_ in steps))
         srcs = tuple(dict.fromkeys(src for _, src, *_ in steps))
         peers = tuple((to, src, (b - a) * itemsize) for to, src, a, b, *_ in steps)
