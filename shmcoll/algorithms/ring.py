@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels
-from ..transport.base import RangeStep, Step
+from ..transport.base import RangeStep
 from ..types import ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
 
@@ -28,43 +28,46 @@ def _members(c: Call, members: Sequence[int] | None) -> Sequence[int]:
     return range(c.size) if members is None else members
 
 
-def _ring_steps(c: Call, data: np.ndarray, ring: Sequence[int], owned: Sequence[Bounds], first: int,
-                op: ReduceKind | None) -> list[Step]:
-    """The n-1 steps of a reduce-scatter (first 1, op: each folds what it receives) or of an
-    all-gather (first 0, op None: each copies it) at this rank's position of `ring`: in step k it
-    sends segment p-k-first to its right neighbour and receives segment p-k-first-1 from its left,
-    every segment cut into the same number of frames, so both ends of a step agree."""
+def _ring_ranges(c: Call, data: np.ndarray, ring: Sequence[int], owned: Sequence[Bounds],
+                 phases: tuple[int, ...]) -> tuple[RangeStep, ...]:
+    """The steps of a reduce-scatter (phase 1: each folds what it receives) and of an all-gather
+    (phase 0: each copies it), in the order given, at this rank's position of `ring`: in step k of a
+    phase it sends segment p-k-phase to its right neighbour and receives segment p-k-phase-1 from
+    its left, every segment cut into the same number of frames, so both ends of a step agree."""
     pieces = chunk_count(max(b - a for a, b in owned), data.itemsize, c.chunk_bytes)
-    bounds = _ring_bounds(len(ring), ring.index(c.rank), tuple(owned), pieces, first)
-    return [(data[s0:s1], data[r0:r1], op) for s0, s1, r0, r1 in bounds]
+    return _ring_schedule(tuple(ring), c.rank, tuple(owned), pieces, phases)
 
 
 @functools.lru_cache(maxsize=256)
-def _ring_bounds(n: int, p: int, owned: tuple[Bounds, ...], pieces: int,
-                 first: int) -> tuple[tuple[int, int, int, int], ...]:
-    """_ring_steps' (sent, received) element bounds: the same for every call of a kind, so kept."""
-    bounds = []
-    for step in range(n - 1):
-        sent, received = owned[(p - step - first) % n], owned[(p - step - first - 1) % n]
-        bounds += [(*s, *r) for s, r in zip(sub_bounds(*sent, pieces), sub_bounds(*received, pieces))]
-    return tuple(bounds)
+def _ring_schedule(ring: tuple[int, ...], rank: int, owned: tuple[Bounds, ...], pieces: int,
+                   phases: tuple[int, ...]) -> tuple[RangeStep, ...]:
+    """_ring_ranges' steps: the same for every call of a kind, so kept."""
+    n, p = len(ring), ring.index(rank)
+    to, src = ring[(p + 1) % n], ring[(p - 1) % n]
+    steps: list[RangeStep] = []
+    for first in phases:
+        for step in range(n - 1):
+            sent, received = owned[(p - step - first) % n], owned[(p - step - first - 1) % n]
+            steps += [(to, src, *s, *r, first == 1) for s, r in zip(sub_bounds(*sent, pieces),
+                                                                   sub_bounds(*received, pieces))]
+    return tuple(steps)
 
 
-def _run_ring(c: Call, ring: Sequence[int], steps: list[Step]) -> None:
-    """A ring's steps in a row: every one goes to the same right neighbour, from the same left one."""
-    n, p = len(ring), ring.index(c.rank)
-    c.t.send_recv_row(ring[(p + 1) % n], ring[(p - 1) % n], c.tag, steps, c.code, c.meta, c.deadline)
+def _run_ring(c: Call, data: np.ndarray, steps: tuple[RangeStep, ...], op: ReduceKind | None) -> None:
+    """A ring's steps in a row (Transport.send_recv_ranges): every one to the same right
+    neighbour, from the same left one."""
+    c.t.send_recv_ranges(steps, c.tag, data, c.code, c.meta, c.deadline, op)
 
 
 def ring_reduce_scatter(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequence[int],
                         owned: Sequence[Bounds]) -> None:
     """Position p of `ring` ends with op over every member's data[owned[p]] (other pieces: partial)."""
-    _run_ring(c, ring, _ring_steps(c, data, ring, owned, 1, op))
+    _run_ring(c, data, _ring_ranges(c, data, ring, owned, (1,)), op)
 
 
 def ring_all_gather_owned(c: Call, data: np.ndarray, ring: Sequence[int], owned: Sequence[Bounds]) -> None:
     """Every member ends with every position's data[owned[p]], copied around the ring."""
-    _run_ring(c, ring, _ring_steps(c, data, ring, owned, 0, None))
+    _run_ring(c, data, _ring_ranges(c, data, ring, owned, (0,)), None)
 
 
 def summed(op: ReduceKind) -> ReduceKind:
@@ -88,28 +91,19 @@ def ring_reduce_scatter_op(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequ
 
 def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:
     """In place over a 1-D storage array; AVG is a SUM scaled by each segment's owner between the
-    two phases, which otherwise run as one schedule (Transport.send_recv_ranges)."""
+    two phases, which otherwise run as one row of steps."""
     ring = _members(c, members)
+    owned = _segments(len(data), len(ring))
     if op is ReduceKind.AVG:
-        owned = segment_bounds(len(data), len(ring))
         ring_reduce_scatter_op(c, data, op, ring, owned)
         ring_all_gather_owned(c, data, ring, owned)
         return
-    steps = _ring_all_reduce_ranges(tuple(ring), c.rank, len(data), data.itemsize, c.chunk_bytes)
-    c.t.send_recv_ranges(steps, c.tag, data, c.code, c.meta, c.deadline, op)
+    _run_ring(c, data, _ring_ranges(c, data, ring, owned, (1, 0)), op)
 
 
 @functools.lru_cache(maxsize=256)
-def _ring_all_reduce_ranges(ring: tuple[int, ...], rank: int, count: int, itemsize: int,
-                            chunk_bytes: int) -> tuple[RangeStep, ...]:
-    """ring_all_reduce's steps at rank's position of the ring, as _ring_steps cuts them: the
-    reduce-scatter's (folding), then the all-gather's; the same for every call of a kind, so kept."""
-    n, p = len(ring), ring.index(rank)
-    owned = tuple(segment_bounds(count, n))
-    pieces = chunk_count(max(b - a for a, b in owned), itemsize, chunk_bytes)
-    to, src = ring[(p + 1) % n], ring[(p - 1) % n]
-    return tuple((to, src, *bounds, folds) for first, folds in ((1, True), (0, False))
-                 for bounds in _ring_bounds(n, p, owned, pieces, first))
+def _segments(count: int, parts: int) -> tuple[Bounds, ...]:
+    return tuple(segment_bounds(count, parts))
 
 
 def one_shot_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:
