@@ -126,7 +126,9 @@ def _past_the_data(args: list) -> None:
     lambda args: args.__setitem__(2, args[2][:40]),  # a header without the payload's size
     lambda args: args.__setitem__(9, 99),  # no loop for this op
     lambda args: args.__setitem__(0, args[0][:, :10].copy()),  # steps of the wrong width
-], ids=["range", "at", "beats", "header", "op", "width"])
+    lambda args: (args.__setitem__(0, args[0][::-1].copy()),  # a copy, then a fold whose scratch
+                  args.__setitem__(7, np.empty(2, np.uint8))),  # is shorter than an element
+], ids=["range", "at", "beats", "header", "op", "width", "scratch"])
 def test_arguments_that_do_not_describe_a_row_are_refused(pair, change):
     args = _row_args(pair)
     change(args)

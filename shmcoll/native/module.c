@@ -536,9 +536,9 @@ done:
 }
 
 /* Whether a row's steps lie within data (their ranges) and describe duplexes: valid fds, a lead,
-   counts of elements, and a loop and whole elements for the folds. */
-static int row_steps_are_valid(const struct duplex_step *steps, Py_ssize_t count, size_t data_bytes, int64_t code,
-                               int64_t op) {
+   counts of elements, and for the folds a loop, whole elements and a scratch of one at least. */
+static int row_steps_are_valid(const struct duplex_step *steps, Py_ssize_t count, size_t data_bytes,
+                               size_t scratch_bytes, int64_t code, int64_t op) {
     for (Py_ssize_t i = 0; i < count; ++i) {
         const struct duplex_step *k = &steps[i];
         if (k->out_fd < 0 || k->out_fd > INT32_MAX || k->in_fd < 0 || k->in_fd > INT32_MAX || k->src < 0 ||
@@ -547,7 +547,8 @@ static int row_steps_are_valid(const struct duplex_step *steps, Py_ssize_t count
             (uint64_t)k->out_at + (uint64_t)k->out_bytes > data_bytes ||
             (uint64_t)k->in_at + (uint64_t)k->in_bytes > data_bytes)
             return 0;
-        if (k->folds && !(sc_has_loop((int)code, (int)op) && k->in_bytes % sc_element_size((int)code) == 0))
+        if (k->folds && !(sc_has_loop((int)code, (int)op) && k->in_bytes % sc_element_size((int)code) == 0 &&
+                          scratch_bytes >= sc_element_size((int)code)))
             return 0;
     }
     return 1;
@@ -575,7 +576,7 @@ static PyObject *duplex_row(PyObject *self, PyObject *const *args, Py_ssize_t na
                 header.view.len && ((const uint8_t *)header.view.buf)[SWAP_NDIM_AT] == 1 &&
                 beats.view.len == count * header.view.len && tag >= 0 && tag <= UINT32_MAX && seq >= 0 &&
                 progress.view.len == sizeof *p && (uintptr_t)p % 8 == 0 &&
-                row_steps_are_valid(row, count, (size_t)data.view.len, code, op);
+                row_steps_are_valid(row, count, (size_t)data.view.len, (size_t)scratch.view.len, code, op);
     if (valid && *next < count) {
         const struct duplex_step *k = &row[*next];
         struct duplex_out out = {(int)k->out_fd, header.view.buf, header_bytes, data.view.buf, (size_t)k->out_bytes,
