@@ -94,9 +94,8 @@ class HierarchicalTransport(Transport):
 
     def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
                        deadline: float, op: ReduceKind | None) -> tuple[int, int]:
-        """The TCP side's send_recv_ranges() where every step's peers are remote."""
-        if any(to in self._local or src in self._local for to, src, *_ in steps):
-            return 0, NOT_STARTED
+        """The TCP side's send_recv_ranges(), which runs none where a step's peer is local (no
+        connection of its own reaches it)."""
         try:
             return self.net._duplex_ranges(steps, tag, data, code, meta, deadline, op)
         except PeerLost:

@@ -407,7 +407,7 @@ class NetTransport(LinkTransport):
     def _range_row(self, steps: tuple[RangeStep, ...], itemsize: int) -> RangeRow | None:
         """The native row of send_recv_ranges()'s steps over an array of itemsize-byte elements,
         worked out once per kind (its connections, byte ranges and peers' heartbeats); None where
-        some peer is not this transport's."""
+        some peer is not this transport's (under a HierarchicalTransport, a rank of this host)."""
         key = (steps, itemsize)
         if key not in self._range_rows:
             if len(self._range_rows) >= _ROWS_KEPT:
