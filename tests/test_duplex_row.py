@@ -83,8 +83,8 @@ def _both_rows(pair, arrays: list[np.ndarray], code: int, op: int, first_wait_ns
     return results
 
 
-@pytest.mark.parametrize("n, dtype, wire", [(1001, np.float32, F32), (12 << 20, np.float32, F32),
-                                             (3 << 20, np.int64, I64)])
+@pytest.mark.parametrize("n, dtype, wire", [(1001, np.float32, F32), (4 << 20, np.float32, F32),
+                                             (2 << 20, np.int64, I64)])
 def test_two_ends_run_a_ring_of_two_in_one_call(pair, n, dtype, wire):
     """Both ends end with the sum, the second step sending what the first folded in, also far past
     the sockets' buffers and with odd halves."""
@@ -98,7 +98,7 @@ def test_two_ends_run_a_ring_of_two_in_one_call(pair, n, dtype, wire):
 def test_a_row_whose_wait_runs_out_goes_on_where_it_stopped(pair):
     """Rank 0's first call may wait no time at all: it returns pending, and the next calls finish
     the step it stopped in and the rest."""
-    n = 8 << 20
+    n = 4 << 20
     arrays = [np.ones(n, np.float32), np.full(n, 2.0, np.float32)]
     results = _both_rows(pair, arrays, F32.code, int(ReduceKind.SUM), first_wait_ns=0)
     assert results[0][0] == kernels.DUPLEX_DONE and results[0][1] >= 2
@@ -252,7 +252,7 @@ def _rank_0_against(mesh, peer_side, n: int) -> list[np.ndarray]:
     return arrays
 
 
-@pytest.mark.parametrize("n", [1001, 6 << 20])
+@pytest.mark.parametrize("n", [1001, 4 << 20])
 def test_a_row_meets_a_peer_that_takes_the_general_path(mesh, n):
     """The frames a row sends and expects are those of send and recv: both end with the sum."""
     for data in _rank_0_against(mesh, _steps_one_by_one, n):
