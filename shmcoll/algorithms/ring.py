@@ -62,12 +62,14 @@ def _run_ring(c: Call, data: np.ndarray, steps: tuple[RangeStep, ...], op: Reduc
 def ring_reduce_scatter(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequence[int],
                         owned: Sequence[Bounds]) -> None:
     """Position p of `ring` ends with op over every member's data[owned[p]] (other pieces: partial)."""
-    _run_ring(c, data, _ring_ranges(c, data, ring, owned, (1,)), op)
+    if len(ring) > 1:  # a ring of one has no steps (a rank alone on its host, in two_level.py)
+        _run_ring(c, data, _ring_ranges(c, data, ring, owned, (1,)), op)
 
 
 def ring_all_gather_owned(c: Call, data: np.ndarray, ring: Sequence[int], owned: Sequence[Bounds]) -> None:
     """Every member ends with every position's data[owned[p]], copied around the ring."""
-    _run_ring(c, data, _ring_ranges(c, data, ring, owned, (0,)), None)
+    if len(ring) > 1:
+        _run_ring(c, data, _ring_ranges(c, data, ring, owned, (0,)), None)
 
 
 def summed(op: ReduceKind) -> ReduceKind:

@@ -351,7 +351,8 @@ class NetTransport(LinkTransport):
         row = self._range_row(tuple(steps), data.itemsize)
         if row is None or not self._claim_all(row, tag):
             return 0, NOT_STARTED
-        at, progress = np.zeros(1, np.int64), np.zeros(5, np.int64)
+        words = np.zeros(6, np.int64)
+        progress, at = words[:5], words[5:]  # kernels.duplex_row's progress, and the step it is at
         header = frame.pack(DATA, self.rank, tag, meta, code, (0,), 0)
         status = kernels.DUPLEX_PENDING
         try:
@@ -424,7 +425,8 @@ class NetTransport(LinkTransport):
         tos = tuple(dict.fromkeys(to for to, *_ in steps))
         srcs = tuple(dict.fromkeys(src for _, src, *_ in steps))
         peers = tuple((to, src, (b - a) * itemsize) for to, src, a, b, *_ in steps)
-        return RangeRow(table, peers, b"".join(self._beats[src] for _, src, *_ in steps), tos, srcs,
+        firsts = tuple(next(i for i, step in enumerate(steps) if step[1] == src) for src in srcs)
+        return RangeRow(table, peers, b"".join(self._beats[src] for _, src, *_ in steps), tos, srcs, firsts,
                         [self._inboxes[src] for src in srcs], [self._send_locks[to] for to in tos])
 
     def _claim_all(self, row: RangeRow, tag: int) -> bool:
@@ -457,11 +459,11 @@ class NetTransport(LinkTransport):
         thread naps on a socket whose frames the row found."""
         cut_off = stopped < len(row.steps) and progress[_IN_STATE] == kernels.IN_BODY
         src_at = row.steps[stopped][1] if stopped < len(row.steps) else -1
-        for src, inbox in zip(row.srcs, row.inboxes):
+        for src, first, inbox in zip(row.srcs, row.firsts, row.inboxes):
             inbox.lock.release()
             if cut_off and src == src_at and not inbox.finished:
                 self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
-            inbox.leave(found=any(peer == src for _, peer, _ in row.steps[:stopped]))
+            inbox.leave(found=first < stopped)
 
     def _run_duplex(self, to: int, src: int, inbox: _Inbox, header: bytes, out: np.ndarray, into: np.ndarray,
                     code: int, meta: Meta, tag: int, deadline: float, op: ReduceKind | None,
@@ -751,6 +753,7 @@ class RangeRow(NamedTuple):
     beats: bytes  # each step's peer's heartbeat header, one after another
     tos: tuple[int, ...]  # the ranks the steps send to, each once
     srcs: tuple[int, ...]  # ... and receive from
+    firsts: tuple[int, ...]  # the first step that receives from each of srcs
     inboxes: list[_Inbox]  # srcs'
     send_locks: list[threading.Lock]  # tos'
 

@@ -61,6 +61,7 @@ class Topology:
         return max(len(h) for h in self.hosts)
 
     @staticmethod
+    @functools.lru_cache(maxsize=64)
     def slice_runs(slices: int, ranks: int) -> tuple[range, ...]:
         """The slices each local index of a host of `ranks` owns, of `slices` (min_local or max_local):
         local index j < slices owns slice j where there are fewer slices than ranks (the rest own
