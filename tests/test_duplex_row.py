@@ -53,28 +53,34 @@ def _two_step_row(fd: int, me: int, n: int, itemsize: int) -> np.ndarray:
     return np.array(rows, np.int64)
 
 
-def _native_row(sock, me: int, data: np.ndarray, code: int, op: int, wait_ns: int = WAIT_NS) -> tuple[int, int]:
-    """One end's row to the end, called again while its wait runs out: the last status and the calls."""
-    steps = _two_step_row(sock.fileno(), me, len(data), data.itemsize)
-    header = frame.pack(DATA, me, 0, _meta(len(data), code), code, (0,), 0)
-    beats = frame.pack(HEARTBEAT, 1 - me, 0, Meta(), 0, (), 0) * len(steps)
-    at, progress, scratch = np.zeros(1, np.int64), np.zeros(5, np.int64), np.empty(256 << 10, np.uint8)
-    calls = 0
-    while True:
-        calls += 1
-        status = kernels.duplex_row(steps, at, header, beats, TAG, SEQ, data, scratch, code, op, 0, wait_ns,
-                                    progress)
-        if status != kernels.DUPLEX_PENDING:
-            assert at[0] == (len(steps) if status == kernels.DUPLEX_DONE else at[0])
-            return status, calls
-        wait_ns = WAIT_NS
+class _End:
+    """One end's two-step row over its connection, called as far as each test asks."""
+
+    def __init__(self, sock, me: int, data: np.ndarray, code: int, op: int):
+        self.data, self.code, self.op = data, code, op
+        self.steps = _two_step_row(sock.fileno(), me, len(data), data.itemsize)
+        self.header = frame.pack(DATA, me, 0, _meta(len(data), code), code, (0,), 0)
+        self.beats = frame.pack(HEARTBEAT, 1 - me, 0, Meta(), 0, (), 0) * len(self.steps)
+        self.at, self.progress = np.zeros(1, np.int64), np.zeros(5, np.int64)
+        self.scratch = np.empty(256 << 10, np.uint8)
+
+    def call(self, wait_ns: int = WAIT_NS) -> int:
+        return kernels.duplex_row(self.steps, self.at, self.header, self.beats, TAG, SEQ, self.data, self.scratch,
+                                  self.code, self.op, 0, wait_ns, self.progress)
+
+    def to_the_end(self) -> int:
+        """Called again while its wait runs out: the last status."""
+        while (status := self.call()) == kernels.DUPLEX_PENDING:
+            pass
+        assert status != kernels.DUPLEX_DONE or self.at[0] == len(self.steps)
+        return status
 
 
-def _both_rows(pair, arrays: list[np.ndarray], code: int, op: int, first_wait_ns: int = WAIT_NS) -> list:
-    results: list = [None, None]
+def _both_rows(pair, arrays: list[np.ndarray], code: int, op: int) -> list[int]:
+    results = [0, 0]
 
     def end(i: int) -> None:
-        results[i] = _native_row(pair[i], i, arrays[i], code, op, first_wait_ns if i == 0 else WAIT_NS)
+        results[i] = _End(pair[i], i, arrays[i], code, op).to_the_end()
     other = threading.Thread(target=end, args=(1,))
     other.start()
     end(0)
@@ -89,19 +95,26 @@ def test_two_ends_run_a_ring_of_two_in_one_call(pair, n, dtype, wire):
     """Both ends end with the sum, the second step sending what the first folded in, also far past
     the sockets' buffers and with odd halves."""
     arrays = [np.arange(n, dtype=dtype), np.arange(n, dtype=dtype) * 3]
-    results = _both_rows(pair, arrays, wire.code, int(ReduceKind.SUM))
-    assert [status for status, _ in results] == [kernels.DUPLEX_DONE] * 2
+    assert _both_rows(pair, arrays, wire.code, int(ReduceKind.SUM)) == [kernels.DUPLEX_DONE] * 2
     want = np.arange(n, dtype=dtype) * 4
     assert np.array_equal(arrays[0], want) and np.array_equal(arrays[1], want)
 
 
 def test_a_row_whose_wait_runs_out_goes_on_where_it_stopped(pair):
-    """Rank 0's first call may wait no time at all: it returns pending, and the next calls finish
-    the step it stopped in and the rest."""
+    """Rank 0's first call waits no time while rank 1 has not begun: it returns pending in its first
+    step, having sent what the socket took; with rank 1 running, the next calls finish that step
+    and the rest."""
     n = 4 << 20
     arrays = [np.ones(n, np.float32), np.full(n, 2.0, np.float32)]
-    results = _both_rows(pair, arrays, F32.code, int(ReduceKind.SUM), first_wait_ns=0)
-    assert results[0][0] == kernels.DUPLEX_DONE and results[0][1] >= 2
+    first = _End(pair[0], 0, arrays[0], F32.code, int(ReduceKind.SUM))
+    assert first.call(wait_ns=0) == kernels.DUPLEX_PENDING
+    assert first.at[0] == 0 and 0 < first.progress[0] < n * 2  # sent: some of its 8 MiB frame, not all
+    second = _End(pair[1], 1, arrays[1], F32.code, int(ReduceKind.SUM))
+    other = threading.Thread(target=second.to_the_end)
+    other.start()
+    assert first.to_the_end() == kernels.DUPLEX_DONE
+    other.join(timeout=bounds.WAIT_HANG_S)
+    assert not other.is_alive()
     assert np.all(arrays[0] == 3.0) and np.all(arrays[1] == 3.0)
 
 
