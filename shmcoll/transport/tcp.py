@@ -22,8 +22,11 @@ each sending its frame, waiting as a caller does, reading the peer's frame of th
 folding it in or copying it, as the step's way says (kernels.swap_row). So does a ring's or
 halving-doubling's step (Transport.send_recv), where it can have both connections: native calls
 send its frame while they read the peer's straight into place, or through a small scratch folded
-as it comes (kernels.duplex), with a look at the group's health between calls. Anything else on
-the socket first is left there for the paths above.
+as it comes (kernels.duplex), with a look at the group's health between calls; and a whole
+schedule of such steps over one array, each with its own peers (Transport.send_recv_ranges: a
+ring's or halving-doubling's, worked out once per kind of call), runs in one native call where it
+can have every connection the steps use (kernels.duplex_row). Anything else on the socket first is
+left there for the paths above.
 """
 
 from __future__ import annotations
