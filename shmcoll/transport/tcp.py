@@ -398,14 +398,9 @@ class NetTransport(LinkTransport):
                 return status
             to, src, nbytes = row.steps[int(at[0])]
             frame_bytes = HEADER_SIZE + nbytes
-            if status == kernels.DUPLEX_ENDED:
-                self._connection_ended(src, self._inboxes[src], "its connection closed (process died?)",
-                                       graceful=False)
-                raise PeerLost(f"rank {src}'s connection ended (process died?)", src)
-            if status < 0:
-                raise PeerLost(f"sending to rank {to} failed: {os.strerror(-status)}", to)
-            if progress[_IN_STATE] == kernels.IN_WAITING and progress[_SENT] == frame_bytes:
-                return status  # only the wait is left: as _only_waiting
+            self._raise_if_failed(status, to, src)
+            if _only_waiting(progress, frame_bytes):
+                return status
             self._check_between_slices(to, src, frame_bytes, progress, deadline)
 
     def _range_row(self, steps: tuple[RangeStep, ...], itemsize: int) -> RangeRow | None:
@@ -490,14 +485,19 @@ class NetTransport(LinkTransport):
                 progress[_BEATS] = 0
             if status in (kernels.DUPLEX_DONE, kernels.DUPLEX_ELSEWHERE):
                 return
-            if status == kernels.DUPLEX_ENDED:
-                self._connection_ended(src, inbox, "its connection closed (process died?)", graceful=False)
-                raise PeerLost(f"rank {src}'s connection ended (process died?)", src)
-            if status < 0:
-                raise PeerLost(f"sending to rank {to} failed: {os.strerror(-status)}", to)
-            if _only_waiting(progress, header, out):
+            self._raise_if_failed(status, to, src)
+            if _only_waiting(progress, len(header) + out.nbytes):
                 return
             self._check_between_slices(to, src, len(header) + out.nbytes, progress, deadline)
+
+    def _raise_if_failed(self, status: int, to: int, src: int) -> None:
+        """PeerLost for a duplex's status that ended its step: src's connection ended (noted, as
+        the reader thread would), or the send to `to` failed."""
+        if status == kernels.DUPLEX_ENDED:
+            self._connection_ended(src, self._inboxes[src], "its connection closed (process died?)", graceful=False)
+            raise PeerLost(f"rank {src}'s connection ended (process died?)", src)
+        if status < 0:
+            raise PeerLost(f"sending to rank {to} failed: {os.strerror(-status)}", to)
 
     def _check_between_slices(self, to: int, src: int, frame_bytes: int, progress: np.ndarray,
                               deadline: float) -> None:
@@ -860,12 +860,12 @@ class _Inbox:
 _NO_SCRATCH = np.empty(0, np.uint8)  # a duplex that copies reads straight into place
 
 
-def _only_waiting(progress: np.ndarray, header: bytes, out: np.ndarray) -> bool:
+def _only_waiting(progress: np.ndarray, frame_bytes: int) -> bool:
     """Whether a duplex that did not finish has sent its whole frame and read nothing of the
     peer's: from there on it would only wait, holding both connections. Another thread of this
     rank (a spawned call, another group's) may have to send to that peer first, so the wait is
     left to recv, which holds neither."""
-    return progress[_IN_STATE] == kernels.IN_WAITING and progress[_SENT] == len(header) + out.nbytes
+    return progress[_IN_STATE] == kernels.IN_WAITING and progress[_SENT] == frame_bytes
 
 
 def _allocate(nbytes: int) -> np.ndarray:
