@@ -106,6 +106,14 @@ class _GatherRows(NamedTuple):
     steps: tuple[_BruckStep, ...]
 
 
+def _unchosen(flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+    raise AssertionError("a prepared call runs only once LeanPath._with_step chose what runs it")
+
+
+def _nothing_to_exchange(flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+    """A call in a group of one."""
+
+
 class _Prepared(NamedTuple):
     """What one kind of call (a barrier; an all_reduce's dtype, element count and op) needs,
     worked out on its first call."""
@@ -127,6 +135,8 @@ class _Prepared(NamedTuple):
     cast_row: tuple[Sequence[PeerStep], SwapRow | None] | None = None
     gather_rows: _GatherRows | None = None  # an all-gather's steps across hosts (lean across hosts only)
     shape: tuple[int, ...] = ()  # an all-gather's or a reduce-scatter's output
+    #: What runs such a call: run(flat, p, seq, start), chosen once (LeanPath._with_step)
+    run: Callable[[np.ndarray, _Prepared, int, float], None] = _unchosen
 
 
 class LeanPath:
@@ -147,7 +157,7 @@ class LeanPath:
         if board is not None:  # what every step passes to the compiled call, looked up once
             self._board, self._mem, self._where, self._spin_ns = board, board.mem, board.host_where, board.spin_ns
             self._board_rank = board.host_ranks.index(transport.rank)  # this rank's row of _where
-        self._barrier = self._prepare_call(Collective.BARRIER, U8.code, _NOTHING, ReduceKind.SUM, 0)
+        self._barrier = self._with_step(self._prepare_call(Collective.BARRIER, U8.code, _NOTHING, ReduceKind.SUM, 0))
 
     @classmethod
     def for_group(cls, runner: Runner, transport: Transport, where: Where) -> LeanPath | None:
@@ -250,8 +260,7 @@ class LeanPath:
         mine[:] = work[at:at + mine.size]
         return out
 
-    @staticmethod
-    def _keep(kept: dict[tuple, _Prepared | None], key: tuple, prepare: Callable[..., _Prepared | None],
+    def _keep(self, kept: dict[tuple, _Prepared | None], key: tuple, prepare: Callable[..., _Prepared | None],
               *args) -> _Prepared | None:
         """What a kind of call not in `kept` needs (prepare(*args)), kept under key; None, kept too,
         for one that is not the common case (known then from an earlier call). The entries' hit
@@ -261,8 +270,21 @@ class LeanPath:
             return None
         if len(kept) >= MAX_PREPARED:
             kept.clear()  # a program of ever new sizes: start over rather than grow
-        p = kept[key] = prepare(*args)
+        p = prepare(*args)
+        kept[key] = p = None if p is None else self._with_step(p)
         return p
+
+    def _with_step(self, p: _Prepared) -> _Prepared:
+        """p with what runs calls of its kind, chosen once rather than at every call."""
+        if p.algorithm is not None:
+            return p._replace(run=self._by_algorithm)
+        if self._alone:
+            return p._replace(run=_nothing_to_exchange)
+        if p.meta.coll == Collective.BROADCAST:
+            return p._replace(run=self._cast)
+        if p.meta.coll == Collective.ALL_GATHER:
+            return p._replace(run=self._gather)
+        return p._replace(run=self._averaged if p.average else self._reduce)
 
     def _prepare_all_reduce(self, data: np.ndarray, op: ReduceKind) -> _Prepared | None:
         """None when calls like this one are not the common case (or are invalid: the general path says so)."""
@@ -375,25 +397,24 @@ class LeanPath:
     def _step(self, flat: np.ndarray, p: _Prepared, seq: int) -> None:
         start = time.monotonic()
         try:
-            if p.algorithm is not None:
-                p.algorithm(Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code,
-                                 start + self._t.timeout, self._chunk_bytes), flat)
-            elif self._alone:
-                pass
-            elif p.meta.coll == Collective.BROADCAST:
-                self._cast(flat, p, seq, start)
-            elif p.meta.coll == Collective.ALL_GATHER:
-                self._gather(flat, p, seq, start)
-            else:
-                self._reduce(flat, p, seq, start)
-                if p.average:
-                    kernels.scale_into(flat, p.code, self._t.world_size)
+            p.run(flat, p, seq, start)
         except BaseException as exc:
             self._runner.failed(exc, p.meta._replace(seq=seq), start)
         end = time.monotonic()
         if end > start + self._t.timeout:
             self._runner.late(p.meta._replace(seq=seq), start)
         self._runner.recorder.completed(p.meta, end - start, seq)
+
+    def _by_algorithm(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+        """A call past the board's step: its algorithm, with a Call as the general path runs it."""
+        assert p.algorithm is not None
+        p.algorithm(Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code, start + self._t.timeout,
+                         self._chunk_bytes), flat)
+
+    def _averaged(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
+        """An AVG: the SUM's exchange, then the division."""
+        self._reduce(flat, p, seq, start)
+        kernels.scale_into(flat, p.code, self._t.world_size)
 
     def _reduce(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
         """The call's exchange (flat summed over the group, in place), failures raised."""
@@ -449,6 +470,7 @@ class LeanAcrossHosts(LeanPath):
         self._reduce_across = two_level.column_all_reduce(topology.n_hosts)
         self._steps = two_level.column_steps(self._column, transport.rank) if self._column is not None else None
         self._rows = self._prepare_rows(transport)
+        self._swap_row = transport.row_transport().swap_row
         self._handing = self._first_handed < len(self._host)  # some rank of this host hears from its leader
         self._host_board = two_level.host_board(transport, self._host)
         super().__init__(runner, transport, where, self._host_board)
@@ -601,7 +623,7 @@ class LeanAcrossHosts(LeanPath):
                     deadline: float) -> None:
         """One step's frames in its native call; where the row stops (a peer's frame not there
         within its wait), the rest as the general path would: the send, then the receive."""
-        swapped, done = self._t.swap_row(s.row, s.header, tag, seq, out, p.code, ReduceKind.SUM, deadline, into)
+        swapped, done = self._swap_row(s.row, s.header, tag, seq, out, p.code, ReduceKind.SUM, deadline, into)
         if swapped == len(s.row.peers):
             return
         meta = p.meta._replace(seq=seq)
@@ -613,7 +635,7 @@ class LeanAcrossHosts(LeanPath):
                     seq: int, deadline: float) -> None:
         """The column's exchanges across hosts in one native call, from the board's header (the
         call's tag and sequence number written in); where the row stops, exchanges() goes on."""
-        swapped, done = self._t.swap_row(row, p.header, tag, seq, flat, p.code, p.fold, deadline)
+        swapped, done = self._swap_row(row, p.header, tag, seq, flat, p.code, p.fold, deadline)
         if swapped == len(steps):
             return
         meta = p.meta._replace(seq=seq)

@@ -197,6 +197,11 @@ class Transport(ABC):
         for a caller that runs them call after call (lean.py); None where this transport runs none."""
         return None
 
+    def row_transport(self) -> Transport:
+        """The transport whose swap_row runs the rows prepare_row prepares: this one, or the part of
+        it that reaches the rows' peers (a caller that runs rows call after call calls it there)."""
+        return self
+
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
                  op: ReduceKind, deadline: float, into: np.ndarray | None = None) -> tuple[int, int]:
         """A prepared row's exchanges at once, as _swaps, from a frame header packed once for calls

@@ -70,6 +70,9 @@ class HierarchicalTransport(Transport):
         remote = self._remote_steps(steps)
         return self.net.prepare_row(steps[:remote]) if remote else None
 
+    def row_transport(self) -> Transport:
+        return self.net
+
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
                  op: ReduceKind, deadline: float, into: np.ndarray | None = None) -> tuple[int, int]:
         return self.net.swap_row(row, header, tag, seq, data, code, op, deadline, into)

@@ -199,9 +199,10 @@ class NetTransport(LinkTransport):
             return None
         peers = [peer for peer, _ in reached]
         first = [peers.index(peer) for peer in peers]
+        sends_data = tuple(way.sends_data for _, way in reached)
         return SwapRow(peers, bytes(way for _, way in reached), tuple(i for i, f in enumerate(first) if f == i), first,
-                       tuple(way.sends_data for _, way in reached),
-                       [self._inboxes[peer] for peer in peers], [self._send_locks[peer] for peer in peers])
+                       sends_data, [self._inboxes[peer] for peer in peers], [self._send_locks[peer] for peer in peers],
+                       tuple(peer for peer, sends in zip(peers, sends_data) if sends), {})
 
     def swap_row(self, row: SwapRow, header: bytes | np.ndarray, tag: int, seq: int, data: np.ndarray, code: int,
                  op: ReduceKind, deadline: float, into: np.ndarray | None = None) -> tuple[int, int]:
@@ -212,33 +213,41 @@ class NetTransport(LinkTransport):
         CALLER_SLEEP_SECONDS asleep); a peer's frame that is not there by then, or anything else on
         the socket first, stops the row, and that step's receive is left to recv. The group's health
         is looked at closely only where the mailbox shows trouble: a fault elsewhere (this host's
-        abort) shows in the receive of the first step that does not finish."""
-        if data.nbytes > SWAP_MAX_BYTES:
+        abort) shows in the receive of the first step that does not finish. The small calls of a
+        training step come here call after call, and where ranks share cores each line of Python
+        here is time a peer waits for: what a row needs is looked up once (prepare_row)."""
+        nbytes = data.nbytes
+        if nbytes > SWAP_MAX_BYTES:
             return 0, NOT_STARTED
         claimed = self._claim_row(row, tag)
         if not claimed:
             return 0, NOT_STARTED
-        peers = row.peers if claimed == len(row.peers) else row.peers[:claimed]
+        whole = claimed == len(row.peers)
         status, swapped, sent = kernels.SWAP_SENT, 0, 0
         try:
-            if self._mailbox.troubled or time.monotonic() > deadline:  # where a send's checks fail
-                for peer in peers:
+            left_s = deadline - time.monotonic()
+            if self._mailbox.troubled or left_s < 0:  # where a send's checks fail
+                for peer in row.peers[:claimed]:
                     self._check_can_send(peer, deadline)
-            fds = [inbox.sock.fileno() for inbox in row.inboxes[:claimed]]
             for i in row.claims:
                 if i < claimed:
                     row.inboxes[i].quiet_reader()
-            left_s = max(0.0, deadline - time.monotonic())
-            inbound = np.empty(HEADER_SIZE + data.nbytes, np.uint8)
+            left_s = max(0.0, left_s)
             status, swapped, sent = kernels.swap_row(
-                fds, peers, row.ways[:claimed], header, tag, seq, data, data if into is None else into, inbound, code,
-                int(op), self._native_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9), int(left_s * 1e9))
+                [inbox.sock.fileno() for inbox in row.inboxes[:claimed]], row.peers if whole else row.peers[:claimed],
+                row.ways if whole else row.ways[:claimed], header, tag, seq, data, data if into is None else into,
+                row.inbound(nbytes), code, int(op), self._native_spin_ns, int(min(CALLER_SLEEP_SECONDS, left_s) * 1e9),
+                int(left_s * 1e9))
         finally:
             self._release_row(row, claimed, swapped, keep_send_lock=status == kernels.SWAP_PARTIAL)
-        self._count_sent(row, swapped, data.nbytes)
+        if whole and swapped == claimed:
+            for peer in row.data_peers:
+                self.bytes_to[peer] += nbytes
+            return swapped, NOT_STARTED
+        self._count_sent(row, swapped, nbytes)
         if swapped == claimed:
             return swapped, NOT_STARTED
-        peer = peers[swapped]
+        peer = row.peers[swapped]
         sends_data = row.sends_data[swapped]
         if status == kernels.SWAP_PARTIAL:  # the reader thread drains the peer's frame meanwhile
             out = frame.for_call(header, tag, seq)
@@ -249,7 +258,7 @@ class NetTransport(LinkTransport):
                 row.send_locks[swapped].release()
         elif status < 0:
             raise PeerLost(f"sending to rank {peer} failed: {os.strerror(-status)}", peer)
-        self.bytes_to[peer] += data.nbytes if sends_data else 0
+        self.bytes_to[peer] += nbytes if sends_data else 0
         return swapped, SENT
 
     def _count_sent(self, row: SwapRow, swapped: int, nbytes: int) -> None:
@@ -276,7 +285,7 @@ class NetTransport(LinkTransport):
                 break
             inbox = row.inboxes[i]
             inbox.lock.release()
-            inbox.leave(found=i < swapped)
+            inbox.leave(i < swapped)
             if i != kept:
                 row.send_locks[i].release()
 
@@ -292,9 +301,9 @@ class NetTransport(LinkTransport):
     def _take(self, inbox: _Inbox, send_lock: threading.Lock, src: int, tag: int) -> bool:
         """The inbox's lock (src's) and a send lock, both taken, where this thread can have them at
         once (see _claim); False, holding nothing, where it cannot."""
-        if not inbox.lock.acquire(blocking=False):
+        if not inbox.lock.acquire(False):  # (positional: a keyword argument costs more than the lock)
             return False
-        if self._mailbox.has(src, tag) or not send_lock.acquire(blocking=False):
+        if self._mailbox.has(src, tag) or not send_lock.acquire(False):
             inbox.lock.release()
             return False
         return True
@@ -745,6 +754,19 @@ class SwapRow(NamedTuple):
     sends_data: tuple[bool, ...]  # whether step i sends the array (not nothing, or an empty frame)
     inboxes: list[_Inbox]
     send_locks: list[threading.Lock]
+    data_peers: tuple[int, ...]  # the peers of the steps that send the array, in step order
+    #: the native call's room for a peer's frame, by payload bytes; one caller at a time uses a
+    #: row's, since it holds the first step's connection throughout
+    inbounds: dict[int, np.ndarray]
+
+    def inbound(self, nbytes: int) -> np.ndarray:
+        """Room for a frame of nbytes of payload (kernels.swap_row's `inbound`)."""
+        room = self.inbounds.get(nbytes)
+        if room is None:
+            if len(self.inbounds) >= _ROWS_KEPT:
+                self.inbounds.clear()
+            room = self.inbounds[nbytes] = np.empty(HEADER_SIZE + nbytes, np.uint8)
+        return room
 
 
 class RangeRow(NamedTuple):
