@@ -93,7 +93,7 @@ class Runner:
         """Claim the group for this thread's call, or refuse it before it takes a sequence number.
         Ranks match collectives by call order, and two threads calling at once would make that
         order a race between them: data of one call could meet another's on a peer."""
-        if not self._calling.acquire(blocking=False):
+        if not self._calling.acquire(False):
             raise InvalidArgument(
                 f"{coll.label}: another thread is inside a collective of this group right now. Calls on one group "
                 f"must come one at a time (ranks match them by call order): call from one thread, use spawn_* "
@@ -120,7 +120,7 @@ class Runner:
         given holds the group for this thread until lean_done()."""
         if self._broken is not None or self._closed or self.tuning.debug:
             return None
-        if not self._calling.acquire(False):  # (positional: cheaper than the keyword, on every call)
+        if not self._calling.acquire(False):
             return None  # another thread's call: the general path says so
         if not self._worker.idle():
             self._calling.release()

@@ -74,6 +74,8 @@ _scratch = threading.local()
 #: last ARRAYS_REMEMBERED (address, bytes) seen, and whether each has moved.
 HUGE_PAGES_FROM_BYTES = 4 << 20
 ARRAYS_REMEMBERED = 64
+#: Kinds of call whose descriptors' room a board keeps (_room); training repeats a handful.
+ROOMS_KEPT = 64
 _seen_arrays: dict[tuple[int, int], bool] = {}
 #: What runs a call where ranks may not read each other: the algorithm select would pick otherwise.
 Fallback = Callable[[Call], None]
@@ -229,11 +231,37 @@ def _gather_descriptors(c: Call, among: Readers, source: np.ndarray, address: in
     """_publish_and_agree's publish and reads in one compiled step (Board.gather_open: the same
     entries), once the ranks agreed: every board rank's (pid, address), this rank's reading left
     open until _finish."""
-    descriptors = np.empty((len(among.ranks), DESCRIPTOR_BYTES // 8), np.int64)
-    descriptors[among.ranks.index(c.rank)] = _descriptor(address)
-    header = entry_header(c.rank, c.meta, c.code, source)
-    among.board.gather_open(c.meta.seq, descriptors, header, c.code, c.deadline, among.guard, c.meta)
-    return descriptors[:, PID:ADDRESS + 1].copy()
+    room = _room(c, among, source)
+    room.mine[:] = _own
+    room.mine[ADDRESS] = address
+    among.board.gather_open(c.meta.seq, room.descriptors, room.header, c.code, c.deadline, among.guard, c.meta)
+    room.peers[:] = room.descriptors[:, PID:ADDRESS + 1]
+    return room.peers
+
+
+class _Room(NamedTuple):
+    """Where _gather_descriptors gathers a kind of call's descriptors, kept on the board: a large
+    call comes back call after call, and where ranks share cores every array it need not build
+    is time its peers do not wait for."""
+
+    descriptors: np.ndarray  # every board rank's, as int64 rows in board order
+    mine: np.ndarray  # this rank's row of descriptors
+    header: np.ndarray  # the call's entry header (the compiled step writes in the sequence number)
+    peers: np.ndarray  # (pid, address) of every board rank, as _publish_and_agree returns them
+
+
+def _room(c: Call, among: Readers, source: np.ndarray) -> _Room:
+    key = (_Room, c.meta[1:], c.code, source.shape)  # the call but for its sequence number (Meta's first field)
+    room = among.board.kept.get(key)
+    if room is None:
+        if len(among.board.kept) >= ROOMS_KEPT:
+            among.board.kept.clear()
+        descriptors = np.empty((len(among.ranks), DESCRIPTOR_BYTES // 8), np.int64)
+        room = among.board.kept[key] = _Room(descriptors, descriptors[among.ranks.index(c.rank)],
+                                             entry_header(c.rank, c.meta._replace(seq=0), c.code, source),
+                                             np.empty((len(among.ranks), ADDRESS + 1), np.int64))
+    assert isinstance(room, _Room)
+    return room
 
 
 def _finish(c: Call, among: Readers) -> None:

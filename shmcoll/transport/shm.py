@@ -100,7 +100,7 @@ class ShmTransport(LinkTransport):
         """Move a pair that holds a spare block and is drained back to its lane, freeing the block
         (skipping pairs another thread is sending on: their lock is busy)."""
         for other in self._out.values():
-            if other.block not in self._spares or not other.lock.acquire(blocking=False):
+            if other.block not in self._spares or not other.lock.acquire(False):
                 continue
             try:
                 if other.block in self._spares and other.drained():
@@ -236,7 +236,7 @@ class ShmTransport(LinkTransport):
     def drain_incoming(self) -> None:
         """Move every filled slot of our incoming rings into the mailbox, without waiting."""
         for src, ch in self._in.items():
-            if not ch.has_data() or not ch.lock.acquire(blocking=False):
+            if not ch.has_data() or not ch.lock.acquire(False):
                 continue
             try:
                 while ch.has_data():

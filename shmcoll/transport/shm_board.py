@@ -63,6 +63,9 @@ class Board:
         #: whether every local rank can read its peers' memory (None until the first call that asks;
         #: algorithms/single_copy.py)
         self.single_copy_agreed: bool | None = None
+        #: what the algorithms keep per kind of call on this board (single_copy.py's descriptors):
+        #: one call at a time uses a board
+        self.kept: dict[tuple, object] = {}
         #: bytes this rank read straight from each local rank's memory so far (single_copy.py), by group rank
         self.bytes_read_from = [0] * (max(local_of) + 1)
         #: ... and wrote straight into each local rank's memory (a large all-reduce on one host)

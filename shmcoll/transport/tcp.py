@@ -301,7 +301,7 @@ class NetTransport(LinkTransport):
     def _take(self, inbox: _Inbox, send_lock: threading.Lock, src: int, tag: int) -> bool:
         """The inbox's lock (src's) and a send lock, both taken, where this thread can have them at
         once (see _claim); False, holding nothing, where it cannot."""
-        if not inbox.lock.acquire(False):  # (positional: a keyword argument costs more than the lock)
+        if not inbox.lock.acquire(False):
             return False
         if self._mailbox.has(src, tag) or not send_lock.acquire(False):
             inbox.lock.release()
@@ -363,9 +363,9 @@ class NetTransport(LinkTransport):
         row = self._range_row(tuple(steps), data.itemsize)
         if row is None or not self._claim_all(row, tag):
             return 0, NOT_STARTED
-        words = np.zeros(6, np.int64)
-        progress, at = words[:5], words[5:]  # kernels.duplex_row's progress, and the step it is at
-        header = frame.pack(DATA, self.rank, tag, meta, code, (0,), 0)
+        progress, at = row.progress, row.at
+        row.words[:] = 0
+        header = row.header(self.rank, meta, code)
         status = kernels.DUPLEX_PENDING
         try:
             try:
@@ -433,8 +433,10 @@ class NetTransport(LinkTransport):
         srcs = tuple(dict.fromkeys(src for _, src, *_ in steps))
         peers = tuple((to, src, (b - a) * itemsize) for to, src, a, b, *_ in steps)
         firsts = tuple(next(i for i, step in enumerate(steps) if step[1] == src) for src in srcs)
+        words = np.zeros(6, np.int64)
         return RangeRow(table, peers, b"".join(self._beats[src] for _, src, *_ in steps), tos, srcs, firsts,
-                        [self._inboxes[src] for src in srcs], [self._send_locks[to] for to in tos])
+                        [self._inboxes[src] for src in srcs], [self._send_locks[to] for to in tos], words,
+                        words[:5], words[5:], {})
 
     def _claim_all(self, row: RangeRow, tag: int) -> bool:
         """Every inbox and send lock of a row taken, where this thread can have them all at once
@@ -442,14 +444,14 @@ class NetTransport(LinkTransport):
         under way to any); False, holding nothing, where it cannot."""
         taken: list[threading.Lock] = []
         for src, inbox in zip(row.srcs, row.inboxes):
-            if not inbox.lock.acquire(blocking=False):
+            if not inbox.lock.acquire(False):
                 break
             taken.append(inbox.lock)
             if self._mailbox.has(src, tag):
                 break
         else:
             for lock in row.send_locks:
-                if not lock.acquire(blocking=False):
+                if not lock.acquire(False):
                     break
                 taken.append(lock)
             else:
@@ -544,7 +546,7 @@ class NetTransport(LinkTransport):
         them, while this caller waits on the mailbox with its deadline. None when the message did
         not come here (it comes through the mailbox, or the mailbox says why it cannot)."""
         inbox = self._inboxes[src]
-        if not inbox.lock.acquire(blocking=False):
+        if not inbox.lock.acquire(False):
             return None  # the reader thread is reading that socket
         msg = self._mailbox.pop(src, tag)  # the reader thread may have queued it before
         if msg is not None:
@@ -661,7 +663,7 @@ class NetTransport(LinkTransport):
         header = frame.pack(HEARTBEAT, self.rank, 0, Meta(), 0, (), 0)
         while not self._stop_heartbeat.wait(HEARTBEAT_SECONDS):
             for peer, lock in self._send_locks.items():
-                if lock.acquire(blocking=False):  # a send in progress says "alive" already
+                if lock.acquire(False):  # a send in progress says "alive" already
                     try:
                         self._beat(peer, header)
                     finally:
@@ -781,6 +783,23 @@ class RangeRow(NamedTuple):
     firsts: tuple[int, ...]  # the first step that receives from each of srcs
     inboxes: list[_Inbox]  # srcs'
     send_locks: list[threading.Lock]  # tos'
+    #: What a run of the row keeps between its native calls, one run at a time (it holds every
+    #: connection of the row): kernels.duplex_row's progress and the step it is at, in `words`; the
+    #: frame header of each kind of call (the native call writes in the tag and sequence number).
+    words: np.ndarray
+    progress: np.ndarray
+    at: np.ndarray
+    headers: dict[tuple, bytes]
+
+    def header(self, rank: int, meta: Meta, code: int) -> bytes:
+        """The frame header of a call like `meta` over data of wire type `code`, sent by rank."""
+        key = (meta[1:], code)  # all but the sequence number
+        header = self.headers.get(key)
+        if header is None:
+            if len(self.headers) >= _ROWS_KEPT:
+                self.headers.clear()
+            header = self.headers[key] = frame.pack(DATA, rank, 0, meta._replace(seq=0), code, (0,), 0)
+        return header
 
 
 class _Inbox:
