@@ -408,7 +408,7 @@ class LeanPath:
     def _by_algorithm(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
         """A call past the board's step: its algorithm, with a Call as the general path runs it."""
         assert p.algorithm is not None
-        p.algorithm(Call(self._t, self._t.tag_of(seq), p.meta._replace(seq=seq), p.code, start + self._t.timeout,
+        p.algorithm(Call(self._t, self._t.tag_of(seq), p.meta.numbered(seq), p.code, start + self._t.timeout,
                          self._chunk_bytes), flat)
 
     def _averaged(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:

@@ -530,3 +530,9 @@ def test_chunk_count_examples():
     assert chunk_count(256, 4, 1024) == 1
     assert chunk_count(257, 4, 1024) == 2
     assert chunk_count(10, 16, 8) == 10  # an element larger than a chunk still moves, one per frame
+
+
+def test_numbered_is_replace_of_the_sequence_number():
+    meta = Meta(seq=3, coll=2, dtype=5, elements=7, op=1, root=4)
+    numbered = meta.numbered(11)
+    assert numbered == meta._replace(seq=11) and type(numbered) is Meta and meta.seq == 3

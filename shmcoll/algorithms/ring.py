@@ -95,12 +95,23 @@ def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence
     """In place over a 1-D storage array; AVG is a SUM scaled by each segment's owner between the
     two phases, which otherwise run as one row of steps."""
     ring = _members(c, members)
-    owned = _segments(len(data), len(ring))
     if op is ReduceKind.AVG:
+        owned = _segments(len(data), len(ring))
         ring_reduce_scatter_op(c, data, op, ring, owned)
         ring_all_gather_owned(c, data, ring, owned)
         return
-    _run_ring(c, data, _ring_ranges(c, data, ring, owned, (1, 0)), op)
+    ring = ring if type(ring) is tuple else tuple(ring)
+    _run_ring(c, data, _all_reduce_ranges(ring, c.rank, len(data), data.itemsize, c.chunk_bytes), op)
+
+
+@functools.lru_cache(maxsize=256)
+def _all_reduce_ranges(ring: tuple[int, ...], rank: int, count: int, itemsize: int,
+                       chunk_bytes: int) -> tuple[RangeStep, ...]:
+    """ring_all_reduce's steps over count elements (both phases, equal segments), looked up in one
+    step per call: where ranks share cores, each step of the lookup is time a peer waits for."""
+    owned = _segments(count, len(ring))
+    pieces = chunk_count(max(b - a for a, b in owned), itemsize, chunk_bytes)
+    return _ring_schedule(ring, rank, owned, pieces, (1, 0))
 
 
 @functools.lru_cache(maxsize=256)

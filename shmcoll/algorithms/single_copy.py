@@ -268,7 +268,7 @@ def _finish(c: Call, among: Readers) -> None:
     """Until no peer may still read our array: everyone has finished the call."""
     board, seq = among.board, c.meta.seq
     board.finish(seq)
-    board.wait_all_finished(seq, c.deadline, among.guard())
+    board.wait_all_finished(seq, c.deadline, lambda: among.guard()())  # the guard built only if needed
 
 
 def _prefer_huge_pages(array: np.ndarray, address: int) -> None:

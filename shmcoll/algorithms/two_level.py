@@ -70,16 +70,14 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     Each rank owns a run of slices (Topology.slice_runs; slices_for) and takes them across hosts
     one after another, each among its slice's owners: every rank orders its slices alike, so the
     lowest slice not yet across always has all its owners at it."""
-    host = topo.local_ranks(c.rank)
-    slices = slices_for(topo, data.nbytes)
     may_overlap = single_copy and c.t.overlap_in_group and topo.n_hosts < topo.world_size
-    owned, pieces = _slices(len(data), data.itemsize, slices, topo.slice_runs(slices, len(host)), may_overlap)
-    mine = pieces[host.index(c.rank)]
+    host, owned, mine = _layout(topo, c.rank, len(data), data.itemsize, may_overlap)
 
     def across(piece: Piece) -> None:
         """A piece of one of this rank's slices, in bytes (_slices), across hosts among the slice's owners."""
-        part = data[piece[0] // data.itemsize:piece[1] // data.itemsize]
-        _across(c, part, summed(op), topo.slice_column(mine[piece], slices), one_shot_bytes)
+        a, b, column = mine[piece]
+        part = data[a:b]
+        _across(c, part, summed(op), column, one_shot_bytes)
         scale_if_avg(c, part, op, c.size)
 
     def over_rings(c: Call) -> None:
@@ -114,19 +112,31 @@ def slices_for(topo: Topology, nbytes: int) -> int:
     return topo.max_local if nbytes >= SPREAD_FROM_BYTES else topo.min_local
 
 
-@functools.lru_cache(maxsize=256)
 def _slices(count: int, itemsize: int, slices: int, runs: tuple[range, ...],
             may_overlap: bool) -> tuple[tuple[Bounds, ...], tuple[dict[Piece, int], ...]]:
     """For a large all-reduce of count elements cut into `slices`, of which each local index of a
     host owns a run (`runs`): the element range each owns, and the pieces (in bytes) its slices
-    cross hosts in, each with its slice, empty slices left out (nothing crosses for them). Alike
-    for every call of a kind, so kept."""
+    cross hosts in, each with its slice, empty slices left out (nothing crosses for them)."""
     bounds = segment_bounds(count, slices)
     owned = runs_owned(bounds, runs, count)
     pieces = tuple({piece: s for s in run if bounds[s][1] > bounds[s][0]
                     for piece in _crossing_pieces(may_overlap, (bounds[s][0] * itemsize, bounds[s][1] * itemsize),
                                                   itemsize)} for run in runs)
     return owned, pieces
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(topo: Topology, rank: int, count: int, itemsize: int, may_overlap: bool
+            ) -> tuple[tuple[int, ...], tuple[Bounds, ...], dict[Piece, tuple[int, int, tuple[int, ...]]]]:
+    """A large all-reduce's layout at `rank`, the same for every call of a kind, so kept: its host,
+    the element range each local index owns (_slices), and the pieces (in bytes) its slices cross
+    hosts in, each with its elements and the ranks it crosses among (its slice's owners)."""
+    host = topo.local_ranks(rank)
+    slices = slices_for(topo, count * itemsize)
+    owned, pieces = _slices(count, itemsize, slices, topo.slice_runs(slices, len(host)), may_overlap)
+    mine = {piece: (piece[0] // itemsize, piece[1] // itemsize, topo.slice_column(s, slices))
+            for piece, s in pieces[host.index(rank)].items()}
+    return host, owned, mine
 
 
 def runs_owned(bounds: Sequence[Bounds], runs: Sequence[range], count: int) -> tuple[Bounds, ...]:

@@ -57,6 +57,11 @@ class Meta(NamedTuple):
     op: int = 0
     root: int = 0
 
+    def numbered(self, seq: int) -> Meta:
+        """This description with sequence number seq: _replace's result at a third of its cost (the
+        common calls number their kept description at every call)."""
+        return tuple.__new__(Meta, (seq, *self[1:]))
+
 
 class Header(NamedTuple):
     kind: int
