@@ -130,8 +130,8 @@ def all_reduce_algorithm(w: Where, algorithm: Algorithm, kind: ReduceKind) -> Ca
         case Algorithm.TWO_LEVEL_ONE_SHOT:
             return lambda c, d: two_level_one_shot_all_reduce(c, w.hosts, d, kind)
         case Algorithm.TWO_LEVEL:
-            setting = w.setting
-            return lambda c, d: two_level_all_reduce(c, w.hosts, d, kind, setting.one_shot_bytes, setting.single_copy)
+            hosts, one_shot_bytes, single_copy = w.hosts, w.setting.one_shot_bytes, w.setting.single_copy
+            return lambda c, d: two_level_all_reduce(c, hosts, d, kind, one_shot_bytes, single_copy)
         case Algorithm.NEIGHBOURHOODS:
             nearby = w.neighbourhoods
             return lambda c, d: two_level_all_reduce(c, nearby, d, kind, w.setting.one_shot_bytes)

@@ -81,10 +81,14 @@ _seen_arrays: dict[tuple[int, int], bool] = {}
 Fallback = Callable[[Call], None]
 
 
+_own_pid = [0]  # this process's pid, as _own holds it
+
+
 def _new_token() -> None:
     """A token of this process's own (a forked child draws another), and its descriptor's words."""
     _token[0] = int.from_bytes(os.urandom(8), "little", signed=True)
-    _own[:STEP] = os.getpid(), 0, _TOKEN_ADDRESS, _token[0]
+    _own_pid[0] = os.getpid()
+    _own[:STEP] = _own_pid[0], 0, _TOKEN_ADDRESS, _token[0]
 
 
 _new_token()
@@ -232,7 +236,9 @@ def _gather_descriptors(c: Call, among: Readers, source: np.ndarray, address: in
     entries), once the ranks agreed: every board rank's (pid, address), this rank's reading left
     open until _finish."""
     room = _room(c, among, source)
-    room.mine[:] = _own
+    if room.pid[0] != _own_pid[0]:  # a forked child: its own pid and token
+        room.mine[:] = _own
+        room.pid[0] = _own_pid[0]
     room.mine[ADDRESS] = address
     among.board.gather_open(c.meta.seq, room.descriptors, room.header, c.code, c.deadline, among.guard, c.meta)
     room.peers[:] = room.descriptors[:, PID:ADDRESS + 1]
@@ -248,6 +254,7 @@ class _Room(NamedTuple):
     mine: np.ndarray  # this rank's row of descriptors
     header: np.ndarray  # the call's entry header (the compiled step writes in the sequence number)
     peers: np.ndarray  # (pid, address) of every board rank, as _publish_and_agree returns them
+    pid: list[int]  # the process whose descriptor `mine` holds
 
 
 def _room(c: Call, among: Readers, source: np.ndarray) -> _Room:
@@ -259,7 +266,7 @@ def _room(c: Call, among: Readers, source: np.ndarray) -> _Room:
         descriptors = np.empty((len(among.ranks), DESCRIPTOR_BYTES // 8), np.int64)
         room = among.board.kept[key] = _Room(descriptors, descriptors[among.ranks.index(c.rank)],
                                              entry_header(c.rank, c.meta._replace(seq=0), c.code, source),
-                                             np.empty((len(among.ranks), ADDRESS + 1), np.int64))
+                                             np.empty((len(among.ranks), ADDRESS + 1), np.int64), [0])
     assert isinstance(room, _Room)
     return room
 
@@ -353,19 +360,19 @@ def _reduce_range(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, pee
     """data[byte_range] = every rank's same range folded in order (divided, for AVG); where
     `deliver`, written into every peer's array too."""
     lo, hi = byte_range
-    me, n = among.ranks.index(c.rank), len(among.ranks)
+    rank, n = c.t.rank, len(among.ranks)
     divisor = n if op is ReduceKind.AVG else 1
-    failed = kernels.reduce_from_peers(data.view(np.uint8), peers, me, lo, hi, c.code, int(op), _scratch_area(),
-                                       divisor if deliver else 0)
+    failed = kernels.reduce_from_peers(data.view(np.uint8), peers, among.ranks.index(rank), lo, hi, c.code, int(op),
+                                       _scratch_area(), divisor if deliver else 0)
     if failed is not None:
         _read_failed(among, among.ranks[failed[0]], failed[1])
     board = among.board
     for src in among.ranks:
-        if src != c.rank:
+        if src != rank:
             board.bytes_read_from[src] += hi - lo
             if deliver:
                 board.bytes_written_to[src] += hi - lo
-    if not deliver:
+    if not deliver and op is ReduceKind.AVG:
         scale_if_avg(c, data[lo // data.itemsize:hi // data.itemsize], op, n)
 
 
