@@ -272,6 +272,35 @@ def test_a_row_meets_a_peer_that_takes_the_general_path(mesh, n):
         assert np.all(data == 3.0)
 
 
+def _described_steps(t: NetTransport, data: np.ndarray, meta: Meta, op: ReduceKind, deadline: float) -> None:
+    """_steps_one_by_one for the call `meta` of `op`."""
+    half = len(data) // 2
+    t.send(0, TAG, data[:half], F32.code, meta, deadline)
+    t.recv_into(0, TAG, data[half:], F32.code, deadline, meta, op)
+    t.send(0, TAG, data[half:], F32.code, meta, deadline)
+    t.recv_into(0, TAG, data[:half], F32.code, deadline, meta)
+
+
+def test_calls_that_share_a_row_each_send_their_own_description(mesh):
+    """A SUM, then a MAX, of the same size: the same steps over the same element size, one row
+    kept for both, but each call's frames carry its own description (the row keeps a header per
+    kind of call): the peer on the general path, which checks every frame's against its own
+    call's, takes both, and both ends hold each call's result."""
+    n = 1001
+    for op, want in ((ReduceKind.SUM, 3.0), (ReduceKind.MAX, 2.0)):
+        meta = _meta(n, F32.code)._replace(op=int(op))
+        arrays = [np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)]
+        deadline = time.monotonic() + bounds.WAIT_HANG_S
+        other = threading.Thread(target=_described_steps, args=(mesh[1], arrays[1], meta, op, deadline))
+        other.start()
+        ring_all_reduce(Call(mesh[0], TAG, meta, F32.code, deadline, n * 4), arrays[0], op, (0, 1))
+        other.join(timeout=bounds.WAIT_HANG_S)
+        assert not other.is_alive()
+        assert all(np.all(data == want) for data in arrays), op
+    (row,) = mesh[0]._range_rows.values()
+    assert len(row.headers) == 2
+
+
 def test_a_row_stopped_by_another_frame_finishes_its_steps(mesh, monkeypatch):
     """Rank 1 sends a message of another call first: rank 0's row finds it, stops, and the step and
     the rest finish the general way; the other message waits in the mailbox."""

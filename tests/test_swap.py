@@ -405,6 +405,7 @@ def test_a_prepared_row_is_the_steps_up_to_the_first_peer_out_of_reach():
         row = t.prepare_row(((1, Way.FOLD_IN), (3, Way.THEIRS_FIRST), (1, Way.GIVE), (2, Way.OWN_FIRST)))
         assert row is not None and (row.peers, row.claims, row.first) == ([1, 3, 1], (0, 1), [0, 1, 0])
         assert row.ways == bytes([Way.FOLD_IN, Way.THEIRS_FIRST, Way.GIVE]) and row.sends_data == (False, True, True)
+        assert row.data_peers == (3, 1)  # whose bytes_to a whole row's array counts in
         exchanges = t.prepare_row(((3, Way.OWN_FIRST), (1, Way.THEIRS_FIRST)))
         assert exchanges is not None and exchanges.sends_data == (True, True) and exchanges.claims == (0, 1)
         cast = t.prepare_row(((1, Way.TAKE_EMPTY), (3, Way.CAST_OUT), (1, Way.CAST_IN), (3, Way.MEET),

@@ -793,7 +793,7 @@ class RangeRow(NamedTuple):
 
     def header(self, rank: int, meta: Meta, code: int) -> bytes:
         """The frame header of a call like `meta` over data of wire type `code`, sent by rank."""
-        key = (meta[1:], code)  # all but the sequence number
+        key = (meta[1:], code)  # all but the sequence number (Meta's first field)
         header = self.headers.get(key)
         if header is None:
             if len(self.headers) >= _ROWS_KEPT:
