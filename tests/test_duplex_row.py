@@ -6,8 +6,9 @@ Over real TCP connections on loopback. The native row alone: two ends run a ring
 headers frame.pack writes; a row whose wait runs out goes on from where it stopped; arguments that
 do not describe a row are refused. Then NetTransports fully connected: ring_all_reduce among 3
 (every step to one peer, from another) and halving-doubling among 4 (a partner per step) run in
-one native call each and send the bytes the general path sends; a peer that sends and receives
-each step on its own meets a row; a row stopped by another frame, or whose connections another
+one native call each and send the bytes the general path sends, and so does a sub-group's ring
+through its root's rows; a peer that sends and receives each step on its own meets a row; calls
+that share a row send each their own description; a row stopped by another frame, or whose connections another
 thread holds, finishes the general way.
 """
 
@@ -25,6 +26,7 @@ from shmcoll.algorithms.halving import halving_doubling_all_reduce
 from shmcoll.algorithms.ring import ring_all_reduce
 from shmcoll.transport import frame
 from shmcoll.transport.frame import DATA, HEARTBEAT, Meta
+from shmcoll.transport.sub import SubTransport
 from shmcoll.transport.tcp import DUPLEX_LEAD_BYTES, NetTransport
 from shmcoll.types import F32, I64, Collective, ReduceKind
 
@@ -199,6 +201,29 @@ def _all_reduce_among(mesh, members: tuple[int, ...], algorithm, n: int) -> list
     for r in members:
         assert np.array_equal(arrays[r], want)
     return [arrays[r] for r in members]
+
+
+def test_a_sub_groups_ring_runs_as_one_native_row_each(mesh, monkeypatch):
+    """A sub-group over root ranks 2, 0 and 3 (its ranks 0, 1, 2): its ring_all_reduce's steps
+    run in the root's rows, in the root's numbering, one native call each (at least one rank's),
+    and each member sends the ring's bytes to its right neighbour's root rank alone."""
+    statuses = _statuses(monkeypatch)
+    ranks, n = (2, 0, 3), 300_007
+    subs = {r: SubTransport(mesh[r], list(ranks), slot=0) for r in ranks}
+    arrays = {r: np.arange(n, dtype=np.float32) + r for r in ranks}
+    meta = Meta(seq=SEQ, coll=int(Collective.ALL_REDUCE), dtype=F32.code, elements=n)
+
+    def run(r: int) -> None:
+        c = Call(subs[r], subs[r].tag_of(SEQ), meta, F32.code, time.monotonic() + bounds.WAIT_HANG_S, 256 << 10)
+        ring_all_reduce(c, arrays[r], ReduceKind.SUM)
+    _at_once(ranks, run)
+    for r in ranks:
+        assert np.array_equal(arrays[r], np.arange(n, dtype=np.float32) * 3 + sum(ranks))
+    assert kernels.DUPLEX_DONE in statuses and set(statuses) <= {kernels.DUPLEX_DONE, kernels.DUPLEX_PENDING}
+    for p, r in enumerate(ranks):
+        want = [0] * 4
+        want[ranks[(p + 1) % 3]] = _segment_bytes(n, 3, [(p - 1) % 3, (p - 2) % 3, p, (p - 1) % 3])
+        assert mesh[r].bytes_to == want
 
 
 def _segment_bytes(n: int, parts: int, which) -> int:
