@@ -385,25 +385,23 @@ class LeanPath:
 
     def _run(self, flat: np.ndarray, p: _Prepared) -> bool:
         """As Runner.run runs the general path's board call: sequence number, deadline, failures, record."""
-        seq = self._runner.lean_seq()
+        runner = self._runner
+        seq = runner.lean_seq()
         if seq is None:
             return False
         try:
-            self._step(flat, p, seq)
+            start = time.monotonic()
+            try:
+                p.run(flat, p, seq, start)
+            except BaseException as exc:
+                runner.failed(exc, p.meta.numbered(seq), start)
+            end = time.monotonic()
+            if end > start + self._t.timeout:
+                runner.late(p.meta.numbered(seq), start)
+            runner.recorder.completed(p.meta, end - start, seq)
         finally:
-            self._runner.lean_done()
+            runner.lean_done()
         return True
-
-    def _step(self, flat: np.ndarray, p: _Prepared, seq: int) -> None:
-        start = time.monotonic()
-        try:
-            p.run(flat, p, seq, start)
-        except BaseException as exc:
-            self._runner.failed(exc, p.meta._replace(seq=seq), start)
-        end = time.monotonic()
-        if end > start + self._t.timeout:
-            self._runner.late(p.meta._replace(seq=seq), start)
-        self._runner.recorder.completed(p.meta, end - start, seq)
 
     def _by_algorithm(self, flat: np.ndarray, p: _Prepared, seq: int, start: float) -> None:
         """A call past the board's step: its algorithm, with a Call as the general path runs it."""

@@ -344,7 +344,7 @@ class NetTransport(LinkTransport):
                 inbox.lock.release()
                 if progress[_IN_STATE] == kernels.IN_BODY and not inbox.finished:
                     self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
-                inbox.leave(found=progress[_IN_STATE] == kernels.IN_DONE)
+                inbox.leave(progress[_IN_STATE] == kernels.IN_DONE)
             if swapped < len(steps):  # another frame came first: the rest of this step's goes out here
                 self._send_rest(to, header, out, int(progress[_SENT]), deadline)
                 self.bytes_to[to] += out.nbytes
@@ -371,12 +371,12 @@ class NetTransport(LinkTransport):
             try:
                 status = self._row_slices(row, at, header, tag, meta.seq, data, code, op, deadline, progress)
             finally:
-                self._release_inboxes(row, int(at[0]), progress)
-            for to, _, nbytes in row.steps[:int(at[0])]:
+                i = int(at[0])  # the step the row stopped at
+                self._release_inboxes(row, i, progress)
+            for to, _, nbytes in row.steps[:i]:
                 self.bytes_to[to] += nbytes
             if status == kernels.DUPLEX_DONE:
                 return len(steps), SENT
-            i = int(at[0])
             to, _, a, b = steps[i][:4]
             self._send_rest(to, frame.pack(DATA, self.rank, tag, meta, code, (b - a,), (b - a) * data.itemsize),
                             data[a:b], int(progress[_SENT]), deadline)
@@ -472,7 +472,7 @@ class NetTransport(LinkTransport):
             inbox.lock.release()
             if cut_off and src == src_at and not inbox.finished:
                 self._connection_ended(src, inbox, "its frame was cut off when this rank gave up", graceful=False)
-            inbox.leave(found=first < stopped)
+            inbox.leave(first < stopped)
 
     def _run_duplex(self, to: int, src: int, inbox: _Inbox, header: bytes, out: np.ndarray, into: np.ndarray,
                     code: int, meta: Meta, tag: int, deadline: float, op: ReduceKind | None,
@@ -570,7 +570,7 @@ class NetTransport(LinkTransport):
             return msg
         finally:
             inbox.lock.release()
-            inbox.leave(found=msg is not None)
+            inbox.leave(msg is not None)
 
     def _read_loop(self, peer: int, inbox: _Inbox) -> None:
         """Whenever data waits on the socket and no caller is reading it, read one frame."""
