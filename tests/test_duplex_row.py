@@ -297,6 +297,14 @@ def test_a_row_meets_a_peer_that_takes_the_general_path(mesh, n):
         assert np.all(data == 3.0)
 
 
+def _keep_reader_asleep(t: NetTransport, src: int) -> None:
+    """t's reader thread of src's connection naps, as after a caller found its frame there, so what
+    src sends waits on the socket for the next caller."""
+    inbox = t._inboxes[src]
+    inbox._quiet_until = time.monotonic() + bounds.WAIT_HANG_S
+    inbox.mute_reader(True)
+
+
 def _described_steps(t: NetTransport, data: np.ndarray, meta: Meta, op: ReduceKind, deadline: float) -> None:
     """_steps_one_by_one for the call `meta` of `op`."""
     half = len(data) // 2
@@ -313,6 +321,7 @@ def test_calls_that_share_a_row_each_send_their_own_description(mesh):
     call's, takes both, and both ends hold each call's result."""
     n = 1001
     for op, want in ((ReduceKind.SUM, 3.0), (ReduceKind.MAX, 2.0)):
+        _keep_reader_asleep(mesh[0], 1)  # the row, not the reader thread, takes rank 1's frames
         meta = _meta(n, F32.code)._replace(op=int(op))
         arrays = [np.full(n, 1.0, np.float32), np.full(n, 2.0, np.float32)]
         deadline = time.monotonic() + bounds.WAIT_HANG_S
@@ -335,9 +344,7 @@ def test_a_row_stopped_by_another_frame_finishes_its_steps(mesh, monkeypatch):
         t.send(0, TAG + 1, np.full(3, 7, np.float32), F32.code, _meta(3, F32.code), deadline)
         _steps_one_by_one(t, data, deadline)
 
-    inbox = mesh[0]._inboxes[1]  # the reader thread naps, as after a caller found its frame
-    inbox._quiet_until = time.monotonic() + bounds.WAIT_HANG_S
-    inbox.mute_reader(True)
+    _keep_reader_asleep(mesh[0], 1)
     for data in _rank_0_against(mesh, another_frame_first, 1 << 20):
         assert np.all(data == 3.0)
     assert kernels.DUPLEX_ELSEWHERE in statuses
