@@ -25,7 +25,7 @@ from shmcoll import kernels
 from shmcoll.transport import frame
 from shmcoll.transport.base import NOT_STARTED, Way
 from shmcoll.transport.frame import DATA, HEADER_SIZE, HEARTBEAT, Meta
-from shmcoll.transport.tcp import NetTransport
+from shmcoll.transport.tcp import INBOUNDS_KEPT, NetTransport
 from shmcoll.types import F16, F32, F64, I64, U8, Collective, ReduceKind
 
 import bounds
@@ -444,6 +444,33 @@ def test_a_row_from_a_kept_header_sends_the_calls_frame(pair):
         t.close()
     assert sent_by_row == [expected]
     assert result == (1, NOT_STARTED) and mine.tolist() == [1.75, 10.0, 4.25] and t.bytes_to == [0, 12]
+
+
+def test_a_kept_row_keeps_room_for_a_few_sizes_of_frame(pair):
+    """A row run at ever new sizes folds each one right, and keeps room for the peer's frame of at
+    most INBOUNDS_KEPT sizes (a program of ever new sizes does not grow it without end)."""
+    t = NetTransport(0, 2, {1: pair[0]}, timeout=bounds.WAIT_HANG_S)
+    sizes = range(1, INBOUNDS_KEPT + 5)
+
+    def peer() -> None:
+        for n in sizes:
+            read_exactly(pair[1], HEADER_SIZE + 4 * n)
+            theirs = np.full(n, 2.0, np.float32)
+            pair[1].sendall(_header(1, theirs, ReduceKind.SUM, seq=9) + theirs.tobytes())
+    other = threading.Thread(target=peer)
+    other.start()
+    try:
+        row = t.prepare_row(((1, Way.OWN_FIRST),))
+        assert row is not None
+        for n in sizes:
+            mine = np.full(n, 1.0, np.float32)
+            result = t.swap_row(row, _header(0, mine, ReduceKind.SUM, seq=0, tag=0), TAG, 9, mine, F32.code,
+                                ReduceKind.SUM, time.monotonic() + bounds.WAIT_HANG_S)
+            assert result == (1, NOT_STARTED) and np.all(mine == 3.0), n
+            assert 0 < len(row.inbounds) <= INBOUNDS_KEPT
+    finally:
+        other.join(timeout=bounds.WAIT_HANG_S)
+        t.close()
 
 
 def _count_rows() -> list[tuple[int, int]]:

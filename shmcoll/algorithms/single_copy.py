@@ -69,6 +69,7 @@ OFFER, DECLINE = 1, 2
 _token = np.zeros(1, dtype=np.int64)  # what peers read from this process to prove they read the right one
 _TOKEN_ADDRESS = kernels.address_of(_token)
 _own = np.zeros(DESCRIPTOR_BYTES // 8, dtype=np.int64)  # this process's descriptor, but for ADDRESS
+_own_pid = 0  # this process's pid, as _own holds it
 _scratch = threading.local()
 #: Arrays peers read that are at least this large move onto huge pages when they come back; the
 #: last ARRAYS_REMEMBERED (address, bytes) seen, and whether each has moved.
@@ -81,14 +82,12 @@ _seen_arrays: dict[tuple[int, int], bool] = {}
 Fallback = Callable[[Call], None]
 
 
-_own_pid = [0]  # this process's pid, as _own holds it
-
-
 def _new_token() -> None:
     """A token of this process's own (a forked child draws another), and its descriptor's words."""
+    global _own_pid
     _token[0] = int.from_bytes(os.urandom(8), "little", signed=True)
-    _own_pid[0] = os.getpid()
-    _own[:STEP] = _own_pid[0], 0, _TOKEN_ADDRESS, _token[0]
+    _own_pid = os.getpid()
+    _own[:STEP] = _own_pid, 0, _TOKEN_ADDRESS, _token[0]
 
 
 _new_token()
@@ -234,11 +233,11 @@ def _publish_and_agree(c: Call, among: Readers, source: np.ndarray, fallback: Fa
 def _gather_descriptors(c: Call, among: Readers, source: np.ndarray, address: int) -> np.ndarray:
     """_publish_and_agree's publish and reads in one compiled step (Board.gather_open: the same
     entries), once the ranks agreed: every board rank's (pid, address), this rank's reading left
-    open until _finish."""
+    open until _finish, in the room the board keeps for calls of this kind (_room)."""
     room = _room(c, among, source)
-    if room.pid[0] != _own_pid[0]:  # a forked child: its own pid and token
+    if room.pid[0] != _own_pid:  # new, or in a forked child: this process's pid and token
         room.mine[:] = _own
-        room.pid[0] = _own_pid[0]
+        room.pid[0] = _own_pid
     room.mine[ADDRESS] = address
     among.board.gather_open(c.meta.seq, room.descriptors, room.header, c.code, c.deadline, among.guard, c.meta)
     room.peers[:] = room.descriptors[:, PID:ADDRESS + 1]

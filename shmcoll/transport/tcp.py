@@ -74,6 +74,9 @@ PEEK_BYTES = 4096
 #: the small all-reduce's, whose time is mostly the calls around the kernel's.
 SWAP_MAX_BYTES = 256 << 10
 _ROWS_KEPT = 256  # prepared rows a transport keeps (a group's calls ask for a few kinds)
+#: Sizes a row keeps room for a peer's frame of (SwapRow.inbound): at most this many times
+#: SWAP_MAX_BYTES per row, and a training step repeats a handful of sizes.
+INBOUNDS_KEPT = 8
 #: Seconds one native duplex call (NetTransport._duplexes) runs before it returns for a look at the
 #: group's health and the deadline, and is called again where it stopped.
 DUPLEX_SLICE_SECONDS = CALLER_SLEEP_SECONDS
@@ -765,7 +768,7 @@ class SwapRow(NamedTuple):
         """Room for a frame of nbytes of payload (kernels.swap_row's `inbound`)."""
         room = self.inbounds.get(nbytes)
         if room is None:
-            if len(self.inbounds) >= _ROWS_KEPT:
+            if len(self.inbounds) >= INBOUNDS_KEPT:
                 self.inbounds.clear()
             room = self.inbounds[nbytes] = np.empty(HEADER_SIZE + nbytes, np.uint8)
         return room
