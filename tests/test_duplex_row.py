@@ -8,8 +8,8 @@ do not describe a row are refused. Then NetTransports fully connected: ring_all_
 (every step to one peer, from another) and halving-doubling among 4 (a partner per step) run in
 one native call each and send the bytes the general path sends, and so does a sub-group's ring
 through its root's rows; a peer that sends and receives each step on its own meets a row; calls
-that share a row send each their own description; a row stopped by another frame, or whose connections another
-thread holds, finishes the general way.
+that share a row send each their own description; a row stopped by another frame, or whose
+connections another thread holds, finishes the general way.
 """
 
 from __future__ import annotations
