@@ -156,7 +156,8 @@ def reduce_scatter(w: Where, arr: np.ndarray, wire: WireType, kind: ReduceKind) 
             mine[:] = work[at:at + mine.size]
     elif algorithm is Algorithm.TWO_LEVEL:
         staged = stage_for_reduce_scatter(w.hosts, w.rank, flat)
-        run = lambda c: two_level_reduce_scatter(c, w.hosts, staged, mine, kind)
+        single_copy = w.setting.single_copy
+        run = lambda c: two_level_reduce_scatter(c, w.hosts, staged, mine, kind, single_copy)
     else:
         work = flat.copy()
         run = lambda c: ring_reduce_scatter_blocks(c, work, mine, kind)

@@ -930,6 +930,24 @@ def test_reduce_gather_scatter_all_to_all_cross_hosts_exactly(layout, n, action,
         assert hier < flat
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3)])
+def test_large_reduce_scatter_reads_what_the_host_ring_would_have_sent(layout, n, monkeypatch):
+    """Inside each host a rank of a large reduce_scatter folds the blocks it owns straight out of
+    its host peer's staged array: it reads exactly what that peer sends it around the host's ring
+    with SHMCOLL_SINGLE_COPY=0, and nothing goes around the ring; across hosts the same bytes go
+    either way (each rank's result is checked in _reduce_scatter)."""
+    monkeypatch.setenv("SHMCOLL_SINGLE_COPY", "0")
+    ring = _run(layout, n, "hier", _reduce_scatter, monkeypatch)
+    monkeypatch.setenv("SHMCOLL_SINGLE_COPY", "1")
+    reads = _run(layout, n, "hier", _reduce_scatter, monkeypatch)
+    for rank in range(n):
+        assert reads[rank]["read"] == [ring[peer]["shm"][rank] for peer in range(n)], (rank, reads, ring)
+        assert (reads[rank]["shm"], ring[rank]["read"]) == ([0] * n, [0] * n)
+        assert reads[rank]["tcp"] == ring[rank]["tcp"]
+    assert sum(sum(out["read"]) for out in reads) > 0
+
+
 def _small_reduce(pg):
     x = np.full(2, pg.rank + 1.0, dtype=np.float32)  # 8 bytes
     pg.reduce(ROOT, x)

@@ -73,6 +73,15 @@ def recv_stream(c: Call, src: int, out: np.ndarray, op: ReduceKind | None = None
         c.t.recv_into(src, c.tag, out[a:b], c.code, c.deadline, c.meta, op)
 
 
+def swap_stream(c: Call, peer: int, out: np.ndarray, into: np.ndarray, op: ReduceKind | None = None) -> None:
+    """send_stream of out to peer while receiving what peer's send_stream sends into `into` (of
+    out's length), copied or folded in with op: both ways at once, in one row of duplexes
+    (Transport.send_recv_row), so neither end's send waits on the other's receive. The frames are
+    send_stream's and recv_stream's: a peer may take those instead."""
+    c.t.send_recv_row(peer, peer, c.tag, [(out[a:b], into[a:b], op) for a, b in _stream_bounds(c, out)], c.code,
+                      c.meta, c.deadline)
+
+
 def reduce_to_root(c: Call, root: int, data: np.ndarray, op: ReduceKind) -> None:
     """Ring reduce-scatter (bandwidth-optimal, every rank reduces 1/n), then every rank sends its
     reduced segment to the root. A rank that finished the ring heard, through its neighbours, from

@@ -159,6 +159,21 @@ def single_copy_reduce_scatter(c: Call, work: np.ndarray, out: np.ndarray, op: R
     _finish(c, among)
 
 
+def reduce_scatter_among(c: Call, among: Readers, work: np.ndarray, op: ReduceKind, byte_range: tuple[int, int],
+                         fallback: Fallback, then: Fallback) -> None:
+    """work[byte_range] (this rank's own, disjoint from its peers') = op over every rank of
+    `among` (one host's ranks of a group across hosts: two_level_reduce.py's reduce-scatter) of the
+    same range, folded in among.ranks order; then then(c), its step across hosts, while peers may
+    still read the rest of work (then changes only this rank's range, which no peer reads). By
+    fallback(c) where the ranks may not read each other."""
+    peers = _publish_and_agree(c, among, work, fallback)
+    if peers is None:
+        return
+    _reduce_range(c, among, work, op, peers, byte_range)
+    then(c)
+    _finish(c, among)
+
+
 def single_copy_all_gather(c: Call, local: np.ndarray, out: np.ndarray, fallback: Fallback) -> None:
     """out (1-D, n * len(local)) receives every rank's block in rank order."""
     among = Readers.of_group(c)

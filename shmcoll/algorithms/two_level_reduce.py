@@ -2,11 +2,13 @@
 
 Reduce-scatter. The n target blocks are dealt out inside each host by local index: local rank q of
 a host with L ranks owns the blocks of every rank whose local index is q modulo L, so a rank always
-owns its own block on its own host. A ring reduce-scatter in each host leaves each owner with its
-host's sum of those blocks; each owner sends every one of them to its target on another host, and
-every rank folds the other hosts' partial sums into its own, in host order. Each block crosses
-(hosts - 1) host boundaries, once per other host: (hosts - 1) * S bytes in all for S bytes per
-rank, against a flat ring's (n - 1) / n * S per boundary it crosses.
+owns its own block on its own host. Each owner folds its host's sum of those blocks straight out of
+its host peers' staged arrays (single_copy.py; around the host's ring where the host forbids it);
+each owner sends every one of them to its target on another host, and every rank folds the other
+hosts' partial sums into its own, in host order (between two hosts of as many ranks, the one block
+out and the one in go at once, as a row of duplexes). Each block crosses (hosts - 1) host
+boundaries, once per other host: (hosts - 1) * S bytes in all for S bytes per rank, against a flat
+ring's (n - 1) / n * S per boundary it crosses.
 
 Reduce. Slices as the large all-reduce cuts them (two_level.py: K = min_local, one per column, or
 from SPREAD_FROM_BYTES one per rank of the largest host, a smaller host's ranks owning runs of
@@ -28,11 +30,12 @@ from ..transport.topology import Topology
 from ..types import ReduceKind
 from .binomial import binomial_reduce
 from .call import Call, segment_bounds
-from .direct import recv_stream, send_stream
+from .direct import recv_stream, send_stream, swap_stream
 from .halving import halving_reduce
 from .ring import ring_reduce_scatter, scale_if_avg, summed
 from .select import Algorithm, reduce_across_hosts
-from .two_level import runs_owned, slices_for, two_level_agree
+from .single_copy import reduce_scatter_among
+from .two_level import readers_in_host, runs_owned, slices_for, two_level_agree
 
 
 def staging_order(topo: Topology, rank: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -52,21 +55,52 @@ def stage_for_reduce_scatter(topo: Topology, rank: int, data: np.ndarray) -> np.
     return data.reshape(topo.world_size, -1)[order].reshape(-1)
 
 
-def two_level_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.ndarray, op: ReduceKind) -> None:
-    """out = op over every rank's block c.rank; staged comes from stage_for_reduce_scatter."""
+def two_level_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.ndarray, op: ReduceKind,
+                             single_copy: bool = False) -> None:
+    """out = op over every rank's block c.rank; staged comes from stage_for_reduce_scatter. With
+    single_copy (config.Tuning.single_copy, alike on every rank), each rank folds the blocks it
+    owns straight out of its host peers' staged arrays where the host allows it
+    (single_copy.reduce_scatter_among), else the host's ranks go around its ring."""
     host, block = topo.local_ranks(c.rank), len(staged) // c.size
     order, owned = staging_order(topo, c.rank)
-    ring_reduce_scatter(c, staged, summed(op), host, [(a * block, b * block) for a, b in owned])
+    ranges = [(a * block, b * block) for a, b in owned]
     first, stop = owned[host.index(c.rank)]
-    for at in range(first, stop):
-        if order[at] != c.rank:
-            send_stream(c, order[at], staged[at * block:(at + 1) * block])
+
+    def across(c: Call) -> None:
+        _reduce_scatter_across(c, topo, staged, out, op, order, range(first, stop), block)
+
+    def over_rings(c: Call) -> None:
+        ring_reduce_scatter(c, staged, summed(op), host, ranges)
+        across(c)
+
+    readers = readers_in_host(c, host, single_copy)
+    if readers is None:
+        over_rings(c)
+        return
+    size = block * staged.itemsize
+    reduce_scatter_among(c, readers, staged, summed(op), (first * size, stop * size), over_rings, across)
+
+
+def _reduce_scatter_across(c: Call, topo: Topology, staged: np.ndarray, out: np.ndarray, op: ReduceKind,
+                           order: list[int], owned: range, block: int) -> None:
+    """Each block of staged this rank owns (at the staging positions `owned`: its host's partial
+    sums) straight to its target on another host, and the other hosts' partial sums of this rank's
+    own block folded into it in host order; out = the result. Where the one block it sends goes to
+    the one rank it receives from (as between two hosts of as many ranks), both go at once
+    (swap_stream)."""
+    host = topo.local_ranks(c.rank)
     at = order.index(c.rank)
     mine = staged[at * block:(at + 1) * block]
     me = topo.local_index(c.rank)
-    for other in topo.hosts:
-        if other is not host:
-            recv_stream(c, other[me % len(other)], mine, summed(op))
+    sources = [other[me % len(other)] for other in topo.hosts if other is not host]
+    targets = [at for at in owned if order[at] != c.rank]
+    if len(targets) == 1 and sources == [order[targets[0]]]:
+        swap_stream(c, sources[0], staged[targets[0] * block:(targets[0] + 1) * block], mine, summed(op))
+    else:
+        for at in targets:
+            send_stream(c, order[at], staged[at * block:(at + 1) * block])
+        for src in sources:
+            recv_stream(c, src, mine, summed(op))
     scale_if_avg(c, mine, op, c.size)
     out[:] = mine
 
