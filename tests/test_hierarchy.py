@@ -948,6 +948,42 @@ def test_large_reduce_scatter_reads_what_the_host_ring_would_have_sent(layout, n
     assert sum(sum(out["read"]) for out in reads) > 0
 
 
+def _reduce_scatter_rows(pg):
+    """_reduce_scatter's traffic, and how many native rows of duplexes this rank ran."""
+    from shmcoll import kernels
+    rows = []
+    row = kernels.duplex_row
+
+    def counted(*args):
+        rows.append(args)
+        return row(*args)
+    kernels.duplex_row = counted
+    try:
+        return {**_traffic_of(pg, _reduce_scatter), "rows": len(rows)}
+    finally:
+        kernels.duplex_row = row
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("each", 4), ("pairs", 6)])
+def test_large_reduce_scatter_among_more_hosts_crosses_in_rows(layout, n, monkeypatch):
+    """Among more than two hosts of as many ranks, each rank's host's partial sums of its
+    counterparts' blocks (same local index, every other host) go out, and theirs of its own block
+    come in, as one row of duplexes (two_level_reduce._shifts): over TCP each rank sends exactly one
+    block to each counterpart and nothing to any other rank, and ranks ran native rows (at least
+    one: a rank whose reader thread took a peer's frame first finishes the general way). Results
+    are checked in _reduce_scatter."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _reduce_scatter_rows)
+    hosts, block = _hosts(layout, n), _size(n) // n
+    per_host = n // len(set(hosts))  # each, pairs: a rank's local index is rank % per_host
+    for rank, out in enumerate(results):
+        counterparts = [p for p in range(n) if hosts[p] != hosts[rank] and p % per_host == rank % per_host]
+        assert out["tcp"] == [block if p in counterparts else 0 for p in range(n)], (rank, out)
+    assert any(out["rows"] for out in results)
+
+
 def _small_reduce(pg):
     x = np.full(2, pg.rank + 1.0, dtype=np.float32)  # 8 bytes
     pg.reduce(ROOT, x)

@@ -5,10 +5,11 @@ a host with L ranks owns the blocks of every rank whose local index is q modulo 
 owns its own block on its own host. Each owner folds its host's sum of those blocks straight out of
 its host peers' staged arrays (single_copy.py; around the host's ring where the host forbids it);
 each owner sends every one of them to its target on another host, and every rank folds the other
-hosts' partial sums into its own, in host order (between two hosts of as many ranks, the one block
-out and the one in go at once, as a row of duplexes). Each block crosses (hosts - 1) host
-boundaries, once per other host: (hosts - 1) * S bytes in all for S bytes per rank, against a flat
-ring's (n - 1) / n * S per boundary it crosses.
+hosts' partial sums into its own: among hosts of as many ranks, as one row of duplexes (the one
+block out and the one in at once between two hosts; among more, each step a shift of the hosts,
+folding the host before first, then the one before it), else all out, then folded in host order.
+Each block crosses (hosts - 1) host boundaries, once per other host: (hosts - 1) * S bytes in all
+for S bytes per rank, against a flat ring's (n - 1) / n * S per boundary it crosses.
 
 Reduce. Slices as the large all-reduce cuts them (two_level.py: K = min_local, one per column, or
 from SPREAD_FROM_BYTES one per rank of the largest host, a smaller host's ranks owning runs of
@@ -24,12 +25,15 @@ there instead of leaving one waiting.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from ..transport.base import RangeStep
 from ..transport.topology import Topology
 from ..types import ReduceKind
 from .binomial import binomial_reduce
-from .call import Call, segment_bounds
+from .call import Call, chunk_count, segment_bounds, sub_bounds
 from .direct import recv_stream, send_stream, swap_stream
 from .halving import halving_reduce
 from .ring import ring_reduce_scatter, scale_if_avg, summed
@@ -85,16 +89,20 @@ def _reduce_scatter_across(c: Call, topo: Topology, staged: np.ndarray, out: np.
                            order: list[int], owned: range, block: int) -> None:
     """Each block of staged this rank owns (at the staging positions `owned`: its host's partial
     sums) straight to its target on another host, and the other hosts' partial sums of this rank's
-    own block folded into it in host order; out = the result. Where the one block it sends goes to
-    the one rank it receives from (as between two hosts of as many ranks), both go at once
-    (swap_stream)."""
+    own block folded into it; out = the result. Among more than two hosts of as many ranks, all in
+    one row (_shifts); else, where the one block it sends goes to the one rank it receives from (as
+    between two hosts of as many ranks), both at once (swap_stream); else every block out, then
+    the partial sums folded in host order."""
     host = topo.local_ranks(c.rank)
     at = order.index(c.rank)
     mine = staged[at * block:(at + 1) * block]
     me = topo.local_index(c.rank)
     sources = [other[me % len(other)] for other in topo.hosts if other is not host]
     targets = [at for at in owned if order[at] != c.rank]
-    if len(targets) == 1 and sources == [order[targets[0]]]:
+    if topo.n_hosts > 2 and topo.min_local == topo.max_local:
+        steps = _shifts(topo, c.rank, block, staged.itemsize, c.chunk_bytes)
+        c.t.send_recv_ranges(steps, c.tag, staged, c.code, c.meta, c.deadline, summed(op))
+    elif len(targets) == 1 and sources == [order[targets[0]]]:
         swap_stream(c, sources[0], staged[targets[0] * block:(targets[0] + 1) * block], mine, summed(op))
     else:
         for at in targets:
@@ -103,6 +111,27 @@ def _reduce_scatter_across(c: Call, topo: Topology, staged: np.ndarray, out: np.
             recv_stream(c, src, mine, summed(op))
     scale_if_avg(c, mine, op, c.size)
     out[:] = mine
+
+
+@functools.lru_cache(maxsize=256)
+def _shifts(topo: Topology, rank: int, block: int, itemsize: int, chunk_bytes: int) -> tuple[RangeStep, ...]:
+    """_reduce_scatter_across's steps among more than two hosts of as many ranks each, as one row
+    (Transport.send_recv_ranges): in step k (1 .. hosts - 1) this rank's host's partial sum of its
+    counterpart's block k hosts on goes out to it, while the counterpart k hosts back sends its
+    host's partial sum of this rank's block, which is folded in (so the other hosts' sums fold in
+    that order, from the host before this one backwards). Every rank's step k is the same shift of
+    the hosts, as a ring's steps are, so no step waits on a later one. The frames are
+    send_stream's; the same for every call of a kind, so kept."""
+    order, _ = staging_order(topo, rank)
+    h, me, n = topo.host_of[rank], topo.local_index(rank), topo.n_hosts
+    mine, pieces = order.index(rank) * block, chunk_count(block, itemsize, chunk_bytes)
+    steps: list[RangeStep] = []
+    for k in range(1, n):
+        to, src = topo.hosts[(h + k) % n][me], topo.hosts[(h - k) % n][me]
+        at = order.index(to) * block
+        steps += [(to, src, *s, *r, True) for s, r in zip(sub_bounds(at, at + block, pieces),
+                                                          sub_bounds(mine, mine + block, pieces))]
+    return tuple(steps)
 
 
 def two_level_reduce(c: Call, topo: Topology, root: int, data: np.ndarray, op: ReduceKind) -> None:
