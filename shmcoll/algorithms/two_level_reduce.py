@@ -93,24 +93,32 @@ def _reduce_scatter_across(c: Call, topo: Topology, staged: np.ndarray, out: np.
     one row (_shifts); else, where the one block it sends goes to the one rank it receives from (as
     between two hosts of as many ranks), both at once (swap_stream); else every block out, then
     the partial sums folded in host order."""
-    host = topo.local_ranks(c.rank)
     at = order.index(c.rank)
     mine = staged[at * block:(at + 1) * block]
-    me = topo.local_index(c.rank)
-    sources = [other[me % len(other)] for other in topo.hosts if other is not host]
-    targets = [at for at in owned if order[at] != c.rank]
     if topo.n_hosts > 2 and topo.min_local == topo.max_local:
         steps = _shifts(topo, c.rank, block, staged.itemsize, c.chunk_bytes)
         c.t.send_recv_ranges(steps, c.tag, staged, c.code, c.meta, c.deadline, summed(op))
-    elif len(targets) == 1 and sources == [order[targets[0]]]:
-        swap_stream(c, sources[0], staged[targets[0] * block:(targets[0] + 1) * block], mine, summed(op))
     else:
-        for at in targets:
-            send_stream(c, order[at], staged[at * block:(at + 1) * block])
-        for src in sources:
-            recv_stream(c, src, mine, summed(op))
+        _streams_across(c, topo, staged, mine, op, order, owned, block)
     scale_if_avg(c, mine, op, c.size)
     out[:] = mine
+
+
+def _streams_across(c: Call, topo: Topology, staged: np.ndarray, mine: np.ndarray, op: ReduceKind,
+                    order: list[int], owned: range, block: int) -> None:
+    """_reduce_scatter_across's blocks out and partial sums in, where no row of shifts runs them:
+    both at once with the one rank this rank both sends to and receives from, else every block
+    out, then the sums folded in host order."""
+    host, me = topo.local_ranks(c.rank), topo.local_index(c.rank)
+    sources = [other[me % len(other)] for other in topo.hosts if other is not host]
+    targets = [at for at in owned if order[at] != c.rank]
+    if len(targets) == 1 and sources == [order[targets[0]]]:
+        swap_stream(c, sources[0], staged[targets[0] * block:(targets[0] + 1) * block], mine, summed(op))
+        return
+    for at in targets:
+        send_stream(c, order[at], staged[at * block:(at + 1) * block])
+    for src in sources:
+        recv_stream(c, src, mine, summed(op))
 
 
 @functools.lru_cache(maxsize=256)
