@@ -21,10 +21,12 @@ import pytest
 import shmcoll
 from shmcoll import ReduceKind
 from shmcoll.config import derive_job_id
+from shmcoll.runner import Plan
 from shmcoll.transport import shm_segment
+from shmcoll.transport.shm_board import entry_header
 from shmcoll.transport.shm_layout import Layout
 from shmcoll.transport.shm_segment import pid_alive
-from shmcoll.types import Collective
+from shmcoll.types import I64, U8, Collective
 
 from bounds import BROKEN_CALL_S, FAULT_NOTICE_S, NEVER_S, REAP_S, SETUP_FAILURE_S, WAIT_HANG_S
 from faults import peers_inside
@@ -453,6 +455,46 @@ def test_threads_sending_on_one_channel_keep_messages_whole_and_ordered():
     (errors, alive), ok = run_ranks(2, _threads_share_a_channel, per_thread, env=TINY_RING)
     assert errors == [] and not any(alive)
     assert ok == {tag: [True] * per_thread for tag in (10, 11, 12)}
+
+
+def _frame_ahead_of_a_board_step(pg, sent, looked):
+    """One call, as a two-level call runs (a board barrier, then frames on the call's own tag):
+    rank 1 sends its frame of the call before it takes the board step; rank 0 waits on the board,
+    its guard drains the ring meanwhile (looked is set once it has), then receives the frame."""
+    got, nothing = np.zeros(4, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+
+    def body(c):
+        board = pg.transport.board
+        if c.rank == 1:
+            c.t.send(0, c.tag, np.arange(4, dtype=np.int64), I64.code, c.meta, c.deadline)
+            sent.set()
+            assert looked.wait(WAIT_HANG_S)  # rank 0's guard ran with the frame in its ring
+        else:
+            assert sent.wait(WAIT_HANG_S)
+
+        def guard():
+            check = c.board_guard()
+
+            def looking(src=None):
+                try:
+                    check(src)
+                finally:
+                    looked.set()
+            return looking
+        board.all_reduce(c.meta.seq, nothing, entry_header(c.rank, c.meta, c.code, nothing), c.code,
+                         int(ReduceKind.SUM), c.deadline, guard, c.meta)
+        if c.rank == 0:
+            c.t.recv_into(1, c.tag, got, I64.code, c.deadline, c.meta)
+
+    pg._runner.run(Plan(Collective.BARRIER, U8.code, 0, body))
+    return got.tolist()
+
+
+def test_a_board_step_leaves_a_frame_of_its_own_call_for_the_receive_after_it():
+    """The guard of a board wait used to take such a frame for a mismatch and drop it (the failure
+    it reported was dropped too once the step completed), so the receive after it never came."""
+    got, _ = run_ranks(2, _frame_ahead_of_a_board_step, CTX.Event(), CTX.Event(), env=SHM)
+    assert got == [0, 1, 2, 3]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,6 +120,12 @@ class Mailbox:
         caller that must trust the answer holds src's connection, so nothing is queued meanwhile."""
         return bool(self._queues.get((src, tag)))
 
+    def peek(self, src: int, tag: int) -> Message | None:
+        """The next queued message from src with tag, left queued."""
+        with self._cond:
+            queue = self._queues.get((src, tag))
+            return queue[0] if queue else None
+
     def pop(self, src: int, tag: int) -> Message | None:
         """The next queued message from src with tag, without waiting."""
         with self._cond:

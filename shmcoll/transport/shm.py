@@ -275,15 +275,19 @@ class ShmTransport(LinkTransport):
     # ---- liveness and aborts ----
     def board_guard(self, tag: int, want: Meta) -> BoardGuard:
         """What a board wait runs between looks: fail on abort or death, and on a peer that called
-        another collective at this sequence number (its ring frames for our tag, or its board entry)."""
+        another collective at this sequence number (its ring frames for our tag, or its board entry).
+        It takes no frame: one that describes this very call is a later step's, from a peer already
+        past this board step (a two-level call's barrier, then its sends on the same tag), and stays
+        queued for the receive that wants it. A failure the guard reports may also be dropped, when
+        the step turns out done after all (Board._finish_step), so it must not cost a frame."""
         def guard(src: int | None = None) -> None:
             self._check(src, True, want)
             self.drain_incoming()
-            for src in self._in:
-                msg = self._mailbox.pop(src, tag)
-                if msg is not None:
-                    problem = frame.describe_mismatch(msg.header.meta, want, src)
-                    raise CollectiveMismatch(problem or f"rank {src} sent a message where this rank used the board")
+            for peer in self._in:
+                msg = self._mailbox.peek(peer, tag)
+                problem = frame.describe_mismatch(msg.header.meta, want, peer) if msg is not None else None
+                if problem:
+                    raise CollectiveMismatch(problem)
         return guard
 
     def _check(self, src: int | None, strict: bool, want: Meta | None = None) -> None:
