@@ -64,6 +64,7 @@ from .algorithms.doubling_broadcast import cast_steps, in_one_row
 from .algorithms.ring import summed
 from .algorithms.select import Algorithm, gather_across_hosts, select
 from .errors import InvalidArgument
+from .kept import keep
 from .plans import Where, all_gather_algorithm, all_reduce_algorithm, broadcast_algorithm, reduce_algorithm
 from .runner import Runner
 from .transport import frame
@@ -268,11 +269,8 @@ class LeanPath:
         0.5-0.8 us of a 7 us call (2 ranks, 8 B)."""
         if key in kept:
             return None
-        if len(kept) >= MAX_PREPARED:
-            kept.clear()  # a program of ever new sizes: start over rather than grow
         p = prepare(*args)
-        kept[key] = p = None if p is None else self._with_step(p)
-        return p
+        return keep(kept, key, None if p is None else self._with_step(p), MAX_PREPARED)
 
     def _with_step(self, p: _Prepared) -> _Prepared:
         """p with what runs calls of its kind, chosen once rather than at every call."""

@@ -51,6 +51,7 @@ import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveError, PeerLost
+from ..kept import keep
 from ..transport.base import BoardGuard
 from ..transport.shm_board import Board, entry_header
 from ..types import ReduceKind
@@ -275,12 +276,11 @@ def _room(c: Call, among: Readers, source: np.ndarray) -> _Room:
     key = (_Room, c.meta[1:], c.code, source.shape)  # the call but for its sequence number (Meta's first field)
     room = among.board.kept.get(key)
     if room is None:
-        if len(among.board.kept) >= ROOMS_KEPT:
-            among.board.kept.clear()
         descriptors = np.empty((len(among.ranks), DESCRIPTOR_BYTES // 8), np.int64)
-        room = among.board.kept[key] = _Room(descriptors, descriptors[among.ranks.index(c.rank)],
-                                             entry_header(c.rank, c.meta._replace(seq=0), c.code, source),
-                                             np.empty((len(among.ranks), ADDRESS + 1), np.int64), [0])
+        room = keep(among.board.kept, key, _Room(descriptors, descriptors[among.ranks.index(c.rank)],
+                                                 entry_header(c.rank, c.meta._replace(seq=0), c.code, source),
+                                                 np.empty((len(among.ranks), ADDRESS + 1), np.int64), [0]),
+                    ROOMS_KEPT)
     assert isinstance(room, _Room)
     return room
 

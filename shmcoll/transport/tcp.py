@@ -46,6 +46,7 @@ import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveError, CollectiveTimeout, PeerLost
+from ..kept import keep
 from ..net.congestion import paced
 from ..types import ReduceKind
 from . import frame
@@ -187,9 +188,7 @@ class NetTransport(LinkTransport):
         path's all-reduce or broadcast asks for its row at every call."""
         key = tuple(steps)
         if key not in self._rows:
-            if len(self._rows) >= _ROWS_KEPT:
-                self._rows.clear()
-            self._rows[key] = self._row_of(key)
+            return keep(self._rows, key, self._row_of(key), _ROWS_KEPT)
         return self._rows[key]
 
     def _row_of(self, steps: Sequence[PeerStep]) -> SwapRow | None:
@@ -421,9 +420,7 @@ class NetTransport(LinkTransport):
         some peer is not this transport's (under a HierarchicalTransport, a rank of this host)."""
         key = (steps, itemsize)
         if key not in self._range_rows:
-            if len(self._range_rows) >= _ROWS_KEPT:
-                self._range_rows.clear()
-            self._range_rows[key] = self._range_row_of(steps, itemsize)
+            return keep(self._range_rows, key, self._range_row_of(steps, itemsize), _ROWS_KEPT)
         return self._range_rows[key]
 
     def _range_row_of(self, steps: tuple[RangeStep, ...], itemsize: int) -> RangeRow | None:
@@ -768,9 +765,7 @@ class SwapRow(NamedTuple):
         """Room for a frame of nbytes of payload (kernels.swap_row's `inbound`)."""
         room = self.inbounds.get(nbytes)
         if room is None:
-            if len(self.inbounds) >= INBOUNDS_KEPT:
-                self.inbounds.clear()
-            room = self.inbounds[nbytes] = np.empty(HEADER_SIZE + nbytes, np.uint8)
+            room = keep(self.inbounds, nbytes, np.empty(HEADER_SIZE + nbytes, np.uint8), INBOUNDS_KEPT)
         return room
 
 
@@ -799,9 +794,8 @@ class RangeRow(NamedTuple):
         key = (meta[1:], code)  # all but the sequence number (Meta's first field)
         header = self.headers.get(key)
         if header is None:
-            if len(self.headers) >= _ROWS_KEPT:
-                self.headers.clear()
-            header = self.headers[key] = frame.pack(DATA, rank, 0, meta._replace(seq=0), code, (0,), 0)
+            header = keep(self.headers, key, frame.pack(DATA, rank, 0, meta._replace(seq=0), code, (0,), 0),
+                          _ROWS_KEPT)
         return header
 
 
