@@ -26,6 +26,7 @@ there instead of leaving one waiting.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -42,21 +43,23 @@ from .single_copy import reduce_scatter_among
 from .two_level import readers_in_host, runs_owned, slices_for, two_level_agree
 
 
-def staging_order(topo: Topology, rank: int) -> tuple[list[int], list[tuple[int, int]]]:
+@functools.lru_cache(maxsize=256)
+def staging_order(topo: Topology, rank: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
     """The target ranks in the order this rank's host stages their blocks, and the range of that
-    order (in blocks) each local rank owns: local rank q owns the ranks whose local index is q mod L."""
+    order (in blocks) each local rank owns: local rank q owns the ranks whose local index is q mod L.
+    The same at every call of a group (twice per reduce-scatter: staging and the call), so kept."""
     host = topo.local_ranks(rank)
     width = len(host)
     groups = [[t for t in range(topo.world_size) if topo.local_index(t) % width == q] for q in range(width)]
     bounds = np.cumsum([0, *(len(g) for g in groups)]).tolist()
-    return [t for g in groups for t in g], list(zip(bounds[:-1], bounds[1:]))
+    return tuple(t for g in groups for t in g), tuple(zip(bounds[:-1], bounds[1:]))
 
 
 def stage_for_reduce_scatter(topo: Topology, rank: int, data: np.ndarray) -> np.ndarray:
     """A copy of data (n equal blocks, in rank order) with its blocks in staging order: the scratch
     array two_level_reduce_scatter works in (made up front, so the caller's data may change at once)."""
     order, _ = staging_order(topo, rank)
-    return data.reshape(topo.world_size, -1)[order].reshape(-1)
+    return data.reshape(topo.world_size, -1)[list(order)].reshape(-1)
 
 
 def two_level_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: np.ndarray, op: ReduceKind,
@@ -86,7 +89,7 @@ def two_level_reduce_scatter(c: Call, topo: Topology, staged: np.ndarray, out: n
 
 
 def _reduce_scatter_across(c: Call, topo: Topology, staged: np.ndarray, out: np.ndarray, op: ReduceKind,
-                           order: list[int], owned: range, block: int) -> None:
+                           order: Sequence[int], owned: range, block: int) -> None:
     """Each block of staged this rank owns (at the staging positions `owned`: its host's partial
     sums) straight to its target on another host, and the other hosts' partial sums of this rank's
     own block folded into it; out = the result. Among more than two hosts of as many ranks, all in
@@ -105,7 +108,7 @@ def _reduce_scatter_across(c: Call, topo: Topology, staged: np.ndarray, out: np.
 
 
 def _streams_across(c: Call, topo: Topology, staged: np.ndarray, mine: np.ndarray, op: ReduceKind,
-                    order: list[int], owned: range, block: int) -> None:
+                    order: Sequence[int], owned: range, block: int) -> None:
     """_reduce_scatter_across's blocks out and partial sums in, where no row of shifts runs them:
     both at once with the one rank this rank both sends to and receives from, else every block
     out, then the sums folded in host order."""
