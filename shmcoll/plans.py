@@ -51,6 +51,7 @@ from .algorithms.two_level import (
     two_level_all_gather,
     two_level_all_gather_v,
     two_level_all_reduce,
+    two_level_all_to_all,
     two_level_barrier,
     two_level_exchange_shapes,
     two_level_one_shot_all_reduce,
@@ -249,17 +250,23 @@ def all_gather_algorithm(w: Where, algorithm: Algorithm) -> Callable[[Call, np.n
 
 
 def gather(w: Where, root: int, arr: np.ndarray, wire: WireType) -> Plan:
-    """The concatenation on root, None elsewhere (on the board every rank gets it, as scratch)."""
+    """The concatenation on root, None elsewhere. Where it runs as an all-gather (on the board, or
+    small across hosts: select's TWO_LEVEL_ONE_SHOT), every rank gets it, as scratch."""
     flat_in = storage_view(arr, wire)
     algorithm = select(Collective.GATHER, flat_in.nbytes, w.setting)
-    out = gathered_like(arr, w.size) if w.rank == root or algorithm is Algorithm.BOARD else None
+    as_all_gather = _GATHER_AS_ALL_GATHER.get(algorithm)
+    out = gathered_like(arr, w.size) if w.rank == root or as_all_gather is not None else None
     result = out if w.rank == root else None
-    if out is not None and algorithm is Algorithm.BOARD:
-        run = _returning(None, board_all_gather, flat_in, storage_view(out, wire))
+    if out is not None and as_all_gather is not None:
+        run = _returning(None, all_gather_algorithm(w, as_all_gather), flat_in, storage_view(out, wire))
     else:
         agreement, flat_out = _agreement(w, algorithm), storage_view(out, wire) if out is not None else None
         run = lambda c: gather_to_root(c, root, flat_in, flat_out, agreement)
     return Plan(Collective.GATHER, wire.code, flat_in.size, _returning(result, run), root=root)
+
+
+#: The gathers that run as an all-gather, and the all-gather's algorithm for each.
+_GATHER_AS_ALL_GATHER = {Algorithm.BOARD: Algorithm.BOARD, Algorithm.TWO_LEVEL_ONE_SHOT: Algorithm.TWO_LEVEL}
 
 
 def scatter(w: Where, root: int, arr: np.ndarray | None, wire: WireType | None) -> Plan:
@@ -283,7 +290,10 @@ def all_to_all(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
     out = np.empty(arr.shape, dtype=arr.dtype)
     flat_in, flat_out = storage_view(arr, wire), storage_view(out, wire)
     algorithm = select(Collective.ALL_TO_ALL, flat_in.nbytes, w.setting)
-    exchange = board_all_to_all if algorithm is Algorithm.BOARD else all_to_all_pairwise
+    if algorithm is Algorithm.TWO_LEVEL_ONE_SHOT:
+        exchange = lambda c, data, out: two_level_all_to_all(c, w.hosts, data, out)
+    else:
+        exchange = board_all_to_all if algorithm is Algorithm.BOARD else all_to_all_pairwise
     return Plan(Collective.ALL_TO_ALL, wire.code, flat_in.size, _returning(out, exchange, flat_in, flat_out))
 
 

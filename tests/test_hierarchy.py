@@ -742,8 +742,11 @@ def _disagree(pg, calls):
     (lambda pg: pg.broadcast(1, np.ones(4, np.float32)), lambda pg: pg.broadcast(1, np.ones(1 << 20, np.float32))),
     (lambda pg: pg.all_gather(np.ones(4, np.float32)), lambda pg: pg.all_gather(np.ones(1 << 18, np.float32))),
     (lambda pg: pg.broadcast(0, np.ones(S, np.float32)), lambda pg: pg.broadcast(3, np.ones(S, np.float32))),
+    (lambda pg: pg.gather(1, np.ones(4, np.float32)), lambda pg: pg.gather(1, np.ones(1 << 18, np.float32))),
+    (lambda pg: pg.all_to_all(np.ones(4, np.float32)), lambda pg: pg.all_to_all(np.ones(1 << 18, np.float32))),
 ], ids=["small-vs-large", "broadcast-vs-all_gather", "barrier-vs-broadcast", "f32-vs-f64", "broadcast-roots",
-        "broadcast-small-vs-large", "all_gather-small-vs-large", "large-broadcast-roots"])
+        "broadcast-small-vs-large", "all_gather-small-vs-large", "large-broadcast-roots", "gather-small-vs-large",
+        "all_to_all-small-vs-large"])
 def test_hosts_that_disagree_all_raise_mismatch(calls, monkeypatch):
     """Two hosts calling different things: every rank raises CollectiveMismatch, nobody hangs."""
     results = _run_with_timeout("halves", 4, _disagree, calls, monkeypatch)
@@ -1372,6 +1375,45 @@ def test_small_all_gather_goes_the_small_all_reduces_way(layout, n, monkeypatch)
         for r in mine[columns:] if j == 0 else ():
             want_shm[r] = 12 * n
         assert (out["shm"], out["tcp"]) == (want_shm, want_tcp), (rank, out)
+
+
+def _small_gather_and_all_to_all(pg):
+    """A gather of 3 float32s per rank to rank 1, then an all_to_all of one float32 per rank pair:
+    each call's results, and the bytes this rank sent to each rank during it."""
+    n, got = pg.world_size, {}
+    gather = _traffic_of(pg, lambda _: got.update(gather=pg.gather(ROOT, np.full(3, float(pg.rank), np.float32))))
+    mine = np.arange(n, dtype=np.float32) + 10 * pg.rank  # block j: 10 * rank + j
+    all_to_all = _traffic_of(pg, lambda _: got.update(all_to_all=pg.all_to_all(mine)))
+    gathered = None if got["gather"] is None else got["gather"].tolist()
+    return {"gather": gather, "all_to_all": all_to_all, "gathered": gathered, "exchanged": got["all_to_all"].tolist()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4)])
+def test_small_gather_and_all_to_all_go_the_small_all_gathers_way(layout, n, monkeypatch):
+    """Across hosts a small gather, and a small all_to_all, is the small all-gather of every rank's
+    input (select.GATHER_EVERYTHING_BYTES), each rank keeping its part: exactly
+    test_small_all_gather_goes_the_small_all_reduces_way's bytes for inputs of 12 bytes (the gather)
+    and 4 n (the all_to_all), where the direct forms sent one message to the root, or to every rank."""
+    hosts = _hosts(layout, n)
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _small_gather_and_all_to_all)
+    on = {h: [r for r in range(n) if hosts[r] == h] for h in hosts}
+    columns = min(len(ranks) for ranks in on.values())
+    for rank, out in enumerate(results):
+        assert out["gathered"] == ([float(r) for r in range(n) for _ in range(3)] if rank == ROOT else None)
+        assert out["exchanged"] == [10.0 * r + rank for r in range(n)]
+        mine = on[hosts[rank]]
+        j = mine.index(rank)
+        for call, each in (("gather", 12), ("all_to_all", 4 * n)):
+            want_tcp, want_shm = [0] * n, [0] * n
+            for ranks in on.values():
+                if j < columns and ranks is not mine:
+                    want_tcp[ranks[j]] = each * len(mine)
+            for r in mine[columns:] if j == 0 else ():
+                want_shm[r] = each * n
+            assert (out[call]["shm"], out[call]["tcp"]) == (want_shm, want_tcp), (rank, call, out[call])
 
 
 # ---- hosts that share one machine share its cores ----

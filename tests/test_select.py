@@ -9,6 +9,7 @@ import pytest
 
 from shmcoll.algorithms.board_v import HEAD_BYTES
 from shmcoll.algorithms.select import (
+    GATHER_EVERYTHING_BYTES,
     HALVING_FROM_HOSTS,
     NEIGHBOURHOOD,
     ONE_SHOT_MAX_HOSTS,
@@ -43,6 +44,7 @@ SHM = Setting(hosts=1, board_bytes=BOARD, one_shot_bytes=ONE_SHOT)  # one host, 
 TCP = Setting(hosts=1, board_bytes=None, one_shot_bytes=ONE_SHOT)  # TCP only, or a sub-group
 HOSTS = Setting(hosts=2, board_bytes=None, one_shot_bytes=ONE_SHOT)  # the hierarchy over two hosts
 TCP4 = dataclasses.replace(TCP, size=4)
+HOSTS4 = dataclasses.replace(HOSTS, size=4)
 
 A = Algorithm
 C = Collective
@@ -72,10 +74,14 @@ CASES = [
     (C.BROADCAST, SMALL_BROADCAST_BYTES + 1, TCP, A.CHAIN),
     (C.BARRIER, 0, SHM, A.BOARD), (C.BARRIER, 0, TCP, A.DISSEMINATION), (C.BARRIER, 0, HOSTS, A.TWO_LEVEL),
     (C.GATHER, 8, SHM, A.BOARD), (C.GATHER, BOARD + 1, SHM, A.DIRECT), (C.GATHER, 8, TCP, A.DIRECT),
-    (C.GATHER, 8, HOSTS, A.TWO_LEVEL_DIRECT),
+    # across hosts a small gather or all_to_all is an all-gather of everything, each rank keeping its part
+    (C.GATHER, 8, HOSTS, A.TWO_LEVEL_ONE_SHOT), (C.GATHER, GATHER_EVERYTHING_BYTES // 4, HOSTS4, A.TWO_LEVEL_ONE_SHOT),
+    (C.GATHER, GATHER_EVERYTHING_BYTES // 4 + 1, HOSTS4, A.TWO_LEVEL_DIRECT),
     (C.SCATTER, 0, SHM, A.DIRECT), (C.SCATTER, 0, TCP, A.DIRECT), (C.SCATTER, 0, HOSTS, A.TWO_LEVEL_DIRECT),
     (C.ALL_TO_ALL, 8, SHM, A.BOARD), (C.ALL_TO_ALL, BOARD + 1, SHM, A.PAIRWISE), (C.ALL_TO_ALL, 8, TCP, A.PAIRWISE),
-    (C.ALL_TO_ALL, 8, HOSTS, A.PAIRWISE),
+    (C.ALL_TO_ALL, 8, HOSTS, A.TWO_LEVEL_ONE_SHOT),
+    (C.ALL_TO_ALL, GATHER_EVERYTHING_BYTES // 4, HOSTS4, A.TWO_LEVEL_ONE_SHOT),
+    (C.ALL_TO_ALL, GATHER_EVERYTHING_BYTES // 4 + 1, HOSTS4, A.PAIRWISE),
     (C.ALL_GATHER_V, 8, SHM, A.BOARD_OR_RING), (C.ALL_GATHER_V, 1 << 30, SHM, A.BOARD_OR_RING),
     (C.ALL_GATHER_V, 8, TCP, A.RING), (C.ALL_GATHER_V, 8, HOSTS, A.TWO_LEVEL),
     (C.FEDERATED_AVERAGE, 8, SHM, A.DEADLINE), (C.FEDERATED_AVERAGE, 8, HOSTS, A.DEADLINE),

@@ -250,6 +250,16 @@ def two_level_all_gather(c: Call, topo: Topology, local: np.ndarray, out: np.nda
     two_level_all_gather_v(c, topo, local, out, [len(local)] * c.size)
 
 
+def two_level_all_to_all(c: Call, topo: Topology, data: np.ndarray, out: np.ndarray) -> None:
+    """A small all_to_all across hosts the way board_all_to_all runs one on a host: every rank's
+    whole input (n equal blocks) gathered by every rank, by the small all-gather's steps, which
+    keeps block `rank` of each (select.GATHER_EVERYTHING_BYTES)."""
+    everything = np.empty(len(data) * c.size, dtype=data.dtype)
+    two_level_all_gather(c, topo, data, everything)
+    block = len(data) // c.size
+    out.reshape(c.size, block)[...] = everything.reshape(c.size, c.size, block)[:, c.rank]
+
+
 def two_level_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.ndarray, sizes: list[int]) -> None:
     """Gather in the host, exchange whole hosts' blocks across hosts, hand the rest out. Rank r
     contributes sizes[r] elements (any, even zero); out holds them in rank order. A small total
