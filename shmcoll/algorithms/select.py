@@ -110,12 +110,12 @@ SMALL_GATHER_BYTES = 1 << 20
 #: Largest gathered array (every rank's input together) a gather or all_to_all across hosts
 #: collects on every rank by TWO_LEVEL_ONE_SHOT's all-gather, each rank keeping what the call gives
 #: it, rather than by messages to the root or to each rank through Python (TWO_LEVEL_DIRECT,
-#: PAIRWISE). The all-gather carries every block to every rank, so it pays only while small. 2 + 2
-#: simulated hosts on 2 cores, us per call, as an all-gather / as before: all_to_all of 32 B per
-#: rank 363 / 1115, 4 KiB 379 / 963, 64 KiB 570 / 1033 (1 MiB gathered: 1323 as the all-gather
-#: alone took, against 1200); gather of 8 B blocks 444 / 840, 1 KiB 415 / 725, 64 KiB 605 / 791
-#: (256 KiB blocks: 1547 / 1190). 4 hosts x 1, before: all_to_all of 64 KiB 1484, all-gather of it
-#: 616; gather of 8 B 971, the all-gather 404.
+#: PAIRWISE). The all-gather carries every block to every rank, so it pays only while small.
+#: Between namespace hosts on 2 cores (bench/hosts_compare.py, us per call, this way / the direct
+#: way): 2 x 2, gather of 32 B in all 386 / 765, 64 KiB 443 / 784; all_to_all of 32 B per rank
+#: 390 / 1031, 64 KiB 577 / 1183; 4 x 1, gather of 32 B 485 / 804, all_to_all of 64 KiB 782 / 1388.
+#: On simulated hosts (2 + 2), at 1 MiB gathered an all-gather of an all_to_all's inputs alone
+#: took 1109-1323 against pairwise's 1200-1348, and a gather this way 1547 against 1190.
 GATHER_EVERYTHING_BYTES = 256 << 10
 
 
