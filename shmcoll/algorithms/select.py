@@ -274,20 +274,15 @@ def _all_gather(nbytes: int, where: Setting) -> Algorithm:
     return _single_copy_or_else(Collective.ALL_GATHER)(nbytes, where)
 
 
-def _gather(nbytes: int, where: Setting) -> Algorithm:
-    """nbytes: one rank's block."""
-    if where.hosts > 1:
-        small = nbytes * where.size <= GATHER_EVERYTHING_BYTES
-        return Algorithm.TWO_LEVEL_ONE_SHOT if small else Algorithm.TWO_LEVEL_DIRECT
-    return Algorithm.BOARD if where.fits_board(nbytes) else Algorithm.DIRECT
-
-
-def _all_to_all(nbytes: int, where: Setting) -> Algorithm:
-    """nbytes: one rank's whole input (one block for each rank)."""
-    if where.hosts > 1:
-        small = nbytes * where.size <= GATHER_EVERYTHING_BYTES
-        return Algorithm.TWO_LEVEL_ONE_SHOT if small else Algorithm.PAIRWISE
-    return Algorithm.BOARD if where.fits_board(nbytes) else Algorithm.PAIRWISE
+def _gathered_everywhere_while_small(otherwise: Callable[[int, Setting], Algorithm]):
+    """A chooser for a gather or all_to_all (nbytes: what one rank gives, its block or its whole
+    input): across hosts TWO_LEVEL_ONE_SHOT's all-gather while every rank's together fit
+    GATHER_EVERYTHING_BYTES, else what `otherwise` chooses."""
+    def choose(nbytes: int, where: Setting) -> Algorithm:
+        if where.hosts > 1 and nbytes * where.size <= GATHER_EVERYTHING_BYTES:
+            return Algorithm.TWO_LEVEL_ONE_SHOT
+        return otherwise(nbytes, where)
+    return choose
 
 
 def _all_gather_v(nbytes: int, where: Setting) -> Algorithm:
@@ -305,9 +300,9 @@ _CHOOSERS = {
     Collective.ALL_GATHER: _all_gather,
     Collective.BROADCAST: _broadcast,
     Collective.BARRIER: _flat(Algorithm.DISSEMINATION),
-    Collective.GATHER: _gather,
+    Collective.GATHER: _gathered_everywhere_while_small(_flat(Algorithm.DIRECT, across=Algorithm.TWO_LEVEL_DIRECT)),
     Collective.SCATTER: _flat(Algorithm.DIRECT, small=None, across=Algorithm.TWO_LEVEL_DIRECT),
-    Collective.ALL_TO_ALL: _all_to_all,
+    Collective.ALL_TO_ALL: _gathered_everywhere_while_small(_flat(Algorithm.PAIRWISE, across=Algorithm.PAIRWISE)),
     Collective.ALL_GATHER_V: _all_gather_v,
     Collective.FEDERATED_AVERAGE: lambda nbytes, where: Algorithm.DEADLINE,
 }

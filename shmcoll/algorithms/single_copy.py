@@ -150,23 +150,20 @@ def single_copy_reduce_scatter(c: Call, work: np.ndarray, out: np.ndarray, op: R
                                fallback: Fallback) -> None:
     """out = block c.rank of the reduction of every rank's `work` (a private 1-D copy of the
     input, n equal blocks, that peers read during the call)."""
-    among = Readers.of_group(c)
-    peers = _publish_and_agree(c, among, work, fallback)
-    if peers is None:
-        return
     lo, hi = _byte_ranges(work, c.size)[c.rank]
-    _reduce_range(c, among, work, op, peers, (lo, hi))
-    out[:] = work[lo // work.itemsize:hi // work.itemsize]
-    _finish(c, among)
+
+    def keep_block(c: Call) -> None:
+        out[:] = work[lo // work.itemsize:hi // work.itemsize]
+    reduce_scatter_among(c, Readers.of_group(c), work, op, (lo, hi), fallback, keep_block)
 
 
 def reduce_scatter_among(c: Call, among: Readers, work: np.ndarray, op: ReduceKind, byte_range: tuple[int, int],
                          fallback: Fallback, then: Fallback) -> None:
     """work[byte_range] (this rank's own, disjoint from its peers') = op over every rank of
-    `among` (one host's ranks of a group across hosts: two_level_reduce.py's reduce-scatter) of the
-    same range, folded in among.ranks order; then then(c), its step across hosts, while peers may
-    still read the rest of work (then changes only this rank's range, which no peer reads). By
-    fallback(c) where the ranks may not read each other."""
+    `among` (the group, or one host's ranks of a group across hosts: two_level_reduce.py's
+    reduce-scatter) of the same range, folded in among.ranks order; then then(c) (taking the block
+    out, or the step across hosts) while peers may still read the rest of work (then changes only
+    this rank's range, which no peer reads). By fallback(c) where the ranks may not read each other."""
     peers = _publish_and_agree(c, among, work, fallback)
     if peers is None:
         return
