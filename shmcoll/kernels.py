@@ -111,18 +111,32 @@ WAY_SWAP, WAY_OURS_EMPTY, WAY_THEIRS_EMPTY = _native.WAY_SWAP, _native.WAY_OURS_
 #: gone out); below 0, -errno of a failed send.
 duplex = _native.duplex
 #: duplex_row(steps, at, header, beats, tag, seq, data, scratch, code, op, spin_ns, wait_ns,
-#: progress) -> status: duplexes in a row (native/duplex.h), each step with its own peers: steps
+#: progress, host) -> status: duplexes in a row (native/duplex.h), each step with its own peers: steps
 #: is int64 (count, DUPLEX_STEP_WORDS), a row per step of (out_fd, in_fd, src, out_at, out_bytes,
-#: out_count, in_at, in_bytes, in_count, folds, lead_bytes): byte ranges of data and their
-#: elements (what the frames' headers say); header is ours for the call's 1-D
+#: out_count, in_at, in_bytes, in_count, folds, lead_bytes, final): byte ranges of data and their
+#: elements (what the frames' headers say), and whether no later step receives into the step's
+#: received bytes again; header is ours for the call's 1-D
 #: array (frame.pack), the native call writes in the tag, the sequence number and each frame's
 #: size (and the source of the one it expects); beats holds each step's peer's heartbeat header.
 #: From step at[0] on, which advances past each whole step (progress starting over), within
 #: wait_ns in all: duplex's status of the step at at[0], DUPLEX_DONE once every step is whole.
+#: host: None, or the host range data lies in (native/host_range.h), a tuple (own, peers, scratch,
+#: words, me, lo, hi, piece, delivers): bytes [lo, hi) of own (uint8, the rank's whole array, data a
+#: view of it) are folded with (code, op) out of the arrays peers (int64 (ranks, 2): pid, address)
+#: describes, own's at position me, `piece` bytes at a time through scratch (two pieces), each just
+#: before the row sends it or receives into it; where `delivers`, final steps' bytes are written
+#: into the peers' arrays as they come. words (int64, zeros to start, HOST_FOLDED + one per piece):
+#: HOST_DELIVERED bytes written, and where a read or write failed (status DUPLEX_HOST_FAILED) its
+#: errno at HOST_ERROR and the peer's position at HOST_FAILED.
 duplex_row = _native.duplex_row
+#: host_range_fold(host, code, op) -> 0, or the errno of a failed read (words say whose): every
+#: piece of a duplex_row host range not folded yet folded now.
+host_range_fold = _native.host_range_fold
+HOST_DELIVERED, HOST_ERROR, HOST_FAILED = _native.HOST_DELIVERED, _native.HOST_ERROR, _native.HOST_FAILED
+HOST_FOLDED = _native.HOST_FOLDED
 DUPLEX_STEP_WORDS = _native.DUPLEX_STEP_WORDS
 DUPLEX_DONE, DUPLEX_PENDING, DUPLEX_ENDED = _native.DUPLEX_DONE, _native.DUPLEX_PENDING, _native.DUPLEX_ENDED
-DUPLEX_ELSEWHERE = _native.DUPLEX_ELSEWHERE
+DUPLEX_ELSEWHERE, DUPLEX_HOST_FAILED = _native.DUPLEX_ELSEWHERE, _native.DUPLEX_HOST_FAILED
 IN_WAITING, IN_BODY, IN_DONE = _native.IN_WAITING, _native.IN_BODY, _native.IN_DONE
 IN_ELSEWHERE = _native.IN_ELSEWHERE
 #: collapse_to_huge_pages(buffer) -> 0, or the errno: the whole 2 MiB pages inside a buffer

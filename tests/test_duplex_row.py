@@ -49,9 +49,9 @@ def _two_step_row(fd: int, me: int, n: int, itemsize: int) -> np.ndarray:
     size = (n - half) if me else half
     other = n - size
     rows = [(fd, fd, 1 - me, theirs * itemsize, other * itemsize, other, mine * itemsize, size * itemsize, size, 1,
-             DUPLEX_LEAD_BYTES),
+             DUPLEX_LEAD_BYTES, 1),
             (fd, fd, 1 - me, mine * itemsize, size * itemsize, size, theirs * itemsize, other * itemsize, other, 0,
-             DUPLEX_LEAD_BYTES)]
+             DUPLEX_LEAD_BYTES, 1)]
     return np.array(rows, np.int64)
 
 
@@ -68,7 +68,7 @@ class _End:
 
     def call(self, wait_ns: int = WAIT_NS) -> int:
         return kernels.duplex_row(self.steps, self.at, self.header, self.beats, TAG, SEQ, self.data, self.scratch,
-                                  self.code, self.op, 0, wait_ns, self.progress)
+                                  self.code, self.op, 0, wait_ns, self.progress, None)
 
     def to_the_end(self) -> int:
         """Called again while its wait runs out: the last status."""
@@ -126,7 +126,7 @@ def _row_args(pair) -> list:
     header = frame.pack(DATA, 0, 0, _meta(1000, F32.code), F32.code, (0,), 0)
     beats = frame.pack(HEARTBEAT, 1, 0, Meta(), 0, (), 0) * 2
     return [steps, np.zeros(1, np.int64), header, beats, TAG, SEQ, data, np.empty(4096, np.uint8), F32.code,
-            int(ReduceKind.SUM), 0, 0, np.zeros(5, np.int64)]
+            int(ReduceKind.SUM), 0, 0, np.zeros(5, np.int64), None]
 
 
 def _past_the_data(args: list) -> None:

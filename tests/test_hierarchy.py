@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import shmcoll
-from shmcoll.algorithms import overlap, two_level
+from shmcoll.algorithms import overlap, single_copy, two_level
 from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
 
@@ -267,6 +267,45 @@ def test_large_slices_cross_hosts_in_pieces_where_any_rank_overlaps(layout, n, u
         assert [out["overlapped"] for out in results] == [  # pieces of each of the two calls
             [pieces * s] * 2 if r in on and r in overlapping else [] for r, s in enumerate(slices)], on
     assert len({tuple(out["digests"]) for results in runs.values() for out in results}) == 1
+
+
+def _large_all_reduces_in_host_ranges(rank: int, n: int, port: int):
+    """SUM and MAX of BIG bytes three times each, then AVG twice, each checked against numpy (the
+    SUM and MAX exact, of whole numbers), ranks not overlapping: for each call, how many pieces of
+    this rank's range went across as host ranges and how many were written back after their row."""
+    os.environ["SHMCOLL_OVERLAP"] = "0"
+    ranged, written_back = [0], [0]
+    _record_calls(single_copy, "_across_as_host_range", lambda args, result: ranged.__setitem__(0, ranged[0] + 1))
+    _record_calls(single_copy, "_deliver", lambda args, result: written_back.__setitem__(0, written_back[0] + 1))
+    counts = []
+    inputs = [np.random.default_rng(r).integers(-1000, 1000, BIG // 4).astype(np.float32) for r in range(n)]
+    with shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port, timeout=WAIT_HANG_S) as pg:
+        for op, want in [(shmcoll.ReduceKind.SUM, np.sum(inputs, axis=0)), (shmcoll.ReduceKind.MAX,
+                                                                             np.max(inputs, axis=0))] * 3:
+            x = inputs[rank].copy()
+            ranged[0] = written_back[0] = 0
+            pg.all_reduce(x, op)
+            assert np.array_equal(x, want)
+            counts.append((ranged[0], written_back[0]))
+        for _ in range(2):
+            ranged[0] = written_back[0] = 0
+            _checked_avg(pg, inputs)
+            counts.append((ranged[0], written_back[0]))
+    return counts
+
+
+@pytest.mark.multiprocess
+def test_a_large_range_is_folded_and_written_back_by_the_row_that_crosses_hosts(monkeypatch):
+    """2 + 2 simulated hosts, each rank's range of BIG bytes crossing whole: every call takes it
+    across as a host range (single_copy.HostRange). A SUM's and a MAX's row writes it into the host
+    peer as it goes, on every rank in some call at least (a call whose row could not take its
+    connections writes it back after), exactly; an AVG's, divided after the row, always after."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
+    for counts in run_ranks(4, _large_all_reduces_in_host_ranges, init=False):
+        assert [ranged for ranged, _ in counts] == [1] * 8
+        assert min(back for _, back in counts[:6]) == 0
+        assert [back for _, back in counts[6:]] == [1, 1]
 
 
 @pytest.mark.multiprocess

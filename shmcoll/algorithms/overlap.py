@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from ..errors import CollectiveTimeout
+from ..transport.base import HostRange
 from .call import segment_bounds
 
 Piece = tuple[int, int]
@@ -36,12 +37,16 @@ CROSSING_PIECE_BYTES = 1 << 20
 
 
 class Crossing(NamedTuple):
-    """What a rank's range does between its fold in the host and its write-back: far(piece) for
-    each of `pieces` (its all-reduce across hosts), overlapped with the in-host work or not."""
+    """What a rank's range does between its fold in the host and its write-back: far(piece,
+    host_range) for each of `pieces` (its all-reduce across hosts), overlapped with the in-host work
+    or not. In turn, a large piece goes to far as a host range (transport.base.HostRange) for its
+    row to fold and, where `final` (far leaves each byte as its row finishes it: no AVG division
+    after), to write back; else host_range is None."""
 
     pieces: Sequence[Piece]
-    far: Callable[[Piece], None]
+    far: Callable[[Piece, HostRange | None], None]
     overlap: bool
+    final: bool
 
 
 #: Seconds past a call's deadline that the caller waits for its helper: the helper's own waits end

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels
-from ..transport.base import RangeStep
+from ..transport.base import HostRange, RangeStep
 from ..types import ReduceKind
 from .call import Call, chunk_count, segment_bounds, sub_bounds
 
@@ -53,10 +53,11 @@ def _ring_schedule(ring: tuple[int, ...], rank: int, owned: tuple[Bounds, ...], 
     return tuple(steps)
 
 
-def _run_ring(c: Call, data: np.ndarray, steps: tuple[RangeStep, ...], op: ReduceKind | None) -> None:
+def _run_ring(c: Call, data: np.ndarray, steps: tuple[RangeStep, ...], op: ReduceKind | None,
+              host_range: HostRange | None = None) -> None:
     """A ring's steps in a row (Transport.send_recv_ranges): every one to the same right
     neighbour, from the same left one."""
-    c.t.send_recv_ranges(steps, c.tag, data, c.code, c.meta, c.deadline, op)
+    c.t.send_recv_ranges(steps, c.tag, data, c.code, c.meta, c.deadline, op, host_range)
 
 
 def ring_reduce_scatter(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequence[int],
@@ -91,17 +92,20 @@ def ring_reduce_scatter_op(c: Call, data: np.ndarray, op: ReduceKind, ring: Sequ
     scale_if_avg(c, data[a:b], op, len(ring))
 
 
-def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None) -> None:
+def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence[int] | None = None,
+                    host_range: HostRange | None = None) -> None:
     """In place over a 1-D storage array; AVG is a SUM scaled by each segment's owner between the
-    two phases, which otherwise run as one row of steps."""
+    two phases, which otherwise run as one row of steps, with host_range where data is one."""
     ring = _members(c, members)
     if op is ReduceKind.AVG:
+        if host_range is not None:
+            host_range.fold_rest()
         owned = _segments(len(data), len(ring))
         ring_reduce_scatter_op(c, data, op, ring, owned)
         ring_all_gather_owned(c, data, ring, owned)
         return
     ring = ring if type(ring) is tuple else tuple(ring)
-    _run_ring(c, data, _all_reduce_ranges(ring, c.rank, len(data), data.itemsize, c.chunk_bytes), op)
+    _run_ring(c, data, _all_reduce_ranges(ring, c.rank, len(data), data.itemsize, c.chunk_bytes), op, host_range)
 
 
 @functools.lru_cache(maxsize=256)

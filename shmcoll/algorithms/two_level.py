@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..transport.base import PeerStep, Transport
+from ..transport.base import HostRange, PeerStep, Transport
 from ..transport.shm_board import Board
 from ..transport.topology import Topology
 from ..types import ReduceKind
@@ -73,11 +73,12 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     may_overlap = single_copy and c.t.overlap_in_group and topo.n_hosts < topo.world_size
     host, owned, mine = _layout(topo, c.rank, len(data), data.itemsize, may_overlap)
 
-    def across(piece: Piece) -> None:
-        """A piece of one of this rank's slices, in bytes (_slices), across hosts among the slice's owners."""
+    def across(piece: Piece, host_range: HostRange | None = None) -> None:
+        """A piece of one of this rank's slices, in bytes (_slices), across hosts among the slice's
+        owners; where the host's ranks read each other's arrays, as the host range they fold."""
         a, b, column = mine[piece]
         part = data[a:b]
-        _across(c, part, summed(op), column, one_shot_bytes)
+        _across(c, part, summed(op), column, one_shot_bytes, host_range)
         scale_if_avg(c, part, op, c.size)
 
     def over_rings(c: Call) -> None:
@@ -90,7 +91,8 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     if readers is None:
         over_rings(c)
         return
-    all_reduce_among(c, readers, data, summed(op), over_rings, Crossing(tuple(mine), across, c.t.overlap))
+    all_reduce_among(c, readers, data, summed(op), over_rings,
+                     Crossing(tuple(mine), across, c.t.overlap, final=op is not ReduceKind.AVG))
 
 
 #: Bytes from which a large all-reduce across uneven hosts cuts as many slices as the largest host
@@ -164,8 +166,17 @@ def readers_in_host(c: Call, host: tuple[int, ...], single_copy: bool) -> Reader
     return Readers.of_host(c, board, host)
 
 
-def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], one_shot_bytes: int) -> None:
-    _ALL_REDUCE_ACROSS[across_hosts(piece.nbytes, one_shot_bytes, len(ranks))](c, piece, op, ranks)
+def _across(c: Call, piece: np.ndarray, op: ReduceKind, ranks: tuple[int, ...], one_shot_bytes: int,
+            host_range: HostRange | None) -> None:
+    """piece all-reduced among ranks, one per host; a host range (the in-host fold still to do) goes
+    with a ring's row, and is folded first for any other algorithm."""
+    algorithm = across_hosts(piece.nbytes, one_shot_bytes, len(ranks))
+    if algorithm is Algorithm.RING:
+        ring_all_reduce(c, piece, op, ranks, host_range)
+        return
+    if host_range is not None:
+        host_range.fold_rest()
+    _ALL_REDUCE_ACROSS[algorithm](c, piece, op, ranks)
 
 
 AcrossHosts = Callable[[Call, np.ndarray, ReduceKind, Sequence[int]], None]

@@ -15,6 +15,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
+#include "host_range.h"
 #include "reduce.h"
 #include "swap.h"
 #include "words.h"
@@ -22,6 +23,11 @@
 /* Fold pending scratch bytes once this many have come (or the payload is whole): each batch is
    folded while the kernel receives the next, and still sits in cache. */
 enum { FOLD_FROM_BYTES = 64 * 1024 };
+/* Write finished bytes into the host peers' arrays once this many have come (or the frame is whole). */
+enum { DELIVER_FROM_BYTES = 64 * 1024 };
+/* What reading a frame did besides moving (1) or not (0): the connection ended, or the host range
+   (host_range.h) failed to fold or deliver. */
+enum { TOOK_ENDED = -1, TOOK_HOST_FAILED = -2 };
 
 static size_t at_most(size_t bytes, size_t limit) { return bytes < limit ? bytes : limit; }
 
@@ -92,29 +98,54 @@ static void fold_pending(const struct duplex_in *in, struct duplex_progress *p) 
     p->pending = (int64_t)(pending - whole);
 }
 
-/* Read what has come of the payload: into place, or into scratch to fold. As take_header. */
-static int take_body(const struct duplex_in *in, struct duplex_progress *p) {
+/* The frame's finished bytes not yet in the host peers' arrays written there, once enough have
+   come or the frame is whole: where the row delivers and this frame's bytes are final. */
+static int deliver_finished(const struct duplex_in *in, const struct host_range *host,
+                            const struct duplex_progress *p, int whole) {
+    if (!host || !host->delivers || !in->final)
+        return 0;
+    size_t finished = (size_t)(p->got - p->pending), done = (size_t)host->words[HOST_STEP_DELIVERED];
+    if (finished == done || (finished - done < DELIVER_FROM_BYTES && !whole))
+        return 0;
+    return sc_host_range_deliver(host, in->into + done, finished - done);
+}
+
+/* Read what has come of the payload: into place, or into scratch to fold; with a host range, a
+   piece at most into place, each piece folded out of the host peers before it is written into or
+   folded into. As take_header, or TOOK_HOST_FAILED. */
+static int take_body(const struct duplex_in *in, const struct host_range *host, struct duplex_progress *p) {
     size_t left = in->nbytes - (size_t)p->got;
     int folds = in->op >= 0;
     uint8_t *to = folds ? in->scratch + p->pending : in->into + p->got;
     size_t room = folds ? at_most(left, in->scratch_bytes - (size_t)p->pending) : left;
+    if (host && !folds) {
+        room = at_most(room, host->piece);
+        if (sc_host_range_ready(host, to, to + room))
+            return TOOK_HOST_FAILED;
+    }
     ssize_t n = take(in->fd, to, room, 0);
     if (n <= 0)
         return (int)n;
     p->got += n;
     p->pending += folds ? n : 0;
     int whole = (size_t)p->got == in->nbytes;
-    if (folds && (whole || (size_t)p->pending >= FOLD_FROM_BYTES || (size_t)p->pending == in->scratch_bytes))
+    if (folds && (whole || (size_t)p->pending >= FOLD_FROM_BYTES || (size_t)p->pending == in->scratch_bytes)) {
+        uint8_t *at = in->into + p->got - p->pending;
+        if (host && sc_host_range_ready(host, at, at + p->pending))
+            return TOOK_HOST_FAILED;
         fold_pending(in, p);
+    }
+    if (deliver_finished(in, host, p, whole))
+        return TOOK_HOST_FAILED;
     if (whole)
         p->in_state = IN_DONE;
     return 1;
 }
 
-static int receive_some(const struct duplex_in *in, struct duplex_progress *p) {
+static int receive_some(const struct duplex_in *in, const struct host_range *host, struct duplex_progress *p) {
     if (p->in_state == IN_WAITING)
         return take_header(in, p);
-    return p->in_state == IN_BODY ? take_body(in, p) : 0;
+    return p->in_state == IN_BODY ? take_body(in, host, p) : 0;
 }
 
 /* Sleep until either socket can move (or ns pass): one pollfd when both are one connection. */
@@ -141,22 +172,33 @@ static size_t may_send(const struct duplex_out *out, const struct duplex_in *in,
     return at_most(total, out->header_bytes + (size_t)p->got + out->lead_bytes);
 }
 
-int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, struct duplex_progress *p, int64_t spin_ns,
-              int64_t wait_ns) {
+/* With a host range, what may go out capped at one piece past what has, folded out of the host
+   peers first: 0, or the errno of the fold. */
+static int fold_before_sending(const struct duplex_out *out, const struct host_range *host,
+                               const struct duplex_progress *p, size_t *allowed) {
+    size_t from = (size_t)p->sent > out->header_bytes ? (size_t)p->sent - out->header_bytes : 0;
+    *allowed = at_most(*allowed, out->header_bytes + from + host->piece);
+    return sc_host_range_ready(host, out->data + from, out->data + (*allowed - out->header_bytes));
+}
+
+int sc_duplex(const struct duplex_out *out, const struct duplex_in *in, const struct host_range *host,
+              struct duplex_progress *p, int64_t spin_ns, int64_t wait_ns) {
     int64_t moved_at = sc_now_ns(), end = moved_at + wait_ns;
     size_t total = out->header_bytes + out->nbytes;
     int woke_idle = 0; /* the last wait ended with nothing to move: a header still on its way */
     for (;;) {
         size_t allowed = may_send(out, in, p);
+        if (host && (size_t)p->sent < allowed && fold_before_sending(out, host, p, &allowed))
+            return DUPLEX_HOST_FAILED;
         int64_t sent = (size_t)p->sent < allowed ? sc_send_some(out->fd, out->header, out->header_bytes, out->data,
                                                                 allowed - out->header_bytes, (size_t)p->sent)
                                                   : 0;
         if (sent < 0)
             return (int)sent;
         p->sent += sent;
-        int got = receive_some(in, p);
+        int got = receive_some(in, host, p);
         if (got < 0)
-            return DUPLEX_ENDED;
+            return got == TOOK_HOST_FAILED ? DUPLEX_HOST_FAILED : DUPLEX_ENDED;
         if (p->in_state == IN_ELSEWHERE)
             return DUPLEX_ELSEWHERE;
         int sending = (size_t)p->sent < total, receiving = p->in_state < IN_DONE;
@@ -193,8 +235,8 @@ static void step_headers(const struct duplex_step *k, uint8_t *ours, uint8_t *ex
 
 int sc_duplex_row(const struct duplex_step *steps, int count, int *at, const uint8_t *header, size_t header_bytes,
                   const uint8_t *beats, uint32_t tag, uint64_t seq, uint8_t *data, uint8_t *scratch,
-                  size_t scratch_bytes, int code, int op, struct duplex_progress *progress, int64_t spin_ns,
-                  int64_t wait_ns) {
+                  size_t scratch_bytes, int code, int op, const struct host_range *host,
+                  struct duplex_progress *progress, int64_t spin_ns, int64_t wait_ns) {
     uint8_t ours[MAX_HEADER_BYTES], expect[MAX_HEADER_BYTES];
     memcpy(ours, header, header_bytes);
     sc_put_le(ours + SWAP_TAG_AT, tag, 4);
@@ -207,12 +249,14 @@ int sc_duplex_row(const struct duplex_step *steps, int count, int *at, const uin
                                  (size_t)k->lead_bytes};
         struct duplex_in in = {(int)k->in_fd, expect, beats + (size_t)*at * header_bytes, header_bytes,
                                data + k->in_at, (size_t)k->in_bytes, scratch, k->folds ? scratch_bytes : 0,
-                               code, k->folds ? op : -1};
+                               code, k->folds ? op : -1, (int)k->final};
         int64_t left = end - sc_now_ns();
-        int status = sc_duplex(&out, &in, progress, spin_ns, left > 0 ? left : 0);
+        int status = sc_duplex(&out, &in, host, progress, spin_ns, left > 0 ? left : 0);
         if (status != DUPLEX_DONE)
             return status;
         *progress = (struct duplex_progress){.beats = progress->beats};
+        if (host)
+            host->words[HOST_STEP_DELIVERED] = 0;
     }
     return DUPLEX_DONE;
 }

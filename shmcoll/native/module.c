@@ -512,7 +512,7 @@ static PyObject *duplex(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                              (size_t)data.view.len, lead_bytes > 0 ? (size_t)lead_bytes : 0};
     struct duplex_in in = {(int)in_fd, expect.view.buf, beat.view.buf, (size_t)expect.view.len, into.view.buf,
                            (size_t)into.view.len, scratch.view.buf, (size_t)scratch.view.len, (int)code,
-                           op < 0 ? -1 : (int)op};
+                           op < 0 ? -1 : (int)op, 0};
     struct duplex_progress *p = progress.view.buf;
     if (progress.view.len != sizeof *p || (uintptr_t)p % 8 || beat.view.len != expect.view.len ||
         !duplex_is_valid(&out, &in, p, spin_ns, wait_ns)) {
@@ -521,7 +521,7 @@ static PyObject *duplex(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = sc_duplex(&out, &in, p, spin_ns, wait_ns);
+    status = sc_duplex(&out, &in, NULL, p, spin_ns, wait_ns);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLong(status);
 done:
@@ -554,17 +554,61 @@ static int row_steps_are_valid(const struct duplex_step *steps, Py_ssize_t count
     return 1;
 }
 
+/* The buffers a host range holds: own, peers, scratch and words. */
+enum { HOST_BUFFERS = 4 };
+
+/* A duplex_row's host range from its Python tuple (own, peers, scratch, words, me, lo, hi, piece,
+   delivers), holding its buffers in held: 0, or -1 with an error set where the tuple does not
+   describe a range of own that holds the row's data (NULL: none), folded with (code, op). */
+static int hold_host_range(PyObject *arg, struct host_range *h, held_buffer held[HOST_BUFFERS],
+                           const held_buffer *data, int64_t code, int64_t op) {
+    int64_t me, lo, hi, piece, delivers;
+    if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) != 9) {
+        PyErr_SetString(PyExc_ValueError, "duplex_row: a host range is a tuple of 9");
+        return -1;
+    }
+    PyObject *const *items = &PyTuple_GET_ITEM(arg, 0);
+    if (hold(items[0], &held[0], 1, "host range own") || hold(items[1], &held[1], 0, "host range peers") ||
+        hold(items[2], &held[2], 1, "host range scratch") || hold(items[3], &held[3], 1, "host range words") ||
+        as_i64(items[4], &me) || as_i64(items[5], &lo) || as_i64(items[6], &hi) || as_i64(items[7], &piece) ||
+        as_i64(items[8], &delivers))
+        return -1;
+    uint8_t *own = held[0].view.buf, *at = data ? data->view.buf : own + lo;
+    Py_ssize_t len = data ? data->view.len : 0;
+    size_t ranks = (size_t)held[1].view.len / sizeof(struct peer_array);
+    size_t pieces = piece > 0 && hi >= lo ? (size_t)((hi - lo + piece - 1) / piece) : 0;
+    int valid = piece > 0 && lo >= 0 && hi >= lo && hi <= held[0].view.len && sc_has_loop((int)code, (int)op) &&
+                held[1].view.len % sizeof(struct peer_array) == 0 && (uintptr_t)held[1].view.buf % 8 == 0 &&
+                me >= 0 && (size_t)me < ranks && ranks <= INT32_MAX && held[2].view.len >= 2 * piece &&
+                (uintptr_t)held[3].view.buf % 8 == 0 && (size_t)held[3].view.len >= (HOST_FOLDED + pieces) * 8 &&
+                at >= own + lo && at + len <= own + hi && (lo - (at - own)) % sc_element_size((int)code) == 0;
+    if (!valid) {
+        PyErr_SetString(PyExc_ValueError, "duplex_row: the host range does not hold the row's data");
+        return -1;
+    }
+    *h = (struct host_range){own, held[1].view.buf, (int)ranks, (int)me, (int)code, (int)op, delivers != 0,
+                             (size_t)lo, (size_t)hi, (size_t)piece, held[2].view.buf, held[3].view.buf};
+    return 0;
+}
+
 static PyObject *duplex_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     held_buffer steps = {0}, at = {0}, header = {0}, beats = {0}, data = {0}, scratch = {0}, progress = {0};
     int64_t tag, seq, code, op, spin_ns, wait_ns;
     PyObject *result = NULL;
-    if (check_count(nargs, 13, "duplex_row") || as_i64(args[4], &tag) || as_i64(args[5], &seq) ||
+    held_buffer host_held[HOST_BUFFERS] = {{{0}, 0}};
+    struct host_range host_range, *host = NULL;
+    if (check_count(nargs, 14, "duplex_row") || as_i64(args[4], &tag) || as_i64(args[5], &seq) ||
         as_i64(args[8], &code) || as_i64(args[9], &op) || as_i64(args[10], &spin_ns) || as_i64(args[11], &wait_ns) ||
         hold(args[0], &steps, 0, "duplex_row steps") || hold(args[1], &at, 1, "duplex_row at") ||
         hold(args[2], &header, 0, "duplex_row header") || hold(args[3], &beats, 0, "duplex_row beats") ||
         hold(args[6], &data, 1, "duplex_row data") || hold(args[7], &scratch, 1, "duplex_row scratch") ||
         hold(args[12], &progress, 1, "duplex_row progress"))
         goto done;
+    if (args[13] != Py_None) {
+        if (hold_host_range(args[13], &host_range, host_held, &data, code, op))
+            goto done;
+        host = &host_range;
+    }
     Py_ssize_t count = steps.view.len / (Py_ssize_t)sizeof(struct duplex_step);
     struct duplex_step *row = steps.view.buf;
     int64_t *next = at.view.buf;
@@ -583,7 +627,7 @@ static PyObject *duplex_row(PyObject *self, PyObject *const *args, Py_ssize_t na
                                  (size_t)k->lead_bytes};
         struct duplex_in in = {(int)k->in_fd, header.view.buf, beats.view.buf, header_bytes, data.view.buf,
                                (size_t)k->in_bytes, scratch.view.buf, (size_t)scratch.view.len, (int)code,
-                               k->folds ? (int)op : -1};
+                               k->folds ? (int)op : -1, (int)k->final};
         valid = duplex_is_valid(&out, &in, p, spin_ns, wait_ns);
     }
     if (!valid) {
@@ -594,7 +638,7 @@ static PyObject *duplex_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_BEGIN_ALLOW_THREADS
     status = sc_duplex_row(row, (int)count, &step, header.view.buf, header_bytes, beats.view.buf, (uint32_t)tag,
                            (uint64_t)seq, data.view.buf, scratch.view.buf, (size_t)scratch.view.len, (int)code,
-                           (int)op, p, spin_ns, wait_ns);
+                           (int)op, host, p, spin_ns, wait_ns);
     Py_END_ALLOW_THREADS
     *next = step;
     result = PyLong_FromLong(status);
@@ -606,6 +650,27 @@ done:
     release(&data);
     release(&scratch);
     release(&progress);
+    for (int i = 0; i < HOST_BUFFERS; i++)
+        release(&host_held[i]);
+    return result;
+}
+
+static PyObject *host_range_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer held[HOST_BUFFERS] = {{{0}, 0}};
+    struct host_range host;
+    int64_t code, op;
+    PyObject *result = NULL;
+    if (check_count(nargs, 3, "host_range_fold") || as_i64(args[1], &code) || as_i64(args[2], &op) ||
+        hold_host_range(args[0], &host, held, NULL, code, op))
+        goto done;
+    int error;
+    Py_BEGIN_ALLOW_THREADS
+    error = sc_host_range_ready(&host, host.own + host.lo, host.own + host.hi);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(error);
+done:
+    for (int i = 0; i < HOST_BUFFERS; i++)
+        release(&held[i]);
     return result;
 }
 
@@ -663,9 +728,12 @@ static PyMethodDef methods[] = {
     {"swap_row", (PyCFunction)(void (*)(void))swap_row, METH_FASTCALL,
      "swap_row(fds, srcs, ways, header, tag, seq, data, into, inbound, code, op, spin_ns, wait_ns, left_ns) -> "
      "(status, done, sent): pairwise steps with TCP peers in a row (native/swap.h), ways[i] step i's WAY_*"},
+    {"host_range_fold", (PyCFunction)(void (*)(void))host_range_fold, METH_FASTCALL,
+     "host_range_fold(host, code, op) -> 0, or the errno of the failed read (the words say whose): every piece of "
+     "a host range (duplex_row's) not folded yet folded out of the host peers' arrays"},
     {"duplex_row", (PyCFunction)(void (*)(void))duplex_row, METH_FASTCALL,
-     "duplex_row(steps, at, header, beats, tag, seq, data, scratch, code, op, spin_ns, wait_ns, progress) -> status: "
-     "duplexes in a row from step at[0] on (native/duplex.h), at[0] advanced past each whole step"},
+     "duplex_row(steps, at, header, beats, tag, seq, data, scratch, code, op, spin_ns, wait_ns, progress, host) -> "
+     "status: duplexes in a row from step at[0] on (native/duplex.h), at[0] advanced past each whole step"},
     {"duplex", (PyCFunction)(void (*)(void))duplex, METH_FASTCALL,
      "duplex(out_fd, header, data, in_fd, expect, beat, into, scratch, code, op, spin_ns, wait_ns, progress, "
      "lead_bytes) -> status: one frame out while one comes in (native/duplex.h); op < 0 copies; progress: "
@@ -703,6 +771,11 @@ PyMODINIT_FUNC PyInit__native(void) {
               PyModule_AddIntConstant(m, "DUPLEX_PENDING", DUPLEX_PENDING) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_ENDED", DUPLEX_ENDED) < 0 ||
               PyModule_AddIntConstant(m, "DUPLEX_ELSEWHERE", DUPLEX_ELSEWHERE) < 0 ||
+              PyModule_AddIntConstant(m, "DUPLEX_HOST_FAILED", DUPLEX_HOST_FAILED) < 0 ||
+              PyModule_AddIntConstant(m, "HOST_DELIVERED", HOST_DELIVERED) < 0 ||
+              PyModule_AddIntConstant(m, "HOST_ERROR", HOST_ERROR) < 0 ||
+              PyModule_AddIntConstant(m, "HOST_FAILED", HOST_FAILED) < 0 ||
+              PyModule_AddIntConstant(m, "HOST_FOLDED", HOST_FOLDED) < 0 ||
               PyModule_AddIntConstant(m, "IN_WAITING", IN_WAITING) < 0 ||
               PyModule_AddIntConstant(m, "IN_BODY", IN_BODY) < 0 ||
               PyModule_AddIntConstant(m, "IN_DONE", IN_DONE) < 0 ||

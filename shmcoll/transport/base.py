@@ -21,7 +21,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol
 
 import numpy as np
 
@@ -91,6 +91,23 @@ PeerStep = tuple[int, Way]
 #: src's frame of the call comes into [in_lo, in_hi), folded with the call's op (folds) or copied:
 #: (to, src, out_lo, out_hi, in_lo, in_hi, folds).
 RangeStep = tuple[int, int, int, int, int, int, bool]
+
+
+class HostRange(Protocol):
+    """The range of the array a row of send_recv_ranges() carries across hosts that this rank's
+    host folds and takes back by reading its ranks' arrays (algorithms/single_copy.py), handed to
+    the row so each piece is folded out of the host peers' arrays just before the row sends it or
+    folds into it, and written into theirs as soon as it is final (native/host_range.h): a piece is
+    read from memory once for all of it. A transport that runs the row natively hands `native` to
+    kernels.duplex_row; any other way of moving the array must fold_rest() before it touches it."""
+
+    native: tuple[Any, ...]
+
+    def fold_rest(self) -> None:
+        """Fold every piece the row has not folded yet."""
+
+    def raise_failure(self) -> NoReturn:
+        """Raise what a failed read or write of a host peer's array means (the row stopped at it)."""
 
 
 class BoardGuard(Protocol):
@@ -240,12 +257,14 @@ class Transport(ABC):
         return 0, NOT_STARTED
 
     def send_recv_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
-                         deadline: float, op: ReduceKind | None) -> None:
+                         deadline: float, op: ReduceKind | None, host_range: HostRange | None = None) -> None:
         """A whole schedule of send_recv() steps over ranges of one array (a 1-D storage array),
         each step with its own peers, worked out once per kind of call (ring.py's, halving.py's):
-        a transport may run them all in one native call (`_duplex_ranges`); the rest go as
-        send_recv_row() runs each peer's run of steps."""
-        finished, done = self._duplex_ranges(steps, tag, data, code, meta, deadline, op)
+        a transport may run them all in one native call (`_duplex_ranges`), with `host_range` where the
+        array is a host range; the rest go as send_recv_row() runs each peer's run of steps."""
+        finished, done = self._duplex_ranges(steps, tag, data, code, meta, deadline, op, host_range)
+        if finished < len(steps) and host_range is not None:
+            host_range.fold_rest()
         if finished < len(steps) and done == SENT:
             _, src, _, _, lo, hi, folds = steps[finished]
             self.recv_into(src, tag, data[lo:hi], code, deadline, meta, op if folds else None)
@@ -261,9 +280,10 @@ class Transport(ABC):
             self.send_recv_row(to, src, tag, run, code, meta, deadline)
 
     def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
-                       deadline: float, op: ReduceKind | None) -> tuple[int, int]:
+                       deadline: float, op: ReduceKind | None, host_range: HostRange | None) -> tuple[int, int]:
         """The first steps of send_recv_ranges() where this transport runs them at once: how many
-        it ran whole, and what it did of the next one (as _duplexes; the default: nothing)."""
+        it ran whole, and what it did of the next one (as _duplexes; the default: nothing). Where
+        it stops early with `host_range`, it has folded the host range before anything left its row."""
         return 0, NOT_STARTED
 
     @abstractmethod

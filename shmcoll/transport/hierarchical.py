@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, PeerLost
 from ..types import ReduceKind
-from .base import NOT_STARTED, BoardGuard, PeerStep, RangeStep, Step, Transport
+from .base import NOT_STARTED, BoardGuard, HostRange, PeerStep, RangeStep, Step, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
@@ -96,11 +96,11 @@ class HierarchicalTransport(Transport):
             raise
 
     def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
-                       deadline: float, op: ReduceKind | None) -> tuple[int, int]:
+                       deadline: float, op: ReduceKind | None, host_range: HostRange | None) -> tuple[int, int]:
         """The TCP side's send_recv_ranges(), which runs none where a step's peer is local (no
         connection of its own reaches it)."""
         try:
-            return self.net._duplex_ranges(steps, tag, data, code, meta, deadline, op)
+            return self.net._duplex_ranges(steps, tag, data, code, meta, deadline, op, host_range)
         except PeerLost:
             self.shm.check_health(strict=False)  # as _duplexes
             raise

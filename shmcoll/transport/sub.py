@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatch, InvalidArgument
 from ..types import TAG_RESERVED_BASE, ReduceKind
-from .base import PeerStep, RangeStep, Step, Transport
+from .base import HostRange, PeerStep, RangeStep, Step, Transport
 from .frame import Meta
 from .mailbox import AbortReason, Message
 from .topology import Topology
@@ -145,11 +145,11 @@ class SubTransport(Transport):
         return self.root._duplexes(self.ranks[to], self.ranks[src], tag, steps, code, self._out(meta), deadline)
 
     def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
-                       deadline: float, op: ReduceKind | None) -> tuple[int, int]:
+                       deadline: float, op: ReduceKind | None, host_range: HostRange | None) -> tuple[int, int]:
         """The root's send_recv_ranges() row at once, in its numbering (collective tags only, as
         _swaps): a ring's or halving's whole schedule in one native call where the root runs one."""
         steps = tuple((self.ranks[to], self.ranks[src], a, b, lo, hi, folds) for to, src, a, b, lo, hi, folds in steps)
-        return self.root._duplex_ranges(steps, tag, data, code, self._out(meta), deadline, op)
+        return self.root._duplex_ranges(steps, tag, data, code, self._out(meta), deadline, op, host_range)
 
     def recv(self, src: int, tag: int, deadline: float, strict: bool = True) -> Message:
         return self._in(self.root.recv(self.ranks[src], self._tag(tag), deadline, strict))

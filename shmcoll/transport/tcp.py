@@ -50,7 +50,7 @@ from ..kept import keep
 from ..net.congestion import paced
 from ..types import ReduceKind
 from . import frame
-from .base import EMPTY, NOT_STARTED, SENT, LinkTransport, PeerStep, RangeStep, Step, Transport
+from .base import EMPTY, NOT_STARTED, SENT, HostRange, LinkTransport, PeerStep, RangeStep, Step, Transport
 from .frame import ABORT, DATA, GOODBYE, HEADER_SIZE, HEARTBEAT, Meta, queue_tag
 from .mailbox import AbortReason, Mailbox, Message
 
@@ -355,13 +355,13 @@ class NetTransport(LinkTransport):
         return swapped, SENT
 
     def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
-                       deadline: float, op: ReduceKind | None) -> tuple[int, int]:
+                       deadline: float, op: ReduceKind | None, host_range: HostRange | None) -> tuple[int, int]:
         """send_recv_ranges()'s steps in one native call (kernels.duplex_row), a slice at a time,
         where this thread can hold every connection they use at once (their peers' inboxes and send
         locks, all taken first, as _duplexes takes one pair's): no Python between the steps. Where
         the row stops (another frame first on a step's socket, or only the wait for a peer's frame
-        left after a slice: _duplexes's reasons), the rest of that step's frame goes out here and
-        its receive is left to recv (SENT)."""
+        left after a slice: _duplexes's reasons), the rest of that step's frame goes out here, the
+        host range folded first, and its receive is left to recv (SENT)."""
         row = self._range_row(tuple(steps), data.itemsize)
         if row is None or not self._claim_all(row, tag):
             return 0, NOT_STARTED
@@ -371,7 +371,8 @@ class NetTransport(LinkTransport):
         status = kernels.DUPLEX_PENDING
         try:
             try:
-                status = self._row_slices(row, at, header, tag, meta.seq, data, code, op, deadline, progress)
+                status = self._row_slices(row, at, header, tag, meta.seq, data, code, op, deadline, progress,
+                                          host_range)
             finally:
                 i = int(at[0])  # the step the row stopped at
                 self._release_inboxes(row, i, progress)
@@ -380,6 +381,8 @@ class NetTransport(LinkTransport):
             if status == kernels.DUPLEX_DONE:
                 return len(steps), SENT
             to, _, a, b = steps[i][:4]
+            if host_range is not None:
+                host_range.fold_rest()
             self._send_rest(to, frame.pack(DATA, self.rank, tag, meta, code, (b - a,), (b - a) * data.itemsize),
                             data[a:b], int(progress[_SENT]), deadline)
             self.bytes_to[to] += (b - a) * data.itemsize
@@ -389,7 +392,8 @@ class NetTransport(LinkTransport):
                 lock.release()
 
     def _row_slices(self, row: RangeRow, at: np.ndarray, header: bytes, tag: int, seq: int, data: np.ndarray,
-                    code: int, op: ReduceKind | None, deadline: float, progress: np.ndarray) -> int:
+                    code: int, op: ReduceKind | None, deadline: float, progress: np.ndarray,
+                    host_range: HostRange | None) -> int:
         """kernels.duplex_row a slice at a time, with _run_duplex's looks between slices: its status
         once the row is whole, another frame comes first, or only a wait is left."""
         scratch = self._thread_scratch()
@@ -400,13 +404,15 @@ class NetTransport(LinkTransport):
             wait_s = min(DUPLEX_SLICE_SECONDS, max(0.0, deadline - time.monotonic()))
             status = kernels.duplex_row(row.table, at, header, row.beats, tag, seq, data, scratch, code,
                                         -1 if op is None else int(op), self._native_spin_ns, int(wait_s * 1e9),
-                                        progress)
+                                        progress, None if host_range is None else host_range.native)
             if progress[_BEATS]:
                 for src in row.srcs:
                     self._mailbox.touch(src)
                 progress[_BEATS] = 0
             if status in (kernels.DUPLEX_DONE, kernels.DUPLEX_ELSEWHERE):
                 return status
+            if status == kernels.DUPLEX_HOST_FAILED and host_range is not None:
+                host_range.raise_failure()
             to, src, nbytes = row.steps[int(at[0])]
             frame_bytes = HEADER_SIZE + nbytes
             self._raise_if_failed(status, to, src)
@@ -428,7 +434,8 @@ class NetTransport(LinkTransport):
             return None
         table = np.array([(self._socks[to].fileno(), self._inboxes[src].sock.fileno(), src, a * itemsize,
                            (b - a) * itemsize, b - a, lo * itemsize, (hi - lo) * itemsize, hi - lo, folds,
-                           self._leads[to]) for to, src, a, b, lo, hi, folds in steps], np.int64)
+                           self._leads[to], final)
+                          for (to, src, a, b, lo, hi, folds), final in zip(steps, _final_receives(steps))], np.int64)
         tos = tuple(dict.fromkeys(to for to, *_ in steps))
         srcs = tuple(dict.fromkeys(src for _, src, *_ in steps))
         peers = tuple((to, src, (b - a) * itemsize) for to, src, a, b, *_ in steps)
@@ -767,6 +774,18 @@ class SwapRow(NamedTuple):
         if room is None:
             room = keep(self.inbounds, nbytes, np.empty(HEADER_SIZE + nbytes, np.uint8), INBOUNDS_KEPT)
         return room
+
+
+def _final_receives(steps: Sequence[RangeStep]) -> list[bool]:
+    """Whether each step's received range stays as that step leaves it: no later step receives
+    into any of it (a ring's last fold of a segment and its all-gather, halving-doubling's last
+    halving and its doubling), so a host range may deliver those bytes as they come."""
+    later: list[tuple[int, int]] = []
+    finals = []
+    for *_, lo, hi, _ in reversed(steps):
+        finals.append(all(hi <= a or b <= lo for a, b in later))
+        later.append((lo, hi))
+    return finals[::-1]
 
 
 class RangeRow(NamedTuple):
