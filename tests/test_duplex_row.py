@@ -55,8 +55,11 @@ def _two_step_row(fd: int, me: int, n: int, itemsize: int) -> np.ndarray:
     return np.array(rows, np.int64)
 
 
-class _End:
-    """One end's two-step row over its connection, called as far as each test asks."""
+class RowEnd:
+    """One end's two-step row over its connection, called as far as each test asks (host: the
+    host range its data lies in, native/host_range.h; test_host_range.py's ends have one)."""
+
+    host: tuple | None = None
 
     def __init__(self, sock, me: int, data: np.ndarray, code: int, op: int):
         self.data, self.code, self.op = data, code, op
@@ -68,7 +71,7 @@ class _End:
 
     def call(self, wait_ns: int = WAIT_NS) -> int:
         return kernels.duplex_row(self.steps, self.at, self.header, self.beats, TAG, SEQ, self.data, self.scratch,
-                                  self.code, self.op, 0, wait_ns, self.progress, None)
+                                  self.code, self.op, 0, wait_ns, self.progress, self.host)
 
     def to_the_end(self) -> int:
         """Called again while its wait runs out: the last status."""
@@ -79,10 +82,15 @@ class _End:
 
 
 def _both_rows(pair, arrays: list[np.ndarray], code: int, op: int) -> list[int]:
+    return both_to_the_end([RowEnd(pair[i], i, arrays[i], code, op) for i in range(2)])
+
+
+def both_to_the_end(ends: list[RowEnd]) -> list[int]:
+    """Both ends' rows run to the end at once, the second on a thread: their last statuses."""
     results = [0, 0]
 
     def end(i: int) -> None:
-        results[i] = _End(pair[i], i, arrays[i], code, op).to_the_end()
+        results[i] = ends[i].to_the_end()
     other = threading.Thread(target=end, args=(1,))
     other.start()
     end(0)
@@ -108,10 +116,10 @@ def test_a_row_whose_wait_runs_out_goes_on_where_it_stopped(pair):
     and the rest."""
     n = 4 << 20
     arrays = [np.ones(n, np.float32), np.full(n, 2.0, np.float32)]
-    first = _End(pair[0], 0, arrays[0], F32.code, int(ReduceKind.SUM))
+    first = RowEnd(pair[0], 0, arrays[0], F32.code, int(ReduceKind.SUM))
     assert first.call(wait_ns=0) == kernels.DUPLEX_PENDING
     assert first.at[0] == 0 and 0 < first.progress[0] < n * 2  # sent: some of its 8 MiB frame, not all
-    second = _End(pair[1], 1, arrays[1], F32.code, int(ReduceKind.SUM))
+    second = RowEnd(pair[1], 1, arrays[1], F32.code, int(ReduceKind.SUM))
     other = threading.Thread(target=second.to_the_end)
     other.start()
     assert first.to_the_end() == kernels.DUPLEX_DONE

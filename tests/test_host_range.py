@@ -15,68 +15,37 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_duplex_row import _two_step_row
+from test_duplex_row import RowEnd, both_to_the_end
 
 from shmcoll import kernels
 from shmcoll.algorithms import single_copy
 from shmcoll.errors import CollectiveError, PeerLost
-from shmcoll.transport import frame
-from shmcoll.transport.frame import DATA, HEARTBEAT, Meta
-from shmcoll.types import F32, I64, Collective, ReduceKind
-
-import bounds
+from shmcoll.types import F32, I64, ReduceKind
 
 TAG, SEQ = 9, 4
 WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machine; the tests do not wait it out
 PIECE = 64 << 10  # bytes folded at a time: several pieces per step of the larger arrays
 
 
-class _Host:
-    """One end's row over its connection, its array (`own`) a host range with one host peer (`peer`)."""
+class _Host(RowEnd):
+    """One end's row over its connection (a SUM), its array (`own`) a host range with one host
+    peer (`peer`)."""
 
     def __init__(self, sock, me: int, own: np.ndarray, peer: np.ndarray, code: int, delivers: bool = True):
-        self.own, self.peer, self.code = own, peer, code
-        self.steps = _two_step_row(sock.fileno(), me, len(own), own.itemsize)
-        meta = Meta(seq=SEQ, coll=int(Collective.ALL_REDUCE), dtype=code, elements=len(own))
-        self.header = frame.pack(DATA, me, 0, meta, code, (0,), 0)
-        self.beats = frame.pack(HEARTBEAT, 1 - me, 0, Meta(), 0, (), 0) * len(self.steps)
-        self.at, self.progress = np.zeros(1, np.int64), np.zeros(5, np.int64)
-        self.scratch = np.empty(256 << 10, np.uint8)
+        super().__init__(sock, me, own, code, int(ReduceKind.SUM))
+        self.own = own
         self.words = np.zeros(kernels.HOST_FOLDED + -(-own.nbytes // PIECE), np.int64)
         peers = np.array([(os.getpid(), kernels.address_of(a)) for a in (own, peer)], np.int64)
         self.host = (own.view(np.uint8), peers, np.empty(2 * PIECE, np.uint8), self.words, 0, 0, own.nbytes, PIECE,
                      int(delivers))
 
-    def call(self, wait_ns: int = WAIT_NS) -> int:
-        return kernels.duplex_row(self.steps, self.at, self.header, self.beats, TAG, SEQ, self.own, self.scratch,
-                                  self.code, int(ReduceKind.SUM), 0, wait_ns, self.progress, self.host)
-
-    def to_the_end(self) -> int:
-        while (status := self.call()) == kernels.DUPLEX_PENDING:
-            pass
-        return status
-
     @property
     def folded(self) -> np.ndarray:
         return self.words[kernels.HOST_FOLDED:]
-
-
-def _both(pair, hosts: list[_Host]) -> list[int]:
-    results = [0, 0]
-
-    def end(i: int) -> None:
-        results[i] = hosts[i].to_the_end()
-    other = threading.Thread(target=end, args=(1,))
-    other.start()
-    end(0)
-    other.join(timeout=bounds.WAIT_HANG_S)
-    assert not other.is_alive()
-    return results
 
 
 def _base(n: int, dtype) -> np.ndarray:
@@ -97,7 +66,7 @@ def test_the_row_folds_both_hosts_and_writes_the_sum_into_every_array(pair, n, d
     sockets' buffers)."""
     arrays = _arrays(n, dtype)
     hosts = [_Host(pair[i], i, arrays[2 * i], arrays[2 * i + 1], wire.code) for i in range(2)]
-    assert _both(pair, hosts) == [kernels.DUPLEX_DONE] * 2
+    assert both_to_the_end(hosts) == [kernels.DUPLEX_DONE] * 2
     want = _base(n, dtype) * 10
     assert all(np.array_equal(a, want) for a in arrays)
     for host in hosts:
@@ -109,7 +78,7 @@ def test_a_row_that_does_not_deliver_leaves_the_peers_arrays_as_they_were(pair):
     n = 1 << 20
     arrays = _arrays(n, np.float32)
     hosts = [_Host(pair[i], i, arrays[2 * i], arrays[2 * i + 1], F32.code, delivers=False) for i in range(2)]
-    assert _both(pair, hosts) == [kernels.DUPLEX_DONE] * 2
+    assert both_to_the_end(hosts) == [kernels.DUPLEX_DONE] * 2
     base = _base(n, np.float32)
     assert np.array_equal(arrays[0], base * 10) and np.array_equal(arrays[2], arrays[0])
     assert np.array_equal(arrays[1], base * 2) and np.array_equal(arrays[3], base * 4)
@@ -153,8 +122,9 @@ def _with(host: tuple, at: int, value) -> tuple:
     lambda host: _with(host, 2, host[2][:PIECE]),  # scratch for one piece
     lambda host: _with(host, 4, 2),  # a position past the peers
     lambda host: _with(host, 7, 0),  # pieces of no bytes
+    lambda host: _with(host, 7, PIECE + 2),  # ... or of part of an element
     lambda host: host[:8],  # too short a tuple
-], ids=["end", "start", "words", "scratch", "position", "piece", "tuple"])
+], ids=["end", "start", "words", "scratch", "position", "piece", "split", "tuple"])
 def test_host_ranges_that_do_not_hold_the_row_are_refused(pair, change):
     arrays = _arrays(1 << 12, np.float32)
     host = _Host(pair[0], 0, arrays[0], arrays[1], F32.code)

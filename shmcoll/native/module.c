@@ -575,13 +575,14 @@ static int hold_host_range(PyObject *arg, struct host_range *h, held_buffer held
         return -1;
     uint8_t *own = held[0].view.buf, *at = data ? data->view.buf : own + lo;
     Py_ssize_t len = data ? data->view.len : 0;
-    size_t ranks = (size_t)held[1].view.len / sizeof(struct peer_array);
+    size_t ranks = (size_t)held[1].view.len / sizeof(struct peer_array), size = sc_element_size((int)code);
     size_t pieces = piece > 0 && hi >= lo ? (size_t)((hi - lo + piece - 1) / piece) : 0;
     int valid = piece > 0 && lo >= 0 && hi >= lo && hi <= held[0].view.len && sc_has_loop((int)code, (int)op) &&
+                piece % size == 0 && (hi - lo) % size == 0 &&
                 held[1].view.len % sizeof(struct peer_array) == 0 && (uintptr_t)held[1].view.buf % 8 == 0 &&
                 me >= 0 && (size_t)me < ranks && ranks <= INT32_MAX && held[2].view.len >= 2 * piece &&
                 (uintptr_t)held[3].view.buf % 8 == 0 && (size_t)held[3].view.len >= (HOST_FOLDED + pieces) * 8 &&
-                at >= own + lo && at + len <= own + hi && (lo - (at - own)) % sc_element_size((int)code) == 0;
+                at >= own + lo && at + len <= own + hi && (size_t)(at - own - lo) % size == 0;
     if (!valid) {
         PyErr_SetString(PyExc_ValueError, "duplex_row: the host range does not hold the row's data");
         return -1;
