@@ -33,14 +33,16 @@ class Gate:
 
     admit(client_id) -> bool decides, before the client hears ACCEPT, whether a proven client is
     wanted; deliver(client_id, sock) then takes the blocking socket. Both run on the gate's thread.
+    budget: seconds a connection may take to prove the secret (None: HANDSHAKE_SECONDS as it is
+    when the gate starts).
     """
 
     def __init__(self, listener: socket.socket, secret: bytes | None, purpose: str,
                  admit: Callable[[int], bool], deliver: Callable[[int, socket.socket], None], *,
-                 name: str, budget: float = HANDSHAKE_SECONDS, max_pending: int = MAX_PENDING):
+                 name: str, budget: float | None = None, max_pending: int = MAX_PENDING):
         self._listener, self._secret, self._purpose = listener, secret, purpose
         self._admit, self._deliver = admit, deliver
-        self._budget, self._max_pending = budget, max_pending
+        self._budget, self._max_pending = HANDSHAKE_SECONDS if budget is None else budget, max_pending
         self._pending: dict[socket.socket, tuple[ServerHandshake, float]] = {}  # oldest first
         self._paused_until = 0.0
         self._stop = False
