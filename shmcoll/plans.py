@@ -53,13 +53,14 @@ from .algorithms.two_level import (
     two_level_all_reduce,
     two_level_all_to_all,
     two_level_barrier,
-    two_level_exchange_shapes,
+    two_level_gather_heads,
     two_level_one_shot_all_reduce,
 )
 from .algorithms.two_level_broadcast import (
     two_level_broadcast,
     two_level_leaders_broadcast,
     two_level_one_shot_broadcast,
+    two_level_scatter,
 )
 from .algorithms.two_level_reduce import stage_for_reduce_scatter, two_level_reduce, two_level_reduce_scatter
 from .config import Tuning, one_shot_bytes_for
@@ -277,10 +278,13 @@ def scatter(w: Where, root: int, arr: np.ndarray | None, wire: WireType | None) 
         rows, store = arr.shape[0] // w.size, arr.view(wire.storage)
         blocks = [store[j * rows:(j + 1) * rows] for j in range(w.size)]
         code, user = wire.code, arr.dtype
-    agreement = _agreement(w, select(Collective.SCATTER, 0, w.setting))
+    algorithm = select(Collective.SCATTER, 0, w.setting)
 
     def body(c: Call) -> np.ndarray:
-        got = scatter_from_root(c, root, blocks, code, agreement)
+        if algorithm is Algorithm.TWO_LEVEL_DIRECT:
+            got = two_level_scatter(c, w.hosts, root, blocks, code)
+        else:
+            got = scatter_from_root(c, root, blocks, code)
         return got.view(user) if user is not None else got  # the root's comes back as storage
 
     return Plan(Collective.SCATTER, ROOTS_DTYPE, 0, body, root=root)
@@ -299,7 +303,8 @@ def all_to_all(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
 
 def all_gather_v(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
     """(concatenation, every rank's length); the call carries the elements per row, which every
-    rank knows; the lengths are exchanged first (on the board: with the data when all fits)."""
+    rank knows; the lengths are exchanged first (on the board, or across hosts in heads: with the
+    data when all fits)."""
     shape = arr.shape if arr.ndim else (1,)
     row = int(np.prod(shape[1:], dtype=np.int64))
     flat_in = storage_view(arr, wire)
@@ -312,12 +317,12 @@ def all_gather_v(w: Where, arr: np.ndarray, wire: WireType) -> Plan:
     def body(c: Call) -> tuple[np.ndarray, list[int]]:
         if algorithm is Algorithm.BOARD_OR_RING:
             lengths, done = board_all_gather_v(c, wire.code, shape, flat_in, make_out)
-            if done is not None:
-                return done, lengths
         elif algorithm is Algorithm.TWO_LEVEL:
-            lengths = two_level_exchange_shapes(c, w.hosts, shape)
+            lengths, done = two_level_gather_heads(c, w.hosts, wire.code, shape, flat_in, make_out)
         else:
-            lengths = exchange_shapes(c, shape)
+            lengths, done = exchange_shapes(c, shape), None
+        if done is not None:
+            return done, lengths
         out, flat_out = make_out(lengths)
         sizes = [n * row for n in lengths]
         if algorithm is Algorithm.TWO_LEVEL:

@@ -16,6 +16,8 @@ import pytest
 
 import shmcoll
 from shmcoll.algorithms import overlap, single_copy, two_level
+from shmcoll.algorithms.two_level import GATHER_V_HEAD_BYTES
+from shmcoll.algorithms.two_level_broadcast import SCATTER_HEAD_BYTES
 from shmcoll.transport.frame import MAX_NDIM
 from shmcoll.transport.topology import Topology
 
@@ -914,8 +916,10 @@ def test_reduce_gather_scatter_all_to_all_follow_the_hosts(layout, n, action, mo
 
 
 S3 = _size(3)  # bytes per rank with 3 ranks (S - 4: 262143 float32, a multiple of 3)
-HEAD = 8 * (1 + MAX_NDIM)  # all_gather_v's length header: [ndim, dim0, ...] as int64 (72 bytes)
-BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block: [dtype code, ndim, dim0, ...] as int64
+HEAD = 8 * (1 + MAX_NDIM)  # all_gather_v's length header on one level: [ndim, dim0, ...] as int64 (72 bytes)
+BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block on one level: [dtype code, ndim, dim0, ...]
+V_HEAD = GATHER_V_HEAD_BYTES  # all_gather_v's head across hosts (its piece's shape, the piece where it fits)
+SCATTER_HEAD = SCATTER_HEAD_BYTES  # scatter's head across hosts (the blocks' shape, the blocks where they fit)
 
 
 # Bytes that must cross host boundaries, two-level versus flat TCP, for the collectives above.
@@ -928,18 +932,19 @@ BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block: [dtype code, 
 #   ring reduce-scatter as above, then every rank sends its S/n segment to the root: 2+2 adds
 #   ranks 2, 3 (S/2) to 1.5S; a,b,a,b adds 0, 2 (S/2) to 3S; 1+2 adds rank 0's S3/3 to (4/3)S3.
 # all_gather_v (rank r gives (r + 1)S/4, T = 2.5S in all with 4 ranks, 1.5S with 3): the leaders'
-#   ring passes each host's span to the other leader once, T, plus the length headers through the
-#   small two-level all-gather, whose every column carries its host's headers across (2+2 and
-#   a,b,a,b: 2 columns, 2 * n * HEAD; 1+2: the leaders alone, n * HEAD). Flat: every pair swaps
-#   headers (8 cross pairs in 2+2 and a,b,a,b, 4 in 1+2), and ring edge r -> r+1 carries all blocks
-#   but r+1's: 2+2 crosses 1->2 (T - S*3/4) and 3->0 (T - S/4), a,b,a,b every edge (3T), 1+2 0->1
-#   (T - S/2) and 2->0 (T - S/4).
+#   ring passes each host's span to the other leader once, T, plus the heads (V_HEAD each, no
+#   piece fitting) through the small two-level all-gather, whose every column carries its host's
+#   heads across (2+2 and a,b,a,b: 2 columns, 2 * n * V_HEAD; 1+2: the leaders alone, n *
+#   V_HEAD). Flat: every pair swaps headers (8 cross pairs in 2+2 and a,b,a,b, 4 in 1+2), and
+#   ring edge r -> r+1 carries all blocks but r+1's: 2+2 crosses 1->2 (T - S*3/4) and 3->0
+#   (T - S/4), a,b,a,b every edge (3T), 1+2 0->1 (T - S/2) and 2->0 (T - S/4).
 # gather, scatter, all_to_all: every block goes straight from its source to its destination, so it
-#   crosses at most once on either transport and the counts are equal: they are byte-minimal
-#   already (the agreement frames, barrier or all-pairs, are empty: 0 payload bytes). gather (root
-#   1): S from each rank on another host; scatter: S/n to each such rank (after a BLOCK_HEAD
-#   announcing its dtype and shape); all_to_all: S/n per
-#   ordered pair on different hosts (8 in 2+2 and a,b,a,b, 4 in 1+2).
+#   crosses at most once on either transport, and but for scatter's heads the counts are equal:
+#   byte-minimal already (the agreement frames, barrier or all-pairs, are empty). gather (root
+#   1): S from each rank on another host; scatter: S/n to each such rank, after a BLOCK_HEAD
+#   announcing its dtype and shape (flat), or after the small broadcast of a SCATTER_HEAD across
+#   hosts, once per crossing column of the root's host (two levels: 2 in 2+2 and a,b,a,b, 1 in
+#   1+2); all_to_all: S/n per ordered pair on different hosts (8 in 2+2 and a,b,a,b, 4 in 1+2).
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n, action, hier_bytes, flat_bytes", [
     ("halves", 4, _reduce_scatter, S, 3 * S // 2),
@@ -948,15 +953,15 @@ BLOCK_HEAD = HEAD + 8  # scatter's announcement before each block: [dtype code, 
     ("halves", 4, _reduce, S, 2 * S),
     ("interleaved", 4, _reduce, S, 7 * S // 2),
     ("first-alone", 3, _reduce, S3, 5 * S3 // 3),
-    ("halves", 4, _all_gather_v, 5 * S // 2 + 8 * HEAD, 4 * S + 8 * HEAD),
-    ("interleaved", 4, _all_gather_v, 5 * S // 2 + 8 * HEAD, 15 * S // 2 + 8 * HEAD),
-    ("first-alone", 3, _all_gather_v, 3 * S // 2 + 3 * HEAD, 9 * S // 4 + 4 * HEAD),
+    ("halves", 4, _all_gather_v, 5 * S // 2 + 8 * V_HEAD, 4 * S + 8 * HEAD),
+    ("interleaved", 4, _all_gather_v, 5 * S // 2 + 8 * V_HEAD, 15 * S // 2 + 8 * HEAD),
+    ("first-alone", 3, _all_gather_v, 3 * S // 2 + 3 * V_HEAD, 9 * S // 4 + 4 * HEAD),
     ("halves", 4, _gather, 2 * S, 2 * S),
     ("interleaved", 4, _gather, 2 * S, 2 * S),
     ("first-alone", 3, _gather, S3, S3),
-    ("halves", 4, _scatter, S // 2 + 2 * BLOCK_HEAD, S // 2 + 2 * BLOCK_HEAD),
-    ("interleaved", 4, _scatter, S // 2 + 2 * BLOCK_HEAD, S // 2 + 2 * BLOCK_HEAD),
-    ("first-alone", 3, _scatter, S3 // 3 + BLOCK_HEAD, S3 // 3 + BLOCK_HEAD),
+    ("halves", 4, _scatter, S // 2 + 2 * SCATTER_HEAD, S // 2 + 2 * BLOCK_HEAD),
+    ("interleaved", 4, _scatter, S // 2 + 2 * SCATTER_HEAD, S // 2 + 2 * BLOCK_HEAD),
+    ("first-alone", 3, _scatter, S3 // 3 + SCATTER_HEAD, S3 // 3 + BLOCK_HEAD),
     ("halves", 4, _all_to_all, 2 * S, 2 * S),
     ("interleaved", 4, _all_to_all, 2 * S, 2 * S),
     ("first-alone", 3, _all_to_all, 4 * S3 // 3, 4 * S3 // 3),
@@ -966,9 +971,9 @@ def test_reduce_gather_scatter_all_to_all_cross_hosts_exactly(layout, n, action,
     hier = _cross(_run(layout, n, "hier", action, monkeypatch), hosts)
     flat = _cross(_run(layout, n, "tcp", action, monkeypatch), hosts)
     assert (hier, flat) == (hier_bytes, flat_bytes)
-    if action in (_gather, _scatter, _all_to_all):
+    if action in (_gather, _all_to_all):
         assert hier == flat  # direct sends: nothing for two levels to save
-    else:
+    elif action is not _scatter:  # direct sends too, after a broadcast head larger than the flat one's
         assert hier < flat
 
 
@@ -1452,6 +1457,50 @@ def test_small_gather_and_all_to_all_go_the_small_all_gathers_way(layout, n, mon
                     want_tcp[ranks[j]] = each * len(mine)
             for r in mine[columns:] if j == 0 else ():
                 want_shm[r] = each * n
+            assert (out[call]["shm"], out[call]["tcp"]) == (want_shm, want_tcp), (rank, call, out[call])
+
+
+def _small_scatter_and_all_gather_v(pg):
+    """A scatter of 3 float32s per rank from rank 1, then an all_gather_v of r + 1 float32s from
+    rank r: each call's results, and the bytes this rank sent to each rank during it."""
+    n, got = pg.world_size, {}
+    full = np.arange(3 * n, dtype=np.float32) if pg.rank == ROOT else None
+    scatter = _traffic_of(pg, lambda _: got.update(scatter=pg.scatter(ROOT, full)))
+    all_gather_v = _traffic_of(pg, lambda _: got.update(v=pg.all_gather_v(np.full(pg.rank + 1, pg.rank, np.int16))))
+    out, lengths = got["v"]
+    return {"scatter": scatter, "all_gather_v": all_gather_v, "scattered": got["scatter"].tolist(),
+            "gathered": out.tolist(), "lengths": lengths, "dtypes": [got["scatter"].dtype.str, out.dtype.str]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4)])
+def test_small_scatter_and_all_gather_v_take_one_small_step_across_hosts(layout, n, monkeypatch):
+    """Across hosts a small scatter is one small broadcast of SCATTER_HEAD_BYTES (the blocks'
+    description, and the blocks), and a small all_gather_v one small all-gather of every rank's
+    GATHER_V_HEAD_BYTES (its shape, and its piece): every crossing column of the root's host sends
+    the scatter's head to its peers on the other hosts, every crossing column carries its host's
+    heads across, and each leader hands the whole result to its host's ranks of no column; where
+    they took the length exchange, an agreement step and then messages of their own before."""
+    hosts = _hosts(layout, n)
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(n, _small_scatter_and_all_gather_v)
+    on = {h: [r for r in range(n) if hosts[r] == h] for h in hosts}
+    columns = min(len(ranks) for ranks in on.values())
+    for rank, out in enumerate(results):
+        assert out["scattered"] == [3.0 * rank, 3.0 * rank + 1, 3.0 * rank + 2]
+        assert (out["lengths"], out["gathered"]) == (list(range(1, n + 1)), [r for r in range(n) for _ in range(r + 1)])
+        assert out["dtypes"] == [np.dtype(np.float32).str, np.dtype(np.int16).str]
+        mine = on[hosts[rank]]
+        j = mine.index(rank)
+        for call, each, crosses in (("scatter", SCATTER_HEAD_BYTES, hosts[rank] == hosts[ROOT]),
+                                    ("all_gather_v", GATHER_V_HEAD_BYTES * len(mine), True)):
+            want_tcp, want_shm = [0] * n, [0] * n
+            for ranks in on.values():
+                if crosses and j < columns and ranks is not mine:
+                    want_tcp[ranks[j]] = each
+            for r in mine[columns:] if j == 0 else ():
+                want_shm[r] = SCATTER_HEAD_BYTES if call == "scatter" else GATHER_V_HEAD_BYTES * n
             assert (out[call]["shm"], out[call]["tcp"]) == (want_shm, want_tcp), (rank, call, out[call])
 
 

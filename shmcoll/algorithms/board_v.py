@@ -29,37 +29,44 @@ _HEAD = 3 + MAX_NDIM  # int64 words: [fits, dtype code, ndim, dim0, dim1, ...]
 HEAD_BYTES = 8 * _HEAD  # a board entry smaller than this cannot run all_gather_v (select.py)
 
 
-def _head(fits: bool, code: int, shape: tuple[int, ...]) -> np.ndarray:
+def piece_head(fits: bool, code: int, shape: tuple[int, ...]) -> np.ndarray:
+    """A piece's head: whether the piece follows it, its dtype code and its shape (HEAD_BYTES)."""
     head = np.zeros(_HEAD, dtype=np.int64)
     head[:3] = int(fits), code, len(shape)
     head[3:3 + len(shape)] = shape
     return head
 
 
-def _parse(entry: np.ndarray, src: int) -> tuple[bool, int, tuple[int, ...], np.ndarray]:
+def parse_piece(entry: np.ndarray, src: int) -> tuple[bool, int, tuple[int, ...], np.ndarray]:
     """(fits, dtype code, shape, data bytes) of a rank's entry; a malformed head is a protocol error."""
     if len(entry) < HEAD_BYTES:
         raise CollectiveError(f"rank {src} published a board entry too short for its head ({len(entry)} bytes)")
-    head = np.frombuffer(entry[:HEAD_BYTES].tobytes(), dtype=np.int64)
-    fits, code, ndim = int(head[0]), int(head[1]), int(head[2])
-    shape = tuple(int(d) for d in head[3:3 + ndim]) if 0 <= ndim <= MAX_NDIM else None
+    fits, code, shape = read_head(np.frombuffer(entry[:HEAD_BYTES].tobytes(), dtype=np.int64).tolist(), src)
+    return fits, code, shape, entry[HEAD_BYTES:]
+
+
+def read_head(words: list[int], src: int) -> tuple[bool, int, tuple[int, ...]]:
+    """(fits, dtype code, shape) of rank src's head, as piece_head wrote it (int64 words); a
+    malformed head is a protocol error."""
+    fits, code, ndim = words[0], words[1], words[2]
+    shape = tuple(words[3:3 + ndim]) if 0 <= ndim <= MAX_NDIM else None
     if shape is None or min(shape, default=0) < 0 or code not in WIRE_TYPES:
-        raise CollectiveError(f"rank {src} published a malformed board entry (dtype code {code}, ndim {ndim})")
-    return bool(fits), code, shape, entry[HEAD_BYTES:]
+        raise CollectiveError(f"rank {src} sent a malformed head (dtype code {code}, ndim {ndim})")
+    return bool(fits), code, shape
 
 
 def _publish(c: Call, code: int, shape: tuple[int, ...], data: np.ndarray) -> None:
     """Our entry: the head, and the data when it fits."""
     board, guard = c.board, c.board_guard()
     fits = HEAD_BYTES + data.nbytes <= board.capacity
-    head = _head(fits, code, shape).view(np.uint8)
+    head = piece_head(fits, code, shape).view(np.uint8)
     entry = np.concatenate([head, data.reshape(-1).view(np.uint8)]) if fits else head
     board.publish(c.meta, _SIGNAL_CODE, entry, c.deadline, guard)
 
 
 def _entries(c: Call) -> list[tuple[bool, int, tuple[int, ...], np.ndarray]]:
     board, guard = c.board, c.board_guard()
-    return [_parse(board.read_any_size(src, c.meta.seq, c.meta, c.deadline, guard), src) for src in range(c.size)]
+    return [parse_piece(board.read_any_size(src, c.meta.seq, c.meta, c.deadline, guard), src) for src in range(c.size)]
 
 
 def _finish(c: Call, all_fit: bool) -> None:

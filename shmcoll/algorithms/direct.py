@@ -134,14 +134,14 @@ def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code:
         return blocks[root].copy()  # storage dtype: the caller views it as the user's
     head = np.empty(2 + MAX_NDIM, dtype=np.int64)
     c.t.recv_into(root, c.tag, head, INT64_CODE, c.deadline, c.meta)
-    code, shape = _block_description(head, root)
+    code, shape = block_description(head, root)
     wire = WIRE_TYPES[code]
     out = np.empty(shape, dtype=wire.array_dtype)
     recv_stream(c._replace(code=code), root, out.reshape(-1).view(wire.storage))
     return out
 
 
-def _block_description(head: np.ndarray, root: int) -> tuple[int, tuple[int, ...]]:
+def block_description(head: np.ndarray, root: int) -> tuple[int, tuple[int, ...]]:
     """The dtype code and shape a scatter root announced; a root that announces nonsense broke the
     protocol (its frames passed the job's authentication, so this is a bug, not an attack)."""
     code, ndim = int(head[0]), int(head[1])

@@ -16,9 +16,9 @@ below is unit-tested alone.
 | broadcast | BOARD | SINGLE_COPY | TWO_LEVEL_LEADERS up to SMALL_BROADCAST_BYTES, else TWO_LEVEL |
 | barrier | BOARD | DISSEMINATION | TWO_LEVEL |
 | gather | BOARD | DIRECT | TWO_LEVEL_ONE_SHOT up to GATHER_EVERYTHING_BYTES in all, else TWO_LEVEL_DIRECT |
-| scatter | DIRECT | DIRECT | TWO_LEVEL_DIRECT |
+| scatter | DIRECT | DIRECT | TWO_LEVEL_DIRECT (a small broadcast first, with the blocks where they fit) |
 | all_to_all | BOARD | PAIRWISE | TWO_LEVEL_ONE_SHOT up to GATHER_EVERYTHING_BYTES in all, else PAIRWISE |
-| all_gather_v | BOARD_OR_RING (decided on the board) | BOARD_OR_RING | TWO_LEVEL (as all_gather) |
+| all_gather_v | BOARD_OR_RING (decided on the board) | BOARD_OR_RING | TWO_LEVEL (heads first, small pieces in them) |
 | federated_average | DEADLINE | DEADLINE | DEADLINE |
 
 "One host, small" means the call fits a board entry (BOARD) or one_shot_bytes (ONE_SHOT). A large
@@ -141,7 +141,7 @@ class Algorithm(enum.Enum):
     TWO_LEVEL_LEADERS = "two-level via leaders"  # two_level*.py: to the leader, log2 steps among leaders, back
     TWO_LEVEL = "two-level"  # two_level*.py: inside each host, across hosts, inside again
     NEIGHBOURHOODS = "neighbourhoods"  # two_level.py's all-reduce, over runs of ranks of one host
-    TWO_LEVEL_DIRECT = "two-level direct"  # DIRECT with the hierarchy's barrier as its agreement step
+    TWO_LEVEL_DIRECT = "two-level direct"  # DIRECT after a two-level agreement step (scatter's: its broadcast head)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ reduce are in two_level_reduce.py, broadcast in two_level_broadcast.py.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -35,13 +36,14 @@ import numpy as np
 from ..transport.base import HostRange, PeerStep, Transport
 from ..transport.shm_board import Board
 from ..transport.topology import Topology
-from ..types import ReduceKind
+from ..types import U8, ReduceKind
 from .barrier import dissemination_barrier, doubling_barrier
 from .board import gather_on_board, host_board_all_reduce
+from .board_v import HEAD_BYTES, piece_head, read_head
 from .broadcast import chain_broadcast
 from .bruck import bruck_all_gather
 from .call import Call, segment_bounds
-from .direct import INT64_CODE, SIGNAL_CODE, shape_header, shapes_to_lengths
+from .direct import SIGNAL_CODE, lengths_from
 from .doubling import doubling_steps, recursive_doubling_all_reduce
 from .halving import halving_doubling_all_reduce
 from .overlap import Crossing, Piece, crossing_pieces
@@ -394,10 +396,38 @@ def two_level_agree(c: Call, topo: Topology) -> None:
     two_level_barrier(c._replace(code=SIGNAL_CODE), topo)
 
 
-def two_level_exchange_shapes(c: Call, topo: Topology, shape: tuple[int, ...]) -> list[int]:
-    """direct.exchange_shapes across hosts: the headers travel by the two-level all-gather (one frame
-    per host pair, not per rank pair)."""
-    mine = shape_header(shape)
-    gathered = np.empty(c.size * len(mine), dtype=np.int64)
-    two_level_all_gather(c._replace(code=INT64_CODE), topo, mine, gathered)
-    return shapes_to_lengths(list(gathered.reshape(c.size, len(mine))), shape)
+#: Bytes of each rank's head in an all_gather_v across hosts (two_level_gather_heads): its piece's
+#: dtype and shape, and the piece itself where it fits. 2 + 2 simulated hosts on 2 cores, 8-byte
+#: pieces: 386-447 us, where the shapes and then the pieces, each gathered in a call of their own
+#: (the second off the board, which a call may take once), took 935-1028.
+GATHER_V_HEAD_BYTES = 1024
+
+
+def two_level_gather_heads(c: Call, topo: Topology, code: int, shape: tuple[int, ...], local: np.ndarray,
+                           make_out: Callable[[list[int]], tuple[np.ndarray, np.ndarray]]
+                           ) -> tuple[list[int], np.ndarray | None]:
+    """all_gather_v's first step across hosts, as board_v.board_all_gather_v's on one host: every
+    rank's head (its piece's shape, and the piece where it fits in GATHER_V_HEAD_BYTES) gathered by
+    every rank in one small all-gather (two_level_all_gather). All see all heads, so all know alike
+    every rank's length (CollectiveMismatch everywhere where trailing dimensions differ) and whether
+    every piece came along: then the result (make_out(lengths) allocates it and its 1-D storage
+    view), else None, and two_level_all_gather_v gathers the pieces."""
+    fits = HEAD_BYTES + local.nbytes <= GATHER_V_HEAD_BYTES
+    mine = np.zeros(GATHER_V_HEAD_BYTES, dtype=np.uint8)
+    mine[:HEAD_BYTES] = piece_head(fits, code, shape).view(np.uint8)
+    if fits:
+        mine[HEAD_BYTES:HEAD_BYTES + local.nbytes] = local.view(np.uint8)
+    heads = np.empty((c.size, GATHER_V_HEAD_BYTES), dtype=np.uint8)
+    two_level_all_gather(c._replace(code=U8.code), topo, mine, heads.reshape(-1))
+    described = heads[:, :HEAD_BYTES].copy().view(np.int64).tolist()  # one list of words per rank
+    entries = [read_head(words, src) for src, words in enumerate(described)]
+    lengths = lengths_from([piece_shape for _, _, piece_shape in entries], shape)
+    if not all(piece_fits for piece_fits, _, _ in entries):
+        return lengths, None
+    out, flat = make_out(lengths)
+    raw, at = flat.view(np.uint8), 0
+    for src, (_, _, piece_shape) in enumerate(entries):
+        nbytes = math.prod(piece_shape) * flat.itemsize
+        raw[at:at + nbytes] = heads[src, HEAD_BYTES:HEAD_BYTES + nbytes]
+        at += nbytes
+    return lengths, out
