@@ -398,8 +398,8 @@ def two_level_agree(c: Call, topo: Topology) -> None:
 
 #: Bytes of each rank's head in an all_gather_v across hosts (two_level_gather_heads): its piece's
 #: dtype and shape, and the piece itself where it fits. 2 + 2 simulated hosts on 2 cores, 8-byte
-#: pieces: 386-447 us, where the shapes and then the pieces, each gathered in a call of their own
-#: (the second off the board, which a call may take once), took 935-1028.
+#: pieces: 612-628 us, where the shapes and then the pieces, each gathered in a step of their own
+#: (the second off the board, which a call may take once), took 935-1074.
 GATHER_V_HEAD_BYTES = 1024
 
 
