@@ -132,10 +132,13 @@ def two_level_broadcast(c: Call, topo: Topology, root: int, data: np.ndarray, si
 
 
 #: Bytes a scatter across hosts broadcasts first: the blocks' dtype code and shape, and every
-#: block where they fit after them. A broadcast of 4 KiB takes about what one of 8 bytes takes
-#: (2 + 2 simulated hosts on 2 cores: 190-240 us), and about what the agreement step it replaces
-#: took, so a larger scatter pays little for it.
-SCATTER_HEAD_BYTES = 4096
+#: block where they fit after them. A small broadcast takes about the time of the agreement step
+#: it replaces, and grows slowly with its size: between namespace hosts on 2 cores
+#: (bench/hosts_compare.py --collective scatter, us per call, 2 x 2 and 4 x 1, alternating), with
+#: this head of 16 KiB a scatter of 4 KiB in all took 442-465 against 705-785 with a head of 4 KiB
+#: (which it did not fit), 256 KiB 828-962 against 793-873, 1 MiB 1375-1520 against 1292-1537;
+#: with 64 KiB, 32 B took 465-513 against 426-442 and 1 MiB 1545-1640.
+SCATTER_HEAD_BYTES = 16 << 10
 _FITS, _DESCRIPTION = 0, 8  # byte offsets in the head: the flag, then [code, ndim, dim0, ...]
 _BLOCKS_AT = 8 * (3 + MAX_NDIM)  # where the blocks start, where they fit
 
