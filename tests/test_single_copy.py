@@ -437,6 +437,19 @@ def test_a_rank_killed_inside_a_step_across_hosts_is_lost_to_those_that_need_it(
 
 
 @pytest.mark.multiprocess
+def test_a_rank_killed_as_its_row_would_fold_its_range_is_lost_to_every_other():
+    """8 MiB crossing whole (no overlap): each rank's row folds its range out of its host peer's
+    array as it goes and writes it back into it (single_copy.HostRange). Rank 1 dies as its row
+    would start, its array published: its host peer's row, reading or writing that array, and its
+    column peer, waiting for its frames, lose it, and so does the rank that waits for theirs."""
+    n, victim = 4, 1
+    env = {**ACROSS_HOSTS, "SHMCOLL_OVERLAP": "0"}
+    results = run_ranks(n, _killed_in_step, victim, "all_reduce", "_across_as_host_range", CTX.Barrier(n),
+                        CTX.Barrier(n - 1), 2 << 20, env=env, may_die={victim})
+    assert_survivors({r: results[r] for r in (0, 2, 3)}, victim)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("victim, step, losers", [(1, "_reduce_range", {0, 2, 3}), (2, "_deliver", {3})])
 def test_a_rank_killed_while_its_pieces_cross_hosts_is_lost_to_those_that_need_it(victim, step, losers):
     """As above with 8 MiB, whose ranges cross hosts in pieces on helper threads (algorithms/overlap.py):
