@@ -1395,6 +1395,31 @@ def test_small_all_gather_among_many_hosts_takes_log_steps(n, transport, monkeyp
         assert out["tcp"] == want, (rank, out["tcp"])
 
 
+def _on_hosts(layout: str, n: int, body, monkeypatch) -> tuple[list, list[str], list[list[int]]]:
+    """run_ranks(n, body) on the simulated hosts of `layout`: the results, each rank's host and
+    each host's ranks."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    hosts = _hosts(layout, n)
+    return run_ranks(n, body), hosts, [[r for r in range(n) if hosts[r] == h] for h in dict.fromkeys(hosts)]
+
+
+def _small_step_traffic(rank: int, hosts: list[str], on: list[list[int]], crossed: int, handed: int,
+                        crosses: bool = True) -> tuple[list[int], list[int]]:
+    """(shm, tcp) bytes `rank` sends in a call that goes the small all-reduce's way: `crossed` over
+    TCP to its column peer on every other host (where it crosses: local index j < the smallest
+    host's rank count), and from its host's leader `handed` to each rank of no column."""
+    n, mine = len(hosts), next(ranks for ranks in on if rank in ranks)
+    columns, j = min(len(ranks) for ranks in on), mine.index(rank)
+    tcp, shm = [0] * n, [0] * n
+    for ranks in on:
+        if crosses and j < columns and ranks is not mine:
+            tcp[ranks[j]] = crossed
+    for r in mine[columns:] if j == 0 else ():
+        shm[r] = handed
+    return shm, tcp
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, n", [("halves", 4), ("first-alone", 3), ("interleaved", 4)])
 def test_small_all_gather_goes_the_small_all_reduces_way(layout, n, monkeypatch):
@@ -1402,23 +1427,11 @@ def test_small_all_gather_goes_the_small_all_reduces_way(layout, n, monkeypatch)
     local rank j < K of every host (K: the smallest host's rank count) swaps its host's blocks with
     its column (12 bytes per rank of its host); the ranks of no column get the whole array (12 n)
     from their leader."""
-    hosts = _hosts(layout, n)
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
-    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    results = run_ranks(n, _small_all_gathers)
+    results, hosts, on = _on_hosts(layout, n, _small_all_gathers, monkeypatch)
     _check_gathered(results, n)
-    on = {h: [r for r in range(n) if hosts[r] == h] for h in hosts}
-    columns = min(len(ranks) for ranks in on.values())
     for rank, out in enumerate(results):
-        mine = on[hosts[rank]]
-        j = mine.index(rank)
-        want_tcp, want_shm = [0] * n, [0] * n
-        for ranks in on.values():
-            if j < columns and ranks is not mine:
-                want_tcp[ranks[j]] = 12 * len(mine)
-        for r in mine[columns:] if j == 0 else ():
-            want_shm[r] = 12 * n
-        assert (out["shm"], out["tcp"]) == (want_shm, want_tcp), (rank, out)
+        mine = hosts.count(hosts[rank])
+        assert (out["shm"], out["tcp"]) == _small_step_traffic(rank, hosts, on, 12 * mine, 12 * n), (rank, out)
 
 
 def _small_gather_and_all_to_all(pg):
@@ -1439,25 +1452,14 @@ def test_small_gather_and_all_to_all_go_the_small_all_gathers_way(layout, n, mon
     input (select.GATHER_EVERYTHING_BYTES), each rank keeping its part: exactly
     test_small_all_gather_goes_the_small_all_reduces_way's bytes for inputs of 12 bytes (the gather)
     and 4 n (the all_to_all), where the direct forms sent one message to the root, or to every rank."""
-    hosts = _hosts(layout, n)
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
-    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    results = run_ranks(n, _small_gather_and_all_to_all)
-    on = {h: [r for r in range(n) if hosts[r] == h] for h in hosts}
-    columns = min(len(ranks) for ranks in on.values())
+    results, hosts, on = _on_hosts(layout, n, _small_gather_and_all_to_all, monkeypatch)
     for rank, out in enumerate(results):
         assert out["gathered"] == ([float(r) for r in range(n) for _ in range(3)] if rank == ROOT else None)
         assert out["exchanged"] == [10.0 * r + rank for r in range(n)]
-        mine = on[hosts[rank]]
-        j = mine.index(rank)
+        mine = hosts.count(hosts[rank])
         for call, each in (("gather", 12), ("all_to_all", 4 * n)):
-            want_tcp, want_shm = [0] * n, [0] * n
-            for ranks in on.values():
-                if j < columns and ranks is not mine:
-                    want_tcp[ranks[j]] = each * len(mine)
-            for r in mine[columns:] if j == 0 else ():
-                want_shm[r] = each * n
-            assert (out[call]["shm"], out[call]["tcp"]) == (want_shm, want_tcp), (rank, call, out[call])
+            want = _small_step_traffic(rank, hosts, on, each * mine, each * n)
+            assert (out[call]["shm"], out[call]["tcp"]) == want, (rank, call, out[call])
 
 
 def _small_scatter_and_all_gather_v(pg):
@@ -1481,27 +1483,17 @@ def test_small_scatter_and_all_gather_v_take_one_small_step_across_hosts(layout,
     the scatter's head to its peers on the other hosts, every crossing column carries its host's
     heads across, and each leader hands the whole result to its host's ranks of no column; where
     they took the length exchange, an agreement step and then messages of their own before."""
-    hosts = _hosts(layout, n)
-    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
-    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
-    results = run_ranks(n, _small_scatter_and_all_gather_v)
-    on = {h: [r for r in range(n) if hosts[r] == h] for h in hosts}
-    columns = min(len(ranks) for ranks in on.values())
+    results, hosts, on = _on_hosts(layout, n, _small_scatter_and_all_gather_v, monkeypatch)
     for rank, out in enumerate(results):
         assert out["scattered"] == [3.0 * rank, 3.0 * rank + 1, 3.0 * rank + 2]
         assert (out["lengths"], out["gathered"]) == (list(range(1, n + 1)), [r for r in range(n) for _ in range(r + 1)])
         assert out["dtypes"] == [np.dtype(np.float32).str, np.dtype(np.int16).str]
-        mine = on[hosts[rank]]
-        j = mine.index(rank)
-        for call, each, crosses in (("scatter", SCATTER_HEAD_BYTES, hosts[rank] == hosts[ROOT]),
-                                    ("all_gather_v", GATHER_V_HEAD_BYTES * len(mine), True)):
-            want_tcp, want_shm = [0] * n, [0] * n
-            for ranks in on.values():
-                if crosses and j < columns and ranks is not mine:
-                    want_tcp[ranks[j]] = each
-            for r in mine[columns:] if j == 0 else ():
-                want_shm[r] = SCATTER_HEAD_BYTES if call == "scatter" else GATHER_V_HEAD_BYTES * n
-            assert (out[call]["shm"], out[call]["tcp"]) == (want_shm, want_tcp), (rank, call, out[call])
+        mine = hosts.count(hosts[rank])
+        scatter = _small_step_traffic(rank, hosts, on, SCATTER_HEAD_BYTES, SCATTER_HEAD_BYTES,
+                                      crosses=hosts[rank] == hosts[ROOT])
+        all_gather_v = _small_step_traffic(rank, hosts, on, GATHER_V_HEAD_BYTES * mine, GATHER_V_HEAD_BYTES * n)
+        for call, want in (("scatter", scatter), ("all_gather_v", all_gather_v)):
+            assert (out[call]["shm"], out[call]["tcp"]) == want, (rank, call, out[call])
 
 
 # ---- hosts that share one machine share its cores ----
