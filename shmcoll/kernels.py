@@ -71,6 +71,10 @@ read_peer = _native.read_peer
 #: hi) of own (rank me's array as uint8) written into every other rank's array at the same bytes
 #: (peers as for reduce_from_peers), the next rank first (process_vm_writev).
 write_to_peers = _native.write_to_peers
+#: scale_to_peers(own, peers, me, lo, hi, code, divisor) -> None, or (rank, errno) of the failed
+#: write: write_to_peers, each 128 KiB of own[lo:hi] (whole elements of float wire type `code`)
+#: divided by divisor in place first (AVG's last step, as scale_into rounds), while in cache.
+scale_to_peers = _native.scale_to_peers
 #: reduce_from_peers(own, peers, me, lo, hi, code, op, scratch, deliver) -> None, or (rank, errno)
 #: of the failed read or write: bytes [lo, hi) of every rank's array folded in rank order into
 #: own[lo:hi] (own: rank me's array as uint8; peers[r]: rank r's pid and array address, int64),

@@ -345,8 +345,10 @@ def test_signalling_nan_input_gives_a_quiet_nan(code):
 
 
 @pytest.mark.parametrize("code", FLOAT_CODES)
-@pytest.mark.parametrize("divisor", [1, 2, 3, 7, 1000, 2**24 + 1, 3**30])
+@pytest.mark.parametrize("divisor", [1, 2, 3, 4, 7, 8, 1000, 1024, 2**24 + 1, 3**30, 2**40])
 def test_scale_into_matches_float64_divided_and_rounded_once(code, divisor):
+    """Powers of two (1, 2, 4, 8, 1024, 2**40) take a multiplication by the exact inverse, the
+    others a division: both round the same real number once."""
     data = random_operands(code, 1, 5000, np.random.default_rng(divisor % 1000 + code))[0]
     dst = data.copy()
     kernels.scale_into(dst, code, divisor)

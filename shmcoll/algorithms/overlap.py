@@ -38,15 +38,15 @@ CROSSING_PIECE_BYTES = 1 << 20
 
 class Crossing(NamedTuple):
     """What a rank's range does between its fold in the host and its write-back: far(piece,
-    host_range) for each of `pieces` (its all-reduce across hosts), overlapped with the in-host work
-    or not. In turn, a large piece goes to far as a host range (transport.base.HostRange) for its
-    row to fold and, where `final` (far leaves each byte as its row finishes it: no AVG division
-    after), to write back; else host_range is None."""
+    host_range) for each of `pieces` (its sum across hosts), overlapped with the in-host work or
+    not. In turn, a large piece goes to far as a host range (transport.base.HostRange) for its row
+    to fold and, where divisor is 1, to write back as it goes; else host_range is None. Each piece
+    is divided by `divisor` (AVG's count, else 1) as it is written back."""
 
     pieces: Sequence[Piece]
     far: Callable[[Piece, HostRange | None], None]
     overlap: bool
-    final: bool
+    divisor: int
 
 
 #: Seconds past a call's deadline that the caller waits for its helper: the helper's own waits end

@@ -149,8 +149,9 @@ def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, 
     overlapped = crossing.overlap and len(crossing.pieces) > 1
     if overlapped or max((hi - lo for lo, hi in crossing.pieces), default=0) < ROW_FOLDS_FROM_BYTES:
         in_pieces(crossing.pieces, lambda piece: _reduce_range(c, among, data, op, peers, piece),
-                  lambda piece: crossing.far(piece, None), lambda piece: _deliver(among, own, peers, me, piece),
-                  c.deadline, crossing.overlap)
+                  lambda piece: crossing.far(piece, None),
+                  lambda piece: _deliver(among, own, peers, me, piece, c.code, crossing.divisor), c.deadline,
+                  crossing.overlap)
     else:
         for piece in crossing.pieces:
             _across_as_host_range(c, among, own, op, peers, piece, crossing)
@@ -160,8 +161,9 @@ def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, 
 def _across_as_host_range(c: Call, among: Readers, own: np.ndarray, op: ReduceKind, peers: np.ndarray,
                           piece: tuple[int, int], crossing: Crossing) -> None:
     """One piece folded, across hosts and written back, all by the crossing's row where it can
-    (HostRange); what the row did not write back (it had no row, or a step not final) after it."""
-    host_range = HostRange(c, among, own, op, peers, piece, crossing.final)
+    (HostRange); what the row did not write back (it had no row, a step not final, or the piece is
+    an AVG's, divided on its way back) after it."""
+    host_range = HostRange(c, among, own, op, peers, piece, crossing.divisor == 1)
     crossing.far(piece, host_range)
     host_range.fold_rest()
     lo, hi = piece
@@ -171,7 +173,7 @@ def _across_as_host_range(c: Call, among: Readers, own: np.ndarray, op: ReduceKi
             among.board.bytes_read_from[src] += hi - lo
             among.board.bytes_written_to[src] += hi - lo if delivered else 0
     if not delivered:
-        _deliver(among, own, peers, host_range.me, piece)
+        _deliver(among, own, peers, host_range.me, piece, c.code, crossing.divisor)
 
 
 class HostRange:
@@ -448,10 +450,16 @@ def _reduce_range(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, pee
         scale_if_avg(c, data[lo // data.itemsize:hi // data.itemsize], op, n)
 
 
-def _deliver(among: Readers, own: np.ndarray, peers: np.ndarray, me: int, byte_range: tuple[int, int]) -> None:
-    """own[byte_range] (this rank's array as uint8, at position me) written into every peer's array."""
+def _deliver(among: Readers, own: np.ndarray, peers: np.ndarray, me: int, byte_range: tuple[int, int], code: int,
+             divisor: int = 1) -> None:
+    """own[byte_range] (this rank's array as uint8, at position me, of wire type `code`) written
+    into every peer's array, divided by divisor first where it is above 1 (AVG), a piece at a
+    time while in cache (kernels.scale_to_peers)."""
     lo, hi = byte_range
-    failed = kernels.write_to_peers(own, peers, me, lo, hi)
+    if divisor > 1:
+        failed = kernels.scale_to_peers(own, peers, me, lo, hi, code, divisor)
+    else:
+        failed = kernels.write_to_peers(own, peers, me, lo, hi)
     if failed is not None:
         _read_failed(among, among.ranks[failed[0]], failed[1])
     for src in among.ranks:

@@ -76,17 +76,18 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     host, owned, mine = _layout(topo, c.rank, len(data), data.itemsize, may_overlap)
 
     def across(piece: Piece, host_range: HostRange | None = None) -> None:
-        """A piece of one of this rank's slices, in bytes (_slices), across hosts among the slice's
-        owners; where the host's ranks read each other's arrays, as the host range they fold."""
+        """A piece of one of this rank's slices, in bytes (_slices), summed across hosts among the
+        slice's owners; where the host's ranks read each other's arrays, as the host range they
+        fold (and divide for AVG as they write it back: Crossing.divisor)."""
         a, b, column = mine[piece]
-        part = data[a:b]
-        _across(c, part, summed(op), column, one_shot_bytes, host_range)
-        scale_if_avg(c, part, op, c.size)
+        _across(c, data[a:b], summed(op), column, one_shot_bytes, host_range)
 
     def over_rings(c: Call) -> None:
         ring_reduce_scatter(c, data, summed(op), host, owned)
         for piece in mine:
             across(piece)
+            a, b, _ = mine[piece]
+            scale_if_avg(c, data[a:b], op, c.size)
         ring_all_gather_owned(c, data, host, owned)
 
     readers = readers_in_host(c, host, single_copy)
@@ -94,7 +95,7 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
         over_rings(c)
         return
     all_reduce_among(c, readers, data, summed(op), over_rings,
-                     Crossing(tuple(mine), across, c.t.overlap, final=op is not ReduceKind.AVG))
+                     Crossing(tuple(mine), across, c.t.overlap, divisor=c.size if op is ReduceKind.AVG else 1))
 
 
 #: Bytes from which a large all-reduce across uneven hosts cuts as many slices as the largest host

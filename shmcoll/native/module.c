@@ -376,6 +376,37 @@ done:
     return result;
 }
 
+/* Bytes a scale_to_peers divides and writes at a time: with the peers' lines, it stays in cache. */
+enum { SCALE_PIECE_BYTES = 128 * 1024 };
+
+static PyObject *scale_to_peers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    held_buffer own = {0}, peers = {0};
+    int64_t me, lo, hi, code, divisor;
+    PyObject *result = NULL;
+    if (check_count(nargs, 7, "scale_to_peers") || as_i64(args[2], &me) || as_i64(args[3], &lo) ||
+        as_i64(args[4], &hi) || as_i64(args[5], &code) || as_i64(args[6], &divisor) ||
+        hold(args[0], &own, 1, "scale_to_peers own") || hold(args[1], &peers, 0, "scale_to_peers peers"))
+        goto done;
+    size_t ranks = (size_t)peers.view.len / sizeof(struct peer_array);
+    size_t size = code >= 0 && code <= INT32_MAX ? sc_element_size((int)code) : 0;
+    if (peers.view.len % sizeof(struct peer_array) || (uintptr_t)peers.view.buf % 8 || me < 0 ||
+        (size_t)me >= ranks || lo < 0 || hi < lo || hi > own.view.len || !size || lo % (int64_t)size ||
+        (hi - lo) % (int64_t)size || divisor < 1 || !sc_has_loop((int)code, OP_AVG)) {
+        PyErr_SetString(PyExc_ValueError, "scale_to_peers: arguments do not describe a range of every array");
+        goto done;
+    }
+    int failed = -1, error;
+    Py_BEGIN_ALLOW_THREADS
+    error = sc_scale_to_peers(own.view.buf, peers.view.buf, (int)ranks, (int)me, (size_t)lo, (size_t)hi, (int)code,
+                              divisor, SCALE_PIECE_BYTES / size * size, &failed);
+    Py_END_ALLOW_THREADS
+    result = error ? Py_BuildValue("(ii)", failed, error) : Py_NewRef(Py_None);
+done:
+    release(&own);
+    release(&peers);
+    return result;
+}
+
 /* n ints of a sequence (a tuple of fds or ranks) into out[SWAP_MAX_STEPS]; -1 with an error set. */
 static int int_row(PyObject *seq, int64_t *out, Py_ssize_t *n, const char *what) {
     PyObject *fast = PySequence_Fast(seq, what);
@@ -721,6 +752,9 @@ static PyMethodDef methods[] = {
     {"write_to_peers", (PyCFunction)(void (*)(void))write_to_peers, METH_FASTCALL,
      "write_to_peers(own, peers, me, lo, hi) -> None, or (rank, errno) of the failed write: own[lo:hi] into "
      "every other rank's array at the same bytes"},
+    {"scale_to_peers", (PyCFunction)(void (*)(void))scale_to_peers, METH_FASTCALL,
+     "scale_to_peers(own, peers, me, lo, hi, code, divisor) -> None, or (rank, errno) of the failed write: "
+     "write_to_peers with each piece of own[lo:hi] divided by divisor first"},
     {"reduce_from_peers", (PyCFunction)(void (*)(void))reduce_from_peers, METH_FASTCALL,
      "reduce_from_peers(own, peers, me, lo, hi, code, op, scratch, deliver) -> None, or (rank, errno) of the "
      "failed read or write: bytes [lo, hi) of every rank's array (peers: int64 pairs pid, address) folded in "

@@ -67,6 +67,17 @@ int sc_write_to_peers(const uint8_t *own, const struct peer_array *peers, int ra
     return deliver_piece((uint8_t *)(uintptr_t)own + lo, hi - lo, peers, ranks, me, lo, 0, 1, failed);
 }
 
+int sc_scale_to_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi, int code,
+                      int64_t divisor, size_t piece, int *failed) {
+    for (size_t at = lo; at < hi; at += piece) {
+        int error = deliver_piece(own + at, hi - at < piece ? hi - at : piece, peers, ranks, me, at, code, divisor,
+                                  failed);
+        if (error)
+            return error;
+    }
+    return 0;
+}
+
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25
 #endif

@@ -31,6 +31,11 @@ int sc_reduce_from_peers(uint8_t *own, const struct peer_array *peers, int ranks
 int sc_write_to_peers(const uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi,
                       int *failed);
 
+/* As sc_write_to_peers, each `piece` bytes (whole elements of `code`) divided by divisor first
+   (AVG's last step), and written while still in cache: one pass over the range, not two. */
+int sc_scale_to_peers(uint8_t *own, const struct peer_array *peers, int ranks, int me, size_t lo, size_t hi, int code,
+                      int64_t divisor, size_t piece, int *failed);
+
 /* Ask the kernel to back the whole 2 MiB-aligned huge pages inside [start, start + n) with huge
    pages now (MADV_COLLAPSE): 0, or the errno (EINVAL before Linux 6.1, or where THP is off). */
 int sc_collapse_to_huge_pages(void *start, size_t n);

@@ -91,21 +91,33 @@ int sc_reduce(void *dst, const void *src, size_t n, int code, int op) {
         memcpy(d + i * sizeof(T), &a, sizeof(T));             \
     }
 
+/* Where divisor is a power of two, 1 / divisor is exact and a * (1 / divisor) is the same real
+   number as a / divisor, so both round alike (subnormal results included): the same bits, from a
+   multiplication that runs several times faster than a division (AVG over 2, 4, 8 ... ranks). */
+#define SCALE_IN_PLACE(T, WIDEN, NARROW)                                          \
+    if (inverse_is_exact)                                                         \
+        MAP_IN_PLACE(T, NARROW((double)WIDEN(a) * inverse))                       \
+    else                                                                          \
+        MAP_IN_PLACE(T, NARROW((double)WIDEN(a) / by))
+
+#define AS_IS(x) (x)
+
 int sc_scale(void *dst, size_t n, int code, int64_t divisor) {
     char *d = dst;
-    double by = (double)divisor;
+    double by = (double)divisor, inverse = 1.0 / by;
+    int inverse_is_exact = divisor > 0 && (divisor & (divisor - 1)) == 0;
     switch (code) {
     case CODE_F16:
-        MAP_IN_PLACE(uint16_t, f64_to_f16((double)f16_to_f32(a) / by))
+        SCALE_IN_PLACE(uint16_t, f16_to_f32, f64_to_f16)
         return 0;
     case CODE_BF16:
-        MAP_IN_PLACE(uint16_t, f64_to_bf16((double)bf16_to_f32(a) / by))
+        SCALE_IN_PLACE(uint16_t, bf16_to_f32, f64_to_bf16)
         return 0;
     case CODE_F32:
-        MAP_IN_PLACE(float, (float)((double)a / by))
+        SCALE_IN_PLACE(float, AS_IS, (float))
         return 0;
     case CODE_F64:
-        MAP_IN_PLACE(double, a / by)
+        SCALE_IN_PLACE(double, AS_IS, AS_IS)
         return 0;
     default:
         return -1;
