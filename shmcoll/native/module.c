@@ -321,6 +321,20 @@ done:
     return result;
 }
 
+/* Whether peers holds whole (pid, address) pairs, aligned, me is one of them, and [lo, hi) lies
+   in own: a range of every rank's array (reduce_from_peers, write_to_peers, scale_to_peers). */
+static int is_range_of_every_array(const held_buffer *own, const held_buffer *peers, int64_t me, int64_t lo,
+                                   int64_t hi) {
+    size_t ranks = (size_t)peers->view.len / sizeof(struct peer_array);
+    return peers->view.len % sizeof(struct peer_array) == 0 && (uintptr_t)peers->view.buf % 8 == 0 && me >= 0 &&
+           (size_t)me < ranks && lo >= 0 && hi >= lo && hi <= own->view.len;
+}
+
+/* None, or (rank, errno) of the read of or write into a peer's array that failed. */
+static PyObject *peer_copy_result(int error, int failed) {
+    return error ? Py_BuildValue("(ii)", failed, error) : Py_NewRef(Py_None);
+}
+
 static PyObject *reduce_from_peers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     held_buffer own = {0}, peers = {0}, scratch = {0};
     int64_t me, lo, hi, code, op, deliver;
@@ -332,8 +346,7 @@ static PyObject *reduce_from_peers(PyObject *self, PyObject *const *args, Py_ssi
         goto done;
     size_t size = sc_element_size((int)code), ranks = (size_t)peers.view.len / sizeof(struct peer_array);
     size_t piece = size ? (size_t)scratch.view.len / 2 / size * size : 0;
-    if (!sc_has_loop(code, op) || peers.view.len % sizeof(struct peer_array) || (uintptr_t)peers.view.buf % 8 ||
-        me < 0 || (size_t)me >= ranks || lo < 0 || hi < lo || hi > own.view.len || lo % size || hi % size ||
+    if (!sc_has_loop(code, op) || !is_range_of_every_array(&own, &peers, me, lo, hi) || lo % size || hi % size ||
         piece == 0 || deliver < 0 || (deliver > 1 && (code < CODE_F16 || code > CODE_F64))) {
         PyErr_SetString(PyExc_ValueError, "reduce_from_peers: arguments do not describe a reduction");
         goto done;
@@ -343,7 +356,7 @@ static PyObject *reduce_from_peers(PyObject *self, PyObject *const *args, Py_ssi
     error = sc_reduce_from_peers(own.view.buf, peers.view.buf, (int)ranks, (int)me, (size_t)lo, (size_t)hi,
                                  (int)code, (int)op, deliver, scratch.view.buf, piece, &failed);
     Py_END_ALLOW_THREADS
-    result = error ? Py_BuildValue("(ii)", failed, error) : Py_NewRef(Py_None);
+    result = peer_copy_result(error, failed);
 done:
     release(&own);
     release(&peers);
@@ -360,8 +373,7 @@ static PyObject *write_to_peers(PyObject *self, PyObject *const *args, Py_ssize_
         hold(args[1], &peers, 0, "write_to_peers peers"))
         goto done;
     size_t ranks = (size_t)peers.view.len / sizeof(struct peer_array);
-    if (peers.view.len % sizeof(struct peer_array) || (uintptr_t)peers.view.buf % 8 || me < 0 ||
-        (size_t)me >= ranks || lo < 0 || hi < lo || hi > own.view.len) {
+    if (!is_range_of_every_array(&own, &peers, me, lo, hi)) {
         PyErr_SetString(PyExc_ValueError, "write_to_peers: arguments do not describe a range of every array");
         goto done;
     }
@@ -369,7 +381,7 @@ static PyObject *write_to_peers(PyObject *self, PyObject *const *args, Py_ssize_
     Py_BEGIN_ALLOW_THREADS
     error = sc_write_to_peers(own.view.buf, peers.view.buf, (int)ranks, (int)me, (size_t)lo, (size_t)hi, &failed);
     Py_END_ALLOW_THREADS
-    result = error ? Py_BuildValue("(ii)", failed, error) : Py_NewRef(Py_None);
+    result = peer_copy_result(error, failed);
 done:
     release(&own);
     release(&peers);
@@ -389,8 +401,7 @@ static PyObject *scale_to_peers(PyObject *self, PyObject *const *args, Py_ssize_
         goto done;
     size_t ranks = (size_t)peers.view.len / sizeof(struct peer_array);
     size_t size = code >= 0 && code <= INT32_MAX ? sc_element_size((int)code) : 0;
-    if (peers.view.len % sizeof(struct peer_array) || (uintptr_t)peers.view.buf % 8 || me < 0 ||
-        (size_t)me >= ranks || lo < 0 || hi < lo || hi > own.view.len || !size || lo % (int64_t)size ||
+    if (!is_range_of_every_array(&own, &peers, me, lo, hi) || !size || lo % (int64_t)size ||
         (hi - lo) % (int64_t)size || divisor < 1 || !sc_has_loop((int)code, OP_AVG)) {
         PyErr_SetString(PyExc_ValueError, "scale_to_peers: arguments do not describe a range of every array");
         goto done;
@@ -400,7 +411,7 @@ static PyObject *scale_to_peers(PyObject *self, PyObject *const *args, Py_ssize_
     error = sc_scale_to_peers(own.view.buf, peers.view.buf, (int)ranks, (int)me, (size_t)lo, (size_t)hi, (int)code,
                               divisor, SCALE_PIECE_BYTES / size * size, &failed);
     Py_END_ALLOW_THREADS
-    result = error ? Py_BuildValue("(ii)", failed, error) : Py_NewRef(Py_None);
+    result = peer_copy_result(error, failed);
 done:
     release(&own);
     release(&peers);
