@@ -117,13 +117,13 @@ def gather_to_root(c: Call, root: int, local: np.ndarray, out: np.ndarray | None
             recv_stream(c, src, piece)
 
 
-def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code: int,
-                      agreement: Agreement = agree) -> np.ndarray:
-    """The root sends blocks[j] (an n-d storage array of wire dtype `code`) to rank j: first a
-    small frame with its dtype code and shape (the other ranks know neither in advance), then the
-    block in chunk-sized frames that land straight in the new array. Returns this rank's block: on
-    the root in storage dtype, elsewhere as the wire's user dtype."""
-    agreement(c)
+def scatter_from_root(c: Call, root: int, blocks: list[np.ndarray] | None, code: int) -> np.ndarray:
+    """After the agreement step (agree), the root sends blocks[j] (an n-d storage array of wire
+    dtype `code`) to rank j: first a small frame with its dtype code and shape (the other ranks
+    know neither in advance), then the block in chunk-sized frames that land straight in the new
+    array. Returns this rank's block: on the root in storage dtype, elsewhere as the wire's user
+    dtype. Across hosts a scatter runs two_level_broadcast.two_level_scatter instead."""
+    agree(c)
     if c.rank == root:
         assert blocks is not None, "the root passes its blocks"
         for k in range(1, c.size):
