@@ -68,7 +68,7 @@ address_of = _native.address_of
 #: pid's memory from address into out (process_vm_readv; algorithms/single_copy.py).
 read_peer = _native.read_peer
 #: write_to_peers(own, peers, me, lo, hi) -> None, or (rank, errno) of the failed write: bytes [lo,
-#: hi) of own (rank me's array as uint8) written into every other rank's array at the same bytes
+#: hi) of own (rank me's array, taken as bytes) written into every other rank's array at the same bytes
 #: (peers as for reduce_from_peers), the next rank first (process_vm_writev).
 write_to_peers = _native.write_to_peers
 #: scale_to_peers(own, peers, me, lo, hi, code, divisor) -> None, or (rank, errno) of the failed
@@ -77,11 +77,14 @@ write_to_peers = _native.write_to_peers
 scale_to_peers = _native.scale_to_peers
 #: reduce_from_peers(own, peers, me, lo, hi, code, op, scratch, deliver) -> None, or (rank, errno)
 #: of the failed read or write: bytes [lo, hi) of every rank's array folded in rank order into
-#: own[lo:hi] (own: rank me's array as uint8; peers[r]: rank r's pid and array address, int64),
-#: reading len(scratch) // 2 bytes of a peer at a time into scratch. deliver 0 keeps the result
-#: in own; d >= 1 also divides each finished piece by d where d > 1 (AVG, float codes) and writes
-#: it into every peer's array (process_vm_writev) while it is still in cache.
+#: own[lo:hi] (own: rank me's array, any contiguous buffer, taken as bytes; peers[r]: rank r's
+#: descriptor as it published it, PEER_BYTES of int64 words starting with its pid and the address
+#: of its array: the rows Board.gather_open gathers), reading len(scratch) // 2 bytes of a peer at
+#: a time into scratch. deliver 0 keeps the result in own; d >= 1 also divides each finished piece
+#: by d where d > 1 (AVG, float codes) and writes it into every peer's array (process_vm_writev)
+#: while it is still in cache.
 reduce_from_peers = _native.reduce_from_peers
+PEER_BYTES = _native.PEER_BYTES
 #: swap_row(fds, srcs, ways, header, tag, seq, data, into, inbound, code, op, spin_ns, wait_ns,
 #: left_ns) -> (status, done, sent): pairwise steps with TCP peers in a row (native/swap.h), step
 #: i as byte i of ways says (WAY_*). A step that sends sends header, with the call's tag and
@@ -125,9 +128,9 @@ duplex = _native.duplex
 #: From step at[0] on, which advances past each whole step (progress starting over), within
 #: wait_ns in all: duplex's status of the step at at[0], DUPLEX_DONE once every step is whole.
 #: host: None, or the host range data lies in (native/host_range.h), a tuple (own, peers, scratch,
-#: words, me, lo, hi, piece, delivers): bytes [lo, hi) of own (uint8, the rank's whole array, data a
-#: view of it) are folded with (code, op) out of the arrays peers (int64 (ranks, 2): pid, address)
-#: describes, own's at position me, `piece` bytes at a time through scratch (two pieces), each just
+#: words, me, lo, hi, piece, delivers): bytes [lo, hi) of own (the rank's whole array, taken as
+#: bytes, data a view of it) are folded with (code, op) out of the arrays peers (as for
+#: reduce_from_peers) describes, own's at position me, `piece` bytes at a time through scratch (two pieces), each just
 #: before the row sends it or receives into it; where `delivers`, final steps' bytes are written
 #: into the peers' arrays as they come. words (int64, zeros to start, HOST_FOLDED + one per piece):
 #: HOST_DELIVERED bytes written, and where a read or write failed (status DUPLEX_HOST_FAILED) its

@@ -39,7 +39,8 @@ class _Host(RowEnd):
         super().__init__(sock, me, own, code, int(ReduceKind.SUM))
         self.own = own
         self.words = np.zeros(kernels.HOST_FOLDED + -(-own.nbytes // PIECE), np.int64)
-        peers = np.array([(os.getpid(), kernels.address_of(a)) for a in (own, peer)], np.int64)
+        peers = np.zeros((2, kernels.PEER_BYTES // 8), np.int64)  # descriptors: pid and address first
+        peers[:, :2] = [(os.getpid(), kernels.address_of(a)) for a in (own, peer)]
         self.host = (own.view(np.uint8), peers, np.empty(2 * PIECE, np.uint8), self.words, 0, 0, own.nbytes, PIECE,
                      int(delivers))
 
@@ -104,7 +105,7 @@ def test_a_host_peer_that_cannot_be_read_stops_the_row_before_it_sends(pair):
     words say why and whose."""
     arrays = _arrays(1 << 16, np.float32)
     host = _Host(pair[0], 0, arrays[0], arrays[1], F32.code)
-    host.host[1][1] = (os.getpid(), 8)
+    host.host[1][1, :2] = (os.getpid(), 8)
     assert host.call() == kernels.DUPLEX_HOST_FAILED
     assert host.progress[0] == 0
     assert (host.words[kernels.HOST_ERROR], host.words[kernels.HOST_FAILED]) == (errno.EFAULT, 1)

@@ -60,6 +60,15 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+def _peers(arrays, pid: int | None = None) -> np.ndarray:
+    """The peers the kernels take: one published descriptor per array, its pid and address first
+    (the rest of each row, what the kernels do not read, zero)."""
+    peers = np.zeros((len(arrays), kernels.PEER_BYTES // 8), np.int64)
+    peers[:, 0] = os.getpid() if pid is None else pid
+    peers[:, 1] = [_address(a) for a in arrays]
+    return peers
+
+
 # ---------------------------------------------------------------------------------------------
 # in one process
 # ---------------------------------------------------------------------------------------------
@@ -96,7 +105,7 @@ def test_each_rank_folds_its_range_of_every_array_in_rank_order(dtype, op, ranks
     arrays = [_inputs(r, dtype, 1001) for r in range(ranks)]
     reference = _fold_in_rank_order(arrays, ReduceKind.SUM if op is ReduceKind.AVG else op)
     wire, itemsize = wire_type_of(np.dtype(dtype)), np.dtype(dtype).itemsize
-    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    peers = _peers(arrays)
     scratch = np.empty(80 + itemsize - 1, dtype=np.uint8)  # two pieces, rounded down to whole elements
     for me, (lo, hi) in enumerate(segment_bounds(1001, ranks)):
         mine = arrays[me].copy()  # the others keep reading the untouched inputs
@@ -118,7 +127,7 @@ def test_each_rank_delivers_its_folded_range_into_every_array(dtype, op, ranks):
     arrays = [_inputs(r, dtype, 1001) for r in range(ranks)]
     reference = _fold_in_rank_order(arrays, op)
     wire, itemsize = wire_type_of(np.dtype(dtype)), np.dtype(dtype).itemsize
-    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    peers = _peers(arrays)
     scratch = np.empty(80 + itemsize - 1, dtype=np.uint8)
     divisor = ranks if op is ReduceKind.AVG else 1
     for me, (lo, hi) in enumerate(segment_bounds(1001, ranks)):
@@ -131,13 +140,13 @@ def test_each_rank_delivers_its_folded_range_into_every_array(dtype, op, ranks):
 
 def test_a_failed_read_names_the_rank_it_was_reading():
     arrays = [np.ones(64, dtype=np.float32) for _ in range(3)]
-    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
-    peers[2] = (NO_SUCH_PID, _address(arrays[2]))
+    peers = _peers(arrays)
+    peers[2, :2] = (NO_SUCH_PID, _address(arrays[2]))
     scratch = np.empty(1024, dtype=np.uint8)
     code = wire_type_of(np.dtype(np.float32)).code
     assert kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, 0, 0, 256, code, 0, scratch, 0) == \
         (2, errno.ESRCH)
-    peers[2] = (os.getpid(), 8)
+    peers[2, :2] = (os.getpid(), 8)
     assert kernels.reduce_from_peers(arrays[1].view(np.uint8), peers, 1, 0, 256, code, 0, scratch, 0) == \
         (2, errno.EFAULT)
 
@@ -148,7 +157,7 @@ def test_a_failed_write_names_the_rank_it_was_writing_to():
     arrays = [np.full(64, r + 1.0, dtype=np.float32) for r in range(2)]
     read_only = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
     third = np.frombuffer(read_only, dtype=np.float32, count=64)
-    peers = np.array([(os.getpid(), _address(a)) for a in (*arrays, third)], dtype=np.int64)
+    peers = _peers((*arrays, third))
     code = wire_type_of(np.dtype(np.float32)).code
     failed = kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, 0, 0, 256, code, 0,
                                        np.empty(1024, dtype=np.uint8), 1)
@@ -167,7 +176,7 @@ def test_a_failed_write_names_the_rank_it_was_writing_to():
 ])
 def test_reduce_from_peers_refuses_arguments_that_describe_no_reduction(me, lo, hi, code, scratch_bytes):
     arrays = [np.ones(64, dtype=np.float32) for _ in range(3)]
-    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    peers = _peers(arrays)
     with pytest.raises(ValueError, match="do not describe"):
         kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, me, lo, hi, code, 0,
                                   np.empty(scratch_bytes, dtype=np.uint8), 0)
@@ -177,7 +186,7 @@ def test_reduce_from_peers_refuses_arguments_that_describe_no_reduction(me, lo, 
 def test_reduce_from_peers_refuses_a_delivery_it_cannot_make(dtype, deliver):
     """A negative delivery, or a division (AVG) of integers: refused before anything is read."""
     arrays = [np.ones(64, dtype=dtype) for _ in range(2)]
-    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    peers = _peers(arrays)
     code = wire_type_of(np.dtype(dtype)).code
     with pytest.raises(ValueError, match="do not describe"):
         kernels.reduce_from_peers(arrays[0].view(np.uint8), peers, 0, 0, 64, code, 0,
@@ -189,7 +198,7 @@ def test_write_to_peers_writes_a_range_into_every_other_array():
     nothing else of theirs changes, and its own array is only read."""
     arrays = [np.full(64, r + 1.0, dtype=np.float32) for r in range(3)]
     arrays[1][:] = np.arange(64)
-    peers = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
+    peers = _peers(arrays)
     assert kernels.write_to_peers(arrays[1].view(np.uint8), peers, 1, 40, 200) is None
     for r in (0, 2):
         assert np.array_equal(arrays[r][10:50], np.arange(10, 50))
@@ -202,24 +211,24 @@ def test_a_failed_write_to_peers_names_the_rank():
     arrays = [np.ones(64, dtype=np.float32), np.full(64, 2.0, dtype=np.float32)]
     read_only = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ)
     third = np.frombuffer(read_only, dtype=np.float32, count=64)
-    peers = np.array([(os.getpid(), _address(a)) for a in (*arrays, third)], dtype=np.int64)
+    peers = _peers((*arrays, third))
     assert kernels.write_to_peers(arrays[0].view(np.uint8), peers, 0, 0, 256) == (2, errno.EFAULT)
     assert np.all(arrays[1] == 1.0) and not third.any()
-    peers[2] = (NO_SUCH_PID, _address(arrays[1]))
+    peers[2, :2] = (NO_SUCH_PID, _address(arrays[1]))
     assert kernels.write_to_peers(arrays[0].view(np.uint8), peers, 0, 0, 256) == (2, errno.ESRCH)
 
 
 @pytest.mark.parametrize("me, lo, hi, peers_bytes", [
-    (3, 0, 64, 48),      # no rank 3 among 3
-    (-1, 0, 64, 48),     # nor rank -1
-    (0, 64, 0, 48),      # an empty range backwards
-    (0, 0, 260, 48),     # past the array's end
-    (0, 0, 64, 44),      # peers that are not whole (pid, address) pairs
+    (3, 0, 64, 3 * kernels.PEER_BYTES),      # no rank 3 among 3
+    (-1, 0, 64, 3 * kernels.PEER_BYTES),     # nor rank -1
+    (0, 64, 0, 3 * kernels.PEER_BYTES),      # an empty range backwards
+    (0, 0, 260, 3 * kernels.PEER_BYTES),     # past the array's end
+    (0, 0, 64, 3 * kernels.PEER_BYTES - 4),  # peers that are not whole descriptors
+    (0, 0, 64, 48),                          # three (pid, address) pairs: not descriptors either
 ])
 def test_write_to_peers_refuses_arguments_that_describe_no_range(me, lo, hi, peers_bytes):
     arrays = [np.ones(64, dtype=np.float32) for _ in range(3)]
-    pairs = np.array([(os.getpid(), _address(a)) for a in arrays], dtype=np.int64)
-    peers = pairs.reshape(-1).view(np.uint8)[:peers_bytes]
+    peers = _peers(arrays).reshape(-1).view(np.uint8)[:peers_bytes]
     with pytest.raises(ValueError, match="do not describe"):
         kernels.write_to_peers(arrays[0].view(np.uint8), peers, me, lo, hi)
     assert np.all(arrays[1] == 1.0) and np.all(arrays[2] == 1.0)

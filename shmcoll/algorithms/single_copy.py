@@ -65,9 +65,10 @@ PIECE_BYTES = 128 << 10
 #: A range crossing hosts in pieces of at least this many bytes is folded and written back by the
 #: crossing's row (HostRange); a smaller piece stays in cache from one phase to the next anyway.
 ROW_FOLDS_FROM_BYTES = 2 << 20
-#: The descriptor a rank publishes in its board entry, as u64 words (the entry must hold its bytes).
+#: The descriptor a rank publishes in its board entry, as u64 words (the entry must hold its bytes):
+#: the kernels that read and write peers' arrays take every rank's, as gathered, for their peers.
 PID, ADDRESS, TOKEN_ADDRESS, TOKEN, STEP, STEP_SLEEPERS = range(6)
-DESCRIPTOR_BYTES = 64
+DESCRIPTOR_BYTES = kernels.PEER_BYTES
 #: The step word's values for call seq: (seq + 1) << 2 | one of these (the vote on reading arrays).
 OFFER, DECLINE = 1, 2
 
@@ -145,16 +146,15 @@ def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, 
     if peers is None:
         return
     me = among.ranks.index(c.rank)
-    own = data.view(np.uint8)
     overlapped = crossing.overlap and len(crossing.pieces) > 1
     if overlapped or max((hi - lo for lo, hi in crossing.pieces), default=0) < ROW_FOLDS_FROM_BYTES:
         in_pieces(crossing.pieces, lambda piece: _reduce_range(c, among, data, op, peers, piece),
                   lambda piece: crossing.far(piece, None),
-                  lambda piece: _deliver(among, own, peers, me, piece, c.code, crossing.divisor), c.deadline,
+                  lambda piece: _deliver(among, data, peers, me, piece, c.code, crossing.divisor), c.deadline,
                   crossing.overlap)
     else:
         for piece in crossing.pieces:
-            _across_as_host_range(c, among, own, op, peers, piece, crossing)
+            _across_as_host_range(c, among, data, op, peers, piece, crossing)
     _finish(c, among)
 
 
@@ -283,9 +283,9 @@ def gather_owned_among(c: Call, among: Readers, data: np.ndarray, owned: Sequenc
 
 def _publish_and_agree(c: Call, among: Readers, source: np.ndarray, fallback: Fallback) -> np.ndarray | None:
     """Publish where `source` is (an array of the call's shape and type, which peers will read)
-    and read every rank's descriptor: the ranks' (pid, address) pairs as int64 rows, in
-    among.ranks order. None once fallback(c) has run instead, where the ranks may not read each
-    other (asked on the first call)."""
+    and read every rank's descriptor: int64 rows (pid and address first), in among.ranks order.
+    None once fallback(c) has run instead, where the ranks may not read each other (asked on the
+    first call)."""
     board = among.board
     if board.single_copy_agreed is False:
         fallback(c)
@@ -303,21 +303,21 @@ def _publish_and_agree(c: Call, among: Readers, source: np.ndarray, fallback: Fa
             _finish(c, among)
             fallback(c)
             return None
-    return np.array([d[PID:ADDRESS + 1] for d in descriptors])  # a copy: the entries change after the call
+    return np.array([d[:DESCRIPTOR_BYTES // 8] for d in descriptors])  # a copy: the entries change after the call
 
 
 def _gather_descriptors(c: Call, among: Readers, source: np.ndarray, address: int) -> np.ndarray:
     """_publish_and_agree's publish and reads in one compiled step (Board.gather_open: the same
-    entries), once the ranks agreed: every board rank's (pid, address), this rank's reading left
-    open until _finish, in the room the board keeps for calls of this kind (_room)."""
+    entries), once the ranks agreed: every board rank's descriptor, this rank's reading left open
+    until _finish, in the room the board keeps for calls of this kind (_room), which the kernels
+    take as their peers as it is."""
     room = _room(c, among, source)
     if room.pid[0] != _own_pid:  # new, or in a forked child: this process's pid and token
         room.mine[:] = _own
         room.pid[0] = _own_pid
     room.mine[ADDRESS] = address
     among.board.gather_open(c.meta.seq, room.descriptors, room.header, c.code, c.deadline, among.guard, c.meta)
-    room.peers[:] = room.descriptors[:, PID:ADDRESS + 1]
-    return room.peers
+    return room.descriptors
 
 
 class _Room(NamedTuple):
@@ -328,7 +328,6 @@ class _Room(NamedTuple):
     descriptors: np.ndarray  # every board rank's, as int64 rows in board order
     mine: np.ndarray  # this rank's row of descriptors
     header: np.ndarray  # the call's entry header (the compiled step writes in the sequence number)
-    peers: np.ndarray  # (pid, address) of every board rank, as _publish_and_agree returns them
     pid: list[int]  # the process whose descriptor `mine` holds
 
 
@@ -338,8 +337,7 @@ def _room(c: Call, among: Readers, source: np.ndarray) -> _Room:
     if room is None:
         descriptors = np.empty((len(among.ranks), DESCRIPTOR_BYTES // 8), np.int64)
         room = keep(among.board.kept, key, _Room(descriptors, descriptors[among.ranks.index(c.rank)],
-                                                 entry_header(c.rank, c.meta._replace(seq=0), c.code, source),
-                                                 np.empty((len(among.ranks), ADDRESS + 1), np.int64), [0]),
+                                                 entry_header(c.rank, c.meta._replace(seq=0), c.code, source), [0]),
                     ROOMS_KEPT)
     assert isinstance(room, _Room)
     return room
@@ -436,7 +434,7 @@ def _reduce_range(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, pee
     lo, hi = byte_range
     rank, n = c.t.rank, len(among.ranks)
     divisor = n if op is ReduceKind.AVG else 1
-    failed = kernels.reduce_from_peers(data.view(np.uint8), peers, among.ranks.index(rank), lo, hi, c.code, int(op),
+    failed = kernels.reduce_from_peers(data, peers, among.ranks.index(rank), lo, hi, c.code, int(op),
                                        _scratch_area(), divisor if deliver else 0)
     if failed is not None:
         _read_failed(among, among.ranks[failed[0]], failed[1])
@@ -452,7 +450,7 @@ def _reduce_range(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, pee
 
 def _deliver(among: Readers, own: np.ndarray, peers: np.ndarray, me: int, byte_range: tuple[int, int], code: int,
              divisor: int = 1) -> None:
-    """own[byte_range] (this rank's array as uint8, at position me, of wire type `code`) written
+    """own[byte_range] (this rank's array taken as bytes, at position me, of wire type `code`) written
     into every peer's array, divided by divisor first where it is above 1 (AVG), a piece at a
     time while in cache (kernels.scale_to_peers)."""
     lo, hi = byte_range

@@ -321,8 +321,9 @@ done:
     return result;
 }
 
-/* Whether peers holds whole (pid, address) pairs, aligned, me is one of them, and [lo, hi) lies
-   in own: a range of every rank's array (reduce_from_peers, write_to_peers, scale_to_peers). */
+/* Whether peers holds whole peer descriptors (struct peer_array), aligned, me is one of them, and
+   [lo, hi) lies in own: a range of every rank's array (reduce_from_peers, write_to_peers,
+   scale_to_peers). */
 static int is_range_of_every_array(const held_buffer *own, const held_buffer *peers, int64_t me, int64_t lo,
                                    int64_t hi) {
     size_t ranks = (size_t)peers->view.len / sizeof(struct peer_array);
@@ -768,9 +769,9 @@ static PyMethodDef methods[] = {
      "write_to_peers with each piece of own[lo:hi] divided by divisor first"},
     {"reduce_from_peers", (PyCFunction)(void (*)(void))reduce_from_peers, METH_FASTCALL,
      "reduce_from_peers(own, peers, me, lo, hi, code, op, scratch, deliver) -> None, or (rank, errno) of the "
-     "failed read or write: bytes [lo, hi) of every rank's array (peers: int64 pairs pid, address) folded in "
-     "rank order into own; deliver 0 keeps the result there, d >= 1 also divides each piece by d (where d > 1) "
-     "and writes it into every peer's array"},
+     "failed read or write: bytes [lo, hi) of every rank's array (peers: each rank's descriptor, pid and "
+     "address first) folded in rank order into own; deliver 0 keeps the result there, d >= 1 also divides "
+     "each piece by d (where d > 1) and writes it into every peer's array"},
     {"swap_row", (PyCFunction)(void (*)(void))swap_row, METH_FASTCALL,
      "swap_row(fds, srcs, ways, header, tag, seq, data, into, inbound, code, op, spin_ns, wait_ns, left_ns) -> "
      "(status, done, sent): pairwise steps with TCP peers in a row (native/swap.h), ways[i] step i's WAY_*"},
@@ -822,6 +823,7 @@ PyMODINIT_FUNC PyInit__native(void) {
               PyModule_AddIntConstant(m, "HOST_ERROR", HOST_ERROR) < 0 ||
               PyModule_AddIntConstant(m, "HOST_FAILED", HOST_FAILED) < 0 ||
               PyModule_AddIntConstant(m, "HOST_FOLDED", HOST_FOLDED) < 0 ||
+              PyModule_AddIntConstant(m, "PEER_BYTES", sizeof(struct peer_array)) < 0 ||
               PyModule_AddIntConstant(m, "IN_WAITING", IN_WAITING) < 0 ||
               PyModule_AddIntConstant(m, "IN_BODY", IN_BODY) < 0 ||
               PyModule_AddIntConstant(m, "IN_DONE", IN_DONE) < 0 ||

@@ -5,10 +5,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* One peer's array as it published it: its pid and the address of its first byte. */
+/* One peer's array as it published it: its board descriptor (single_copy.py's DESCRIPTOR_BYTES),
+   of which only the pid and the address of the array's first byte are read here. The whole
+   descriptor, so the rows a board step gathers are the peers the calls below take, as they are. */
 struct peer_array {
     int64_t pid;
     uint64_t address;
+    int64_t rest[6];
 };
 
 /* Copy n bytes at `address` in process pid into out: 0, or the errno of the read that failed. */
