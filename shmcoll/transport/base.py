@@ -263,6 +263,13 @@ class Transport(ABC):
         a transport may run them all in one native call (`_duplex_ranges`), with `host_range` where the
         array is a host range; the rest go as send_recv_row() runs each peer's run of steps."""
         finished, done = self._duplex_ranges(steps, tag, data, code, meta, deadline, op, host_range)
+        self._ranges_after(steps, finished, done, tag, data, code, meta, deadline, op, host_range)
+
+    def _ranges_after(self, steps: Sequence[RangeStep], finished: int, done: int, tag: int, data: np.ndarray,
+                      code: int, meta: Meta, deadline: float, op: ReduceKind | None,
+                      host_range: HostRange | None) -> None:
+        """send_recv_ranges()'s steps from the first one its row did not finish (what it did of
+        that one: `done`), each peer's run of them as send_recv_row() runs it."""
         if finished < len(steps) and host_range is not None:
             host_range.fold_rest()
         if finished < len(steps) and done == SENT:
@@ -278,6 +285,22 @@ class Transport(ABC):
                 run.append((data[a:b], data[lo:hi], op if folds else None))
                 at += 1
             self.send_recv_row(to, src, tag, run, code, meta, deadline)
+
+    def prepare_range_row(self, steps: tuple[RangeStep, ...], itemsize: int) -> Any:
+        """send_recv_ranges()'s steps over an array of itemsize-byte elements as one native row that
+        run_range_row runs, worked out once for a caller that runs it call after call (single_copy.py's
+        large all-reduce in one row); None where this transport runs none."""
+        return None
+
+    def run_range_row(self, row: Any, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+                      op: ReduceKind | None, host_range: HostRange, before: Callable[[], bool]) -> bool:
+        """send_recv_ranges() of a prepared row's steps, with before() first: a native step of the
+        caller's that must come first (single_copy.py's gather of its host peers' descriptors), run
+        once this thread holds the row's connections, so nothing of Python's comes between the two.
+        Where before() returns False (it did not finish in its first go), nothing else is done and
+        this returns False: the caller finishes its step and runs send_recv_ranges. True once every
+        step is done."""
+        raise NotImplementedError(f"the {self.name} transport runs no rows of ranges")
 
     def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,
                        deadline: float, op: ReduceKind | None, host_range: HostRange | None) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from .frame import Meta
 from .mailbox import AbortReason, Mailbox, Message
 from .shm import ShmTransport
 from .shm_channel import WAIT_SLICE
-from .tcp import NetTransport, SwapRow
+from .tcp import NetTransport, RangeRow, SwapRow
 from .topology import Topology
 
 _T = TypeVar("_T")
@@ -93,6 +93,18 @@ class HierarchicalTransport(Transport):
             return self.net._duplexes(to, src, tag, steps, code, meta, deadline)
         except PeerLost:
             self.shm.check_health(strict=False)  # as _sliced: an abort's reason that came through this host
+            raise
+
+    def prepare_range_row(self, steps: tuple[RangeStep, ...], itemsize: int) -> RangeRow | None:
+        """The TCP side's, where every step's peer is remote."""
+        return self.net.prepare_range_row(steps, itemsize)
+
+    def run_range_row(self, row: RangeRow, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+                      op: ReduceKind | None, host_range: HostRange, before: Callable[[], bool]) -> bool:
+        try:
+            return self.net.run_range_row(row, tag, data, code, meta, deadline, op, host_range, before)
+        except PeerLost:
+            self.shm.check_health(strict=False)  # as _duplexes
             raise
 
     def _duplex_ranges(self, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int, meta: Meta,

@@ -162,12 +162,22 @@ class Board:
         place, in one compiled call (kernels.board_gather_open): the entries publish() and read()
         would write and check, but this rank's reading stays open: finish() ends it, once its
         peers may change what the blocks describe (a large call's arrays, single_copy.py)."""
-        status = kernels.board_gather_open(self.mem, out, header, self.host_where, self._me, seq, code, 0,
-                                           self.spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+        status = self.gather_open_first(seq, out, header, code)
         if status != kernels.BOARD_DONE:
-            self._finish_step(status, lambda position, spin, wait: kernels.board_gather_open(
-                self.mem, out, header, self.host_where, self._me, seq, code, position, spin, wait, DONE_SLEEPERS),
-                seq, out, deadline, guard(), want)
+            self.gather_open_rest(status, seq, out, header, code, deadline, guard(), want)
+
+    def gather_open_first(self, seq: int, out: np.ndarray, header: np.ndarray, code: int) -> int:
+        """gather_open()'s compiled call, its first wait slice only: its status, kernels.BOARD_DONE
+        once every block is in (else gather_open_rest goes on)."""
+        return kernels.board_gather_open(self.mem, out, header, self.host_where, self._me, seq, code, 0,
+                                         self.spin_ns, WAIT_SLICE_NS, DONE_SLEEPERS)
+
+    def gather_open_rest(self, status: int, seq: int, out: np.ndarray, header: np.ndarray, code: int,
+                         deadline: float, check: Callable[[int], None], want: Meta) -> None:
+        """Finish a gather_open whose first call returned `status` (_finish_step)."""
+        self._finish_step(status, lambda position, spin, wait: kernels.board_gather_open(
+            self.mem, out, header, self.host_where, self._me, seq, code, position, spin, wait, DONE_SLEEPERS),
+            seq, out, deadline, check, want)
 
     def _finish_step(self, status: int, step: Callable[[int, int, int], int], seq: int, data: np.ndarray,
                      deadline: float, check: Callable[[int], None], want: Meta) -> None:

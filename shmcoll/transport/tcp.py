@@ -39,7 +39,7 @@ import struct
 import termios
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -365,8 +365,31 @@ class NetTransport(LinkTransport):
         row = self._range_row(tuple(steps), data.itemsize)
         if row is None or not self._claim_all(row, tag):
             return 0, NOT_STARTED
+        return self._run_claimed(row, steps, tag, data, code, meta, deadline, op, host_range)
+
+    def prepare_range_row(self, steps: tuple[RangeStep, ...], itemsize: int) -> RangeRow | None:
+        return self._range_row(steps, itemsize)
+
+    def run_range_row(self, row: RangeRow, tag: int, data: np.ndarray, code: int, meta: Meta, deadline: float,
+                      op: ReduceKind | None, host_range: HostRange, before: Callable[[], bool]) -> bool:
+        if not self._claim_all(row, tag):
+            finished, done = 0, NOT_STARTED
+            if not before():
+                return False
+        elif not before():
+            self._give_back(row)
+            return False
+        else:
+            finished, done = self._run_claimed(row, row.ranges, tag, data, code, meta, deadline, op, host_range)
+        self._ranges_after(row.ranges, finished, done, tag, data, code, meta, deadline, op, host_range)
+        return True
+
+    def _run_claimed(self, row: RangeRow, steps: Sequence[RangeStep], tag: int, data: np.ndarray, code: int,
+                     meta: Meta, deadline: float, op: ReduceKind | None,
+                     host_range: HostRange | None) -> tuple[int, int]:
+        """_duplex_ranges' row, once _claim_all holds it."""
         progress, at = row.progress, row.at
-        row.words[:] = 0
+        row.words.fill(0)
         header = row.header(self.rank, meta, code)
         status = kernels.DUPLEX_PENDING
         try:
@@ -443,7 +466,7 @@ class NetTransport(LinkTransport):
         words = np.zeros(6, np.int64)
         return RangeRow(table, peers, b"".join(self._beats[src] for _, src, *_ in steps), tos, srcs, firsts,
                         [self._inboxes[src] for src in srcs], [self._send_locks[to] for to in tos], words,
-                        words[:5], words[5:], {})
+                        words[:5], words[5:], {}, steps)
 
     def _claim_all(self, row: RangeRow, tag: int) -> bool:
         """Every inbox and send lock of a row taken, where this thread can have them all at once
@@ -468,6 +491,14 @@ class NetTransport(LinkTransport):
         for lock in taken:
             lock.release()
         return False
+
+    def _give_back(self, row: RangeRow) -> None:
+        """A claimed row's connections given back unused."""
+        for inbox in row.inboxes:
+            inbox.lock.release()
+            inbox.leave(False)
+        for lock in row.send_locks:
+            lock.release()
 
     def _release_inboxes(self, row: RangeRow, stopped: int, progress: np.ndarray) -> None:
         """Give back a row's inboxes: a frame the row was reading when it gave up (a failure
@@ -807,6 +838,7 @@ class RangeRow(NamedTuple):
     progress: np.ndarray
     at: np.ndarray
     headers: dict[tuple, bytes]
+    ranges: tuple[RangeStep, ...]  # the steps it runs, as send_recv_ranges() takes them
 
     def header(self, rank: int, meta: Meta, code: int) -> bytes:
         """The frame header of a call like `meta` over data of wire type `code`, sent by rank."""
