@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from shmcoll.algorithms import overlap, single_copy, two_level
 from shmcoll.algorithms.two_level import GATHER_V_HEAD_BYTES
 from shmcoll.algorithms.two_level_broadcast import SCATTER_HEAD_BYTES
 from shmcoll.transport.frame import MAX_NDIM
+from shmcoll.transport.shm_board import WAIT_SLICE_NS, Board
 from shmcoll.transport.topology import Topology
 
 from bounds import MISMATCH_NOTICE_S, WAIT_HANG_S
@@ -228,7 +230,8 @@ def _large_all_reduce_in_pieces(pg, unreadable: int | None):
     if pg.rank == unreadable:  # its host takes the rings
         cannot_be_read()
     crossed, overlapped = [0], []
-    _record_calls(two_level, "_across", lambda args, result: crossed.__setitem__(0, crossed[0] + 1))
+    for crossing in ("_across", "all_reduce_in_one_row"):  # a piece, or a range whole in one row
+        _record_calls(two_level, crossing, lambda args, result: crossed.__setitem__(0, crossed[0] + 1))
     _record_calls(overlap, "_overlapped", lambda args, result: overlapped.append(len(args[0])))
     inputs = _random_inputs(pg.world_size, BIG)
     total = inputs[pg.rank].copy()
@@ -274,10 +277,13 @@ def test_large_slices_cross_hosts_in_pieces_where_any_rank_overlaps(layout, n, u
 def _large_all_reduces_in_host_ranges(rank: int, n: int, port: int):
     """SUM and MAX of BIG bytes three times each, then AVG twice, each checked against numpy (the
     SUM and MAX exact, of whole numbers), ranks not overlapping: for each call, how many pieces of
-    this rank's range went across as host ranges and how many were written back after their row."""
+    this rank's range went across as host ranges, how many of those in one row, and how many were
+    written back after their row."""
     os.environ["SHMCOLL_OVERLAP"] = "0"
-    ranged, written_back = [0], [0]
+    ranged, in_one_row, written_back = [0], [0], [0]
     _record_calls(single_copy, "_across_as_host_range", lambda args, result: ranged.__setitem__(0, ranged[0] + 1))
+    _record_calls(two_level, "all_reduce_in_one_row", lambda args, result: (
+        ranged.__setitem__(0, ranged[0] + 1), in_one_row.__setitem__(0, in_one_row[0] + 1)))
     _record_calls(single_copy, "_deliver", lambda args, result: written_back.__setitem__(0, written_back[0] + 1))
     counts = []
     inputs = [np.random.default_rng(r).integers(-1000, 1000, BIG // 4).astype(np.float32) for r in range(n)]
@@ -285,29 +291,62 @@ def _large_all_reduces_in_host_ranges(rank: int, n: int, port: int):
         for op, want in [(shmcoll.ReduceKind.SUM, np.sum(inputs, axis=0)), (shmcoll.ReduceKind.MAX,
                                                                              np.max(inputs, axis=0))] * 3:
             x = inputs[rank].copy()
-            ranged[0] = written_back[0] = 0
+            ranged[0] = in_one_row[0] = written_back[0] = 0
             pg.all_reduce(x, op)
             assert np.array_equal(x, want)
-            counts.append((ranged[0], written_back[0]))
+            counts.append((ranged[0], in_one_row[0], written_back[0]))
         for _ in range(2):
-            ranged[0] = written_back[0] = 0
+            ranged[0] = in_one_row[0] = written_back[0] = 0
             _checked_avg(pg, inputs)
-            counts.append((ranged[0], written_back[0]))
+            counts.append((ranged[0], in_one_row[0], written_back[0]))
     return counts
 
 
 @pytest.mark.multiprocess
 def test_a_large_range_is_folded_and_written_back_by_the_row_that_crosses_hosts(monkeypatch):
     """2 + 2 simulated hosts, each rank's range of BIG bytes crossing whole: every call takes it
-    across as a host range (single_copy.HostRange). A SUM's and a MAX's row writes it into the host
-    peer as it goes, on every rank in some call at least (a call whose row could not take its
-    connections writes it back after), exactly; an AVG's, divided after the row, always after."""
+    across as a host range (single_copy.HostRange), the first as all_reduce_among does, every later
+    one in one row (single_copy.all_reduce_in_one_row: the host has agreed). A SUM's and a MAX's
+    row writes it into the host peer as it goes, on every rank in some call at least (a call whose
+    row could not take its connections writes it back after), exactly; an AVG's, divided after the
+    row, always after."""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
     for counts in run_ranks(4, _large_all_reduces_in_host_ranges, init=False):
-        assert [ranged for ranged, _ in counts] == [1] * 8
-        assert min(back for _, back in counts[:6]) == 0
-        assert [back for _, back in counts[6:]] == [1, 1]
+        assert [ranged for ranged, _, _ in counts] == [1] * 8
+        assert [in_one_row for _, in_one_row, _ in counts] == [0] + [1] * 7
+        assert min(back for _, _, back in counts[:6]) == 0
+        assert [back for _, _, back in counts[6:]] == [1, 1]
+
+
+def _late_host_peer(rank: int, n: int, port: int):
+    """Large SUMs, exact, where rank 1 comes to every call after the others have waited out their
+    first look at the board (kernels.board_gather_open's first wait slice): how many of this
+    rank's calls finished their gather the slow way."""
+    os.environ["SHMCOLL_OVERLAP"] = "0"
+    slow = [0]
+    _record_calls(Board, "gather_open_rest", lambda args, result: slow.__setitem__(0, slow[0] + 1))
+    inputs = [np.random.default_rng(r).integers(-1000, 1000, BIG // 4).astype(np.float32) for r in range(n)]
+    with shmcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1", master_port=port, timeout=WAIT_HANG_S) as pg:
+        for _ in range(4):
+            x = inputs[rank].copy()
+            pg.barrier()
+            if rank == 1:
+                time.sleep(20 * WAIT_SLICE_NS / 1e9)  # arrive late: the point of the test
+            pg.all_reduce(x)
+            assert np.array_equal(x, np.sum(inputs, axis=0))
+    return slow[0]
+
+
+@pytest.mark.multiprocess
+def test_a_host_peer_late_to_a_call_in_one_row_lets_the_gather_finish_first(monkeypatch):
+    """2 + 2 simulated hosts: where rank 1 comes late, its host peer's gather does not finish
+    before the row, which then gives its connections back and runs after the gather finished the
+    slow way; the results are exact all the same."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "halves")
+    slow = run_ranks(4, _late_host_peer, init=False)
+    assert slow[0] >= 2 and slow[1] == 0  # rank 0 waited for rank 1 in its later calls; never the other way
 
 
 @pytest.mark.multiprocess

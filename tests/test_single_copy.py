@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from shmcoll import ReduceKind, kernels
-from shmcoll.algorithms import single_copy
+from shmcoll.algorithms import single_copy, two_level
 from shmcoll.algorithms.call import segment_bounds
+from shmcoll.transport.shm_board import Board
 from shmcoll.types import wire_type_of
 
 from faults import assert_survivors, call_after_failure, cannot_be_read, close_group
@@ -395,7 +396,9 @@ def test_ranks_that_agreed_and_then_reduce_different_lengths_fail_alike():
         assert out["kind"] == "CollectiveMismatch", out
 
 
-def _killed_in_step(pg, victim: int, call: str, step: str, agreed, finish, elements: int = ELEMENTS):
+def _killed_in_step(pg, victim: int, call: str, step: str | None, agreed, finish, elements: int = ELEMENTS):
+    """The victim dies as it would call single_copy.<step> (or where a step of its own kills it:
+    step None) in the call after the agreement; the others' outcome."""
     data = np.ones(elements, dtype=np.float32)
     pg.all_reduce(data)  # the agreement, so the fault hits a call that reads peers
     # Every rank done with the agreement first: a victim that finished it early and died in the next
@@ -403,7 +406,8 @@ def _killed_in_step(pg, victim: int, call: str, step: str, agreed, finish, eleme
     assert finish_together(agreed)
     run = (lambda: pg.all_reduce(data)) if call == "all_reduce" else (lambda: pg.broadcast(victim, data))
     if pg.rank == victim:
-        setattr(single_copy, step, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
+        if step is not None:
+            setattr(single_copy, step, lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
         run()
         return None
     out = attempt(run)
@@ -446,15 +450,40 @@ def test_a_rank_killed_inside_a_step_across_hosts_is_lost_to_those_that_need_it(
 
 
 @pytest.mark.multiprocess
-def test_a_rank_killed_as_its_row_would_fold_its_range_is_lost_to_every_other():
+def _killed_once_gathered(pg, victim: int, agreed, finish):
+    """_killed_in_step's victim dying once its gather has published its array, before its row
+    starts (single_copy.all_reduce_in_one_row: the gather is the row's first step)."""
+    if pg.rank == victim:
+        gather = Board.gather_open_first
+
+        def gathered_then_killed(*args):
+            gather(*args)
+            os.kill(os.getpid(), signal.SIGKILL)
+        Board.gather_open_first = gathered_then_killed
+    return _killed_in_step(pg, victim, "all_reduce", None, agreed, finish, 2 << 20)
+
+
+def _killed_as_range(pg, victim: int, agreed, finish):
+    """_killed_in_step's victim taking its range across the general way (all_reduce_among), and
+    dying as it would hand it to the row (the others call as usual: the frames and board steps are
+    the same either way)."""
+    if pg.rank == victim:
+        two_level._in_one_row = lambda *args: None
+    return _killed_in_step(pg, victim, "all_reduce", "_across_as_host_range", agreed, finish, 2 << 20)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("gathered", [False, True], ids=["as-range", "in-one-row"])
+def test_a_rank_killed_as_its_row_would_fold_its_range_is_lost_to_every_other(gathered):
     """8 MiB crossing whole (no overlap): each rank's row folds its range out of its host peer's
     array as it goes and writes it back into it (single_copy.HostRange). Rank 1 dies as its row
-    would start, its array published: its host peer's row, reading or writing that array, and its
-    column peer, waiting for its frames, lose it, and so does the rank that waits for theirs."""
+    would start, its array published (by the general path's gather; by its one-row call's, the
+    row's first step): its host peer's row, reading or writing that array, and its column peer,
+    waiting for its frames, lose it, and so does the rank that waits for theirs."""
     n, victim = 4, 1
     env = {**ACROSS_HOSTS, "SHMCOLL_OVERLAP": "0"}
-    results = run_ranks(n, _killed_in_step, victim, "all_reduce", "_across_as_host_range", CTX.Barrier(n),
-                        CTX.Barrier(n - 1), 2 << 20, env=env, may_die={victim})
+    results = run_ranks(n, _killed_once_gathered if gathered else _killed_as_range, victim, CTX.Barrier(n),
+                        CTX.Barrier(n - 1), env=env, may_die={victim})
     assert_survivors({r: results[r] for r in (0, 2, 3)}, victim)
 
 

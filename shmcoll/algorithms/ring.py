@@ -105,14 +105,14 @@ def ring_all_reduce(c: Call, data: np.ndarray, op: ReduceKind, members: Sequence
         ring_all_gather_owned(c, data, ring, owned)
         return
     ring = ring if type(ring) is tuple else tuple(ring)
-    _run_ring(c, data, _all_reduce_ranges(ring, c.rank, len(data), data.itemsize, c.chunk_bytes), op, host_range)
+    _run_ring(c, data, ring_all_reduce_steps(ring, c.rank, len(data), data.itemsize, c.chunk_bytes), op, host_range)
 
 
 @functools.lru_cache(maxsize=256)
-def _all_reduce_ranges(ring: tuple[int, ...], rank: int, count: int, itemsize: int,
-                       chunk_bytes: int) -> tuple[RangeStep, ...]:
-    """ring_all_reduce's steps over count elements (both phases, equal segments), looked up in one
-    step per call: where ranks share cores, each step of the lookup is time a peer waits for."""
+def ring_all_reduce_steps(ring: tuple[int, ...], rank: int, count: int, itemsize: int,
+                          chunk_bytes: int) -> tuple[RangeStep, ...]:
+    """ring_all_reduce's steps at `rank` over count elements (both phases, equal segments), looked
+    up in one step per call: where ranks share cores, each step of the lookup is time a peer waits for."""
     owned = _segments(count, len(ring))
     pieces = chunk_count(max(b - a for a, b in owned), itemsize, chunk_bytes)
     return _ring_schedule(ring, rank, owned, pieces, (1, 0))

@@ -18,7 +18,9 @@ the kernel copies once), as OpenMPI's shared-memory transport does for large mes
      owners. Inside a group across hosts each owned range is all-reduced across hosts between
      its fold and its write into every host peer's array (two_level.py: the in-host phases of a
      large all-reduce); a large one is folded and written back by the row that carries it across,
-     a piece at a time, while that piece is in cache (HostRange);
+     a piece at a time, while that piece is in cache (HostRange), and a kind of call the host has
+     agreed on runs its gather, that row and the final wait as native calls back to back
+     (all_reduce_in_one_row);
    - reduce_scatter: the same fold of its own block, in the call's private copy of the input;
    - all_gather: every peer's block into its place; broadcast: the root's array (inside a group
      across hosts, the root's host's ranks, and on every other host the slices the host's ranks
@@ -46,14 +48,14 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveError, PeerLost
 from ..kept import keep
-from ..transport.base import BoardGuard
+from ..transport.base import BoardGuard, RangeStep
 from ..transport.shm_board import Board, entry_header
 from ..types import ReduceKind
 from .call import Call, segment_bounds
@@ -64,6 +66,7 @@ from .ring import scale_if_avg
 PIECE_BYTES = 128 << 10
 #: A range crossing hosts in pieces of at least this many bytes is folded and written back by the
 #: crossing's row (HostRange); a smaller piece stays in cache from one phase to the next anyway.
+#: (A call in one row, all_reduce_in_one_row, always is: there the Python it saves counts more.)
 ROW_FOLDS_FROM_BYTES = 2 << 20
 #: The descriptor a rank publishes in its board entry, as u64 words (the entry must hold its bytes):
 #: the kernels that read and write peers' arrays take every rank's, as gathered, for their peers.
@@ -161,11 +164,69 @@ def all_reduce_among(c: Call, among: Readers, data: np.ndarray, op: ReduceKind, 
 def _across_as_host_range(c: Call, among: Readers, own: np.ndarray, op: ReduceKind, peers: np.ndarray,
                           piece: tuple[int, int], crossing: Crossing) -> None:
     """One piece folded, across hosts and written back, all by the crossing's row where it can
-    (HostRange); what the row did not write back (it had no row, a step not final, or the piece is
-    an AVG's, divided on its way back) after it."""
+    (HostRange); the rest after it (_host_range_done)."""
     host_range = HostRange(c, among, own, op, peers, piece, crossing.divisor == 1)
     crossing.far(piece, host_range)
+    _host_range_done(c, among, own, peers, piece, host_range, crossing.divisor)
+
+
+class OneRow(NamedTuple):
+    """A large all-reduce's usual call at one rank, prepared on its first call (two_level.py's
+    _in_one_row): its host's ranks have agreed to read each other's arrays, and its range crosses
+    hosts whole in one native row (Transport.prepare_range_row). all_reduce_in_one_row runs it."""
+
+    board: Board  # its host's
+    host: tuple[int, ...]  # the ranks that read each other's arrays: the board's
+    piece: tuple[int, int]  # this rank's range, in bytes
+    elements: tuple[int, int]  # ... in elements
+    ring: tuple[RangeStep, ...]  # its steps across hosts (ring.ring_all_reduce's)
+    row: Any  # those steps as the transport's native row
+    room: _Room  # where the host's descriptors are gathered
+    words: np.ndarray  # its HostRange's
+
+
+def all_reduce_in_one_row(c: Call, one: OneRow, data: np.ndarray, op: ReduceKind, divisor: int) -> None:
+    """all_reduce_among's usual call: the host's gather of descriptors runs as the first step of
+    the row across hosts (Transport.run_range_row's `before`), the row folds the range out of the
+    host peers' arrays, carries it and writes it back (HostRange), then the host's wait (_finish):
+    native calls one after another, with little Python between. Where ranks share cores, each step
+    of Python a rank takes is time its host peers wait for, and after each wait it runs from a
+    cache the other ranks' copies have emptied: 2 + 2 ranks on 2 cores, 1 MiB, the general path
+    spent 160-190 us of Python per call and rank. Where the gather does not finish in its first go,
+    it finishes here and the steps go as send_recv_ranges runs them."""
+    board, room, seq, (a, b) = one.board, one.room, c.meta.seq, one.elements
+    address = kernels.address_of(data)
+    _prefer_huge_pages(data, address)
+    _describe(room, address)
+    among = Readers.of_host(c, board, one.host)
+    host_range = HostRange(c, among, data, op, room.descriptors, one.piece, divisor == 1, one.words)
+    first = [kernels.BOARD_DONE]
+
+    def gather() -> bool:
+        first[0] = board.gather_open_first(seq, room.descriptors, room.header, c.code)
+        return first[0] == kernels.BOARD_DONE
+
+    if not c.t.run_range_row(one.row, c.tag, data[a:b], c.code, c.meta, c.deadline, op, host_range, gather):
+        board.gather_open_rest(first[0], seq, room.descriptors, room.header, c.code, c.deadline, among.guard(),
+                               c.meta)
+        c.t.send_recv_ranges(one.ring, c.tag, data[a:b], c.code, c.meta, c.deadline, op, host_range)
+    _written_back(c, among, data, room.descriptors, one.piece, host_range, divisor)
+    _finish(c, among)
+
+
+def _host_range_done(c: Call, among: Readers, own: np.ndarray, peers: np.ndarray, piece: tuple[int, int],
+                     host_range: HostRange, divisor: int) -> None:
+    """After the row of a host range: what it did not fold folded (where the row stopped early and
+    any other way took the range across without folding it first), and _written_back."""
     host_range.fold_rest()
+    _written_back(c, among, own, peers, piece, host_range, divisor)
+
+
+def _written_back(c: Call, among: Readers, own: np.ndarray, peers: np.ndarray, piece: tuple[int, int],
+                  host_range: HostRange, divisor: int) -> None:
+    """After the row of a host range that folded all of it (send_recv_ranges folds what its row
+    did not before it goes on): what the row did not write back (a step not final, or the piece is
+    an AVG's, divided on its way back) written."""
     lo, hi = piece
     delivered = host_range.delivered == hi - lo
     for src in among.ranks:
@@ -173,7 +234,7 @@ def _across_as_host_range(c: Call, among: Readers, own: np.ndarray, op: ReduceKi
             among.board.bytes_read_from[src] += hi - lo
             among.board.bytes_written_to[src] += hi - lo if delivered else 0
     if not delivered:
-        _deliver(among, own, peers, host_range.me, piece, c.code, crossing.divisor)
+        _deliver(among, own, peers, host_range.me, piece, c.code, divisor)
 
 
 class HostRange:
@@ -188,9 +249,13 @@ class HostRange:
     __slots__ = ("native", "me", "_among", "_code", "_op")
 
     def __init__(self, c: Call, among: Readers, own: np.ndarray, op: ReduceKind, peers: np.ndarray,
-                 piece: tuple[int, int], delivers: bool) -> None:
+                 piece: tuple[int, int], delivers: bool, words: np.ndarray | None = None) -> None:
+        """words: host_range_words(piece), kept by a caller that makes such calls again (zeroed here)."""
         lo, hi = piece
-        words = np.zeros(kernels.HOST_FOLDED + -(-(hi - lo) // PIECE_BYTES), np.int64)
+        if words is None:
+            words = host_range_words(piece)
+        else:
+            words.fill(0)
         self.me = among.ranks.index(c.rank)
         self.native = (own, peers, _scratch_area(), words, self.me, lo, hi, PIECE_BYTES, int(delivers))
         self._among, self._code, self._op = among, c.code, int(op)
@@ -207,6 +272,11 @@ class HostRange:
     def raise_failure(self) -> NoReturn:
         words = self.native[3]
         _read_failed(self._among, self._among.ranks[int(words[kernels.HOST_FAILED])], int(words[kernels.HOST_ERROR]))
+
+
+def host_range_words(piece: tuple[int, int]) -> np.ndarray:
+    """The words (kernels.duplex_row's host range) of a HostRange of `piece`."""
+    return np.zeros(kernels.HOST_FOLDED + -(-(piece[1] - piece[0]) // PIECE_BYTES), np.int64)
 
 
 def single_copy_reduce_scatter(c: Call, work: np.ndarray, out: np.ndarray, op: ReduceKind,
@@ -312,12 +382,17 @@ def _gather_descriptors(c: Call, among: Readers, source: np.ndarray, address: in
     until _finish, in the room the board keeps for calls of this kind (_room), which the kernels
     take as their peers as it is."""
     room = _room(c, among, source)
+    _describe(room, address)
+    among.board.gather_open(c.meta.seq, room.descriptors, room.header, c.code, c.deadline, among.guard, c.meta)
+    return room.descriptors
+
+
+def _describe(room: _Room, address: int) -> None:
+    """This process's descriptor in room, of the array at `address`."""
     if room.pid[0] != _own_pid:  # new, or in a forked child: this process's pid and token
         room.mine[:] = _own
         room.pid[0] = _own_pid
     room.mine[ADDRESS] = address
-    among.board.gather_open(c.meta.seq, room.descriptors, room.header, c.code, c.deadline, among.guard, c.meta)
-    return room.descriptors
 
 
 class _Room(NamedTuple):
@@ -329,6 +404,13 @@ class _Room(NamedTuple):
     mine: np.ndarray  # this rank's row of descriptors
     header: np.ndarray  # the call's entry header (the compiled step writes in the sequence number)
     pid: list[int]  # the process whose descriptor `mine` holds
+
+
+def one_row(c: Call, among: Readers, data: np.ndarray, piece: tuple[int, int], elements: tuple[int, int],
+            ring: tuple[RangeStep, ...], row: Any) -> OneRow:
+    """A OneRow of calls like c over data (ring: its steps across hosts, row: the transport's, or
+    None where it runs none)."""
+    return OneRow(among.board, among.ranks, piece, elements, ring, row, _room(c, among, data), host_range_words(piece))
 
 
 def _room(c: Call, among: Readers, source: np.ndarray) -> _Room:
