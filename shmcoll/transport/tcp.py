@@ -376,8 +376,7 @@ class NetTransport(LinkTransport):
             finished, done = 0, NOT_STARTED
             if not before():
                 return False
-        elif not before():
-            self._give_back(row)
+        elif not self._first_holding(row, before):
             return False
         else:
             finished, done = self._run_claimed(row, row.ranges, tag, data, code, meta, deadline, op, host_range)
@@ -490,6 +489,18 @@ class NetTransport(LinkTransport):
                 return True
         for lock in taken:
             lock.release()
+        return False
+
+    def _first_holding(self, row: RangeRow, before: Callable[[], bool]) -> bool:
+        """before() while holding a claimed row: True where it finished (the row is still held),
+        else False with the row given back, as it is where before() raises."""
+        try:
+            if before():
+                return True
+        except BaseException:
+            self._give_back(row)
+            raise
+        self._give_back(row)
         return False
 
     def _give_back(self, row: RangeRow) -> None:
