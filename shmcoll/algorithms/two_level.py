@@ -129,6 +129,7 @@ ONE_ROWS_KEPT = 64
 
 
 def _one_row(c: Call, topo: Topology, data: np.ndarray, one_shot_bytes: int, single_copy: bool) -> OneRow | bool:
+    """_in_one_row's OneRow for calls like c, or False where they are not the usual call."""
     may_overlap = single_copy and c.t.overlap_in_group and topo.n_hosts < topo.world_size
     host, _, mine = _layout(topo, c.rank, len(data), data.itemsize, may_overlap)
     readers = readers_in_host(c, host, single_copy)
