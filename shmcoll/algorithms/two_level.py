@@ -74,12 +74,12 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
     Each rank owns a run of slices (Topology.slice_runs; slices_for) and takes them across hosts
     one after another, each among its slice's owners: every rank orders its slices alike, so the
     lowest slice not yet across always has all its owners at it."""
+    divisor = c.size if op is ReduceKind.AVG else 1  # an AVG's sum is divided as it is written back
     one = _in_one_row(c, topo, data, one_shot_bytes, single_copy)
     if one is not None:
-        all_reduce_in_one_row(c, one, data, summed(op), c.size if op is ReduceKind.AVG else 1)
+        all_reduce_in_one_row(c, one, data, summed(op), divisor)
         return
-    may_overlap = single_copy and c.t.overlap_in_group and topo.n_hosts < topo.world_size
-    host, owned, mine = _layout(topo, c.rank, len(data), data.itemsize, may_overlap)
+    host, owned, mine = _layout(topo, c.rank, len(data), data.itemsize, _may_overlap(c, topo, single_copy))
 
     def across(piece: Piece, host_range: HostRange | None = None) -> None:
         """A piece of one of this rank's slices, in bytes (_slices), summed across hosts among the
@@ -101,7 +101,13 @@ def two_level_all_reduce(c: Call, topo: Topology, data: np.ndarray, op: ReduceKi
         over_rings(c)
         return
     all_reduce_among(c, readers, data, summed(op), over_rings,
-                     Crossing(tuple(mine), across, c.t.overlap, divisor=c.size if op is ReduceKind.AVG else 1))
+                     Crossing(tuple(mine), across, c.t.overlap, divisor))
+
+
+def _may_overlap(c: Call, topo: Topology, single_copy: bool) -> bool:
+    """Whether some host may overlap its in-host work with its pieces crossing hosts, so every
+    column cuts its slices in pieces (_crossing_pieces): alike on every rank."""
+    return single_copy and c.t.overlap_in_group and topo.n_hosts < topo.world_size
 
 
 def _in_one_row(c: Call, topo: Topology, data: np.ndarray, one_shot_bytes: int, single_copy: bool) -> OneRow | None:
@@ -130,8 +136,7 @@ ONE_ROWS_KEPT = 64
 
 def _one_row(c: Call, topo: Topology, data: np.ndarray, one_shot_bytes: int, single_copy: bool) -> OneRow | bool:
     """_in_one_row's OneRow for calls like c, or False where they are not the usual call."""
-    may_overlap = single_copy and c.t.overlap_in_group and topo.n_hosts < topo.world_size
-    host, _, mine = _layout(topo, c.rank, len(data), data.itemsize, may_overlap)
+    host, _, mine = _layout(topo, c.rank, len(data), data.itemsize, _may_overlap(c, topo, single_copy))
     readers = readers_in_host(c, host, single_copy)
     if readers is None or readers.board.host_ranks != host or len(mine) != 1:
         return False
