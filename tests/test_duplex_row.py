@@ -24,14 +24,14 @@ from shmcoll import kernels
 from shmcoll.algorithms.call import Call, segment_bounds
 from shmcoll.algorithms.halving import halving_doubling_all_reduce
 from shmcoll.algorithms.ring import ring_all_reduce
-from shmcoll.transport import frame
+from shmcoll.transport import frame, tcp
 from shmcoll.transport.frame import DATA, HEARTBEAT, Meta
 from shmcoll.transport.sub import SubTransport
 from shmcoll.transport.tcp import DUPLEX_LEAD_BYTES, NetTransport
 from shmcoll.types import F32, I64, Collective, ReduceKind
 
 import bounds
-from harness import connected_pair
+from harness import connected_pair, wait_until
 
 TAG, SEQ = 9, 4
 WAIT_NS = 5 * 10**9  # long enough for the other end's thread on a loaded machine; the tests do not wait it out
@@ -374,3 +374,27 @@ def test_a_row_whose_connection_another_thread_holds_goes_the_general_way(mesh, 
     finally:
         release.join()
     assert statuses.count(kernels.DUPLEX_DONE) <= 1  # rank 1's row, where it held its connections first
+
+
+def test_a_reader_thread_leaves_the_next_frame_to_a_caller_that_just_let_go(mesh, monkeypatch):
+    """While a caller holds a connection (as a row does, longer than QUIET_SECONDS), its reader
+    thread, woken by a frame, naps instead of queueing for the lock; once the caller gives the
+    connection back having found its message, the frame still waits on the socket for the
+    caller's next call, which can hold the connection again, and nothing went to the mailbox."""
+    monkeypatch.setattr(tcp, "QUIET_SECONDS", 1.0)  # the nap outlasts this test's steps on a loaded machine
+    t, inbox = mesh[0], mesh[0]._inboxes[1]
+    inbox.leave(False)  # the socket is the reader thread's: no caller found anything lately
+    deadline = time.monotonic() + bounds.WAIT_HANG_S
+    with inbox.lock:
+        mesh[1].send(0, TAG, np.full(5, 2, np.float32), F32.code, _meta(5, F32.code), deadline)
+        wait_until(lambda: inbox.whole_frame_waiting(1, 1 << 20), bounds.WAIT_HANG_S, "the frame to come")
+        wait_until(lambda: inbox._napping, bounds.WAIT_HANG_S, "the reader thread to nap")
+    inbox.leave(True)
+    assert inbox.lock.acquire(False)
+    try:
+        assert not t._mailbox.has(1, TAG)
+        assert inbox.whole_frame_waiting(1, 1 << 20) is not None
+    finally:
+        inbox.lock.release()
+    msg = t.recv(1, TAG, deadline)
+    assert msg.payload.view(np.float32).tolist() == [2.0] * 5

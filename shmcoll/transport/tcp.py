@@ -622,15 +622,23 @@ class NetTransport(LinkTransport):
             inbox.leave(msg is not None)
 
     def _read_loop(self, peer: int, inbox: _Inbox) -> None:
-        """Whenever data waits on the socket and no caller is reading it, read one frame."""
+        """Whenever data waits on the socket and no caller is reading it or has just found its
+        message there (_Inbox), read one frame."""
         while not inbox.finished:
             if not inbox.wait_for_frames():
                 if self._closing:
                     return
                 continue
-            with inbox.lock:
+            if inbox.left_to_callers():  # one found its message since: what came is its next
+                continue
+            if not inbox.lock.acquire(False):
+                inbox.nap_while_held()
+                continue
+            try:
                 if not inbox.finished and inbox.readable():  # else a caller took what was there
                     self._take_frame(peer, inbox)
+            finally:
+                inbox.lock.release()
 
     def _take_frame(self, peer: int, inbox: _Inbox) -> None:
         """Read one frame, however long it takes to come, and deliver it; the connection's end (a
@@ -893,6 +901,22 @@ class _Inbox:
         self._napping = False  # first: a caller leaving from now on unmutes the socket itself
         self.mute_reader(False)
         return self._wait(_POLL)
+
+    def left_to_callers(self) -> bool:
+        """Whether a caller found its message here within QUIET_SECONDS (leave): what comes now is
+        likely its next one."""
+        return self._quiet_until > time.monotonic()
+
+    def nap_while_held(self) -> None:
+        """The reader thread's sleep while a caller holds the lock, as after a find: muted, at most
+        QUIET_SECONDS, woken by a caller that leaves without its message (leave). Waiting on the
+        lock instead, it would take it the moment a caller's long row gives it back, and with it
+        the next call's first frame, which that caller's next row was about to read in place: 4
+        hosts of one rank on 2 cores, 16 MiB all-reduce, 4 calls in 10 lost their row that way."""
+        self._napping = True
+        self.mute_reader(True)
+        if self.lock.locked():
+            self._wait(QUIET_SECONDS)
 
     def _wait(self, seconds: float) -> bool:
         try:
