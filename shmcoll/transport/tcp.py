@@ -874,9 +874,10 @@ class _Inbox:
     `finished` once the connection ended (nothing more will be read from it).
 
     The reader thread sleeps on the socket (`wait_for_frames`) unless callers are reading it: while
-    one polls, and for QUIET_SECONDS after one found its message there, the socket is muted for it
-    and it sleeps in short naps instead, checking whether callers are still at it. It unmutes the
-    socket itself before any long sleep, so nothing ever waits on a muted socket for long."""
+    one polls or holds the lock, and for QUIET_SECONDS after one found its message there, the
+    socket is muted for it and it sleeps in short naps instead, checking whether callers are still
+    at it. It unmutes the socket itself before any long sleep, so nothing ever waits on a muted
+    socket for long."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
