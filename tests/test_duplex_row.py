@@ -9,7 +9,8 @@ do not describe a row are refused. Then NetTransports fully connected: ring_all_
 one native call each and send the bytes the general path sends, and so does a sub-group's ring
 through its root's rows; a peer that sends and receives each step on its own meets a row; calls
 that share a row send each their own description; a row stopped by another frame, or whose
-connections another thread holds, finishes the general way.
+connections another thread holds, finishes the general way; a reader thread leaves the frame that
+comes while a caller holds its connection to that caller's next call.
 """
 
 from __future__ import annotations
