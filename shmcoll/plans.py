@@ -239,7 +239,7 @@ def all_gather_algorithm(w: Where, algorithm: Algorithm) -> Callable[[Call, np.n
     rank's block in rank order (the lean path keeps one per kind of call)."""
     match algorithm:
         case Algorithm.TWO_LEVEL:
-            return lambda c, local, out: two_level_all_gather(c, w.hosts, local, out)
+            return lambda c, local, out: two_level_all_gather(c, w.hosts, local, out, w.setting.single_copy)
         case Algorithm.BOARD:
             return board_all_gather
         case Algorithm.BRUCK:

@@ -113,7 +113,7 @@ def _assert_paths_follow(hosts: list[str], results: list[dict], what: str) -> No
     ("first-alone", 3, _all_reduce, 2 * S, None),  # flat: uneven thirds, checked only as larger
     ("halves", 4, _broadcast, 2 * S, 4 * S),  # root 1: chain 1,0 | 2,3 versus 1 | 2,3 | 0
     ("interleaved", 4, _broadcast, 2 * S, 6 * S),
-    ("halves", 4, _all_gather, 4 * S, 6 * S),  # leaders swap whole hosts (2S each); flat: 3S over 2 edges
+    ("halves", 4, _all_gather, 4 * S, 6 * S),  # each column swaps its ranks' blocks (S each way); flat: 3S over 2 edges
     ("interleaved", 4, _all_gather, 4 * S, 12 * S),
 ])
 def test_two_level_crosses_hosts_less_than_flat(layout, n, action, hier_bytes, flat_bytes, monkeypatch):
@@ -199,6 +199,37 @@ def test_in_host_phases_read_what_the_ring_would_have_sent(layout, n, monkeypatc
         assert (reads[rank]["shm"], ring[rank]["read"]) == ([0] * n, [0] * n)
         assert reads[rank]["tcp"] == ring[rank]["tcp"]
     assert sum(sum(out["read"]) for out in reads) > 0
+
+
+def _large_all_gather_in_hosts(pg, unreadable: int | None):
+    """_all_gather's traffic (S per rank, 4 S gathered: the large form), checked exact there."""
+    if pg.rank == unreadable:  # its host goes around its ring
+        cannot_be_read()
+    return _traffic_of(pg, _all_gather)
+
+
+def _each_to(n: int, pairs: dict[int, int], nbytes: int) -> list[list[int]]:
+    """Per rank, nbytes to the rank pairs names (none where it names none)."""
+    return [[nbytes if peer == pairs.get(rank) else 0 for peer in range(n)] for rank in range(n)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, unreadable, tcp, read, shm", [
+    ("halves", None, {0: 2, 1: 3, 2: 0, 3: 1}, {0: 1, 1: 0, 2: 3, 3: 2}, {}),
+    ("halves", 1, {0: 2, 1: 3, 2: 0, 3: 1}, {2: 3, 3: 2}, {0: 1, 1: 0}),
+    ("interleaved", None, {0: 1, 1: 0, 2: 3, 3: 2}, {0: 2, 1: 3, 2: 0, 3: 1}, {}),
+])
+def test_a_large_all_gather_crosses_in_columns_and_reads_the_rest(layout, unreadable, tcp, read, shm, monkeypatch):
+    """Among hosts of as many ranks, each rank swaps its block with its column's peer on the other
+    host (S each way, nothing else across hosts), then reads the two blocks its host peer's column
+    brought straight out of that peer's array (2 S); a host whose rank cannot be read passes them
+    around its ring instead (2 S each way, nothing read)."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", layout)
+    results = run_ranks(4, _large_all_gather_in_hosts, unreadable)
+    assert [out["tcp"] for out in results] == _each_to(4, tcp, S)
+    assert [out["read"] for out in results] == _each_to(4, read, 2 * S)
+    assert [out["shm"] for out in results] == _each_to(4, shm, 2 * S)
 
 
 BIG = 8 << 20  # bytes: in halves, 2 slices of 4 MiB, each crossing hosts in overlap.CROSSING_PIECES pieces where cut

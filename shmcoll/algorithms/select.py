@@ -191,7 +191,8 @@ def reduce_across_hosts(slice_bytes: int, hosts: int) -> Algorithm:
 def gather_across_hosts(total_bytes: int) -> Algorithm:
     """TWO_LEVEL all-gather(_v)'s form, once every rank knows every block's size (so all choose
     alike): the small all-reduce's (each host's board, Bruck in each crossing column, the leader's
-    hand-on) for a small gathered array, else around the host and leader rings. Between 2 hosts
+    hand-on) for a small gathered array, else the large form (two_level_all_gather_v: columns
+    across hosts and the host peers' arrays read, or the host and leader rings). Between 2 hosts
     every column carries its host's blocks, where through the leaders only theirs did and each
     leader then handed the whole array on over the rings: 2 + 2 simulated hosts on 2 cores,
     alternating, us per call by column against through the leaders: 256 KiB in all 790 against

@@ -340,14 +340,21 @@ def gather_owned_among(c: Call, among: Readers, data: np.ndarray, owned: Sequenc
     from that position's rank (element ranges, disjoint, maybe empty): the slices of
     two_level_broadcast.py's large broadcast, gathered from the ranks that carried them across
     hosts."""
+    gather_blocks_among(c, among, data, [(bounds,) for bounds in owned], fallback)
+
+
+def gather_blocks_among(c: Call, among: Readers, data: np.ndarray, owned: Sequence[Sequence[tuple[int, int]]],
+                        fallback: Fallback) -> None:
+    """gather_owned_among with any number of element ranges per position: the blocks each column
+    of two_level.py's large all-gather brought across hosts."""
     peers = _publish_and_agree(c, among, data, fallback)
     if peers is None:
         return
     out, size = data.view(np.uint8), data.itemsize
     for p in _others(among, among.ranks.index(c.rank)):
-        a, b = owned[p]
-        if b > a:
-            _read(among, out[a * size:b * size], peers, p, a * size)
+        for a, b in owned[p]:
+            if b > a:
+                _read(among, out[a * size:b * size], peers, p, a * size)
     _finish(c, among)
 
 
