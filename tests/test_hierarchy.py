@@ -232,6 +232,17 @@ def test_a_large_all_gather_crosses_in_columns_and_reads_the_rest(layout, unread
     assert [out["shm"] for out in results] == _each_to(4, shm, 2 * S)
 
 
+@pytest.mark.multiprocess
+def test_a_large_all_gather_among_four_hosts_doubles(monkeypatch):
+    """Four hosts of one rank: each swaps its block with its neighbour (S), then both blocks with
+    the pair beyond (2 S): recursive doubling, nothing else sent, every block everywhere."""
+    monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
+    monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
+    results = run_ranks(4, _large_all_gather_in_hosts, None)
+    assert [out["tcp"] for out in results] == [[S if peer == rank ^ 1 else 2 * S if peer == rank ^ 2 else 0
+                                                for peer in range(4)] for rank in range(4)]
+
+
 BIG = 8 << 20  # bytes: in halves, 2 slices of 4 MiB, each crossing hosts in overlap.CROSSING_PIECES pieces where cut
 HALF = BIG // 2
 

@@ -48,6 +48,7 @@ from .bruck import bruck_all_gather
 from .call import Call, segment_bounds
 from .direct import SIGNAL_CODE, lengths_from
 from .doubling import doubling_steps, recursive_doubling_all_reduce
+from .doubling_gather import doubling_all_gather_owned
 from .halving import halving_doubling_all_reduce
 from .overlap import Crossing, Piece, crossing_pieces
 from .ring import (
@@ -371,7 +372,8 @@ def two_level_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.n
 def _all_gather_in_columns(c: Call, topo: Topology, staged: np.ndarray,
                            staged_at: Sequence[tuple[int, int]]) -> None:
     """A large all-gather among hosts of as many ranks: each column (local rank j of every host)
-    gathers its members' blocks around a ring across hosts, all columns at once, then each rank
+    gathers its members' blocks across hosts (by recursive doubling among a power of two of hosts,
+    else around a ring: doubling_gather.py), all columns at once, then each rank
     reads the blocks its host peers' columns brought straight out of their arrays
     (single_copy.gather_blocks_among; where the host forbids it, around the host's ring once per
     host). Every block crosses to each other host once, as through the leaders, but in K streams,
@@ -383,7 +385,7 @@ def _all_gather_in_columns(c: Call, topo: Topology, staged: np.ndarray,
     host = topo.local_ranks(c.rank)
     brought = [tuple(staged_at[r] for r in topo.column(j)) for j in range(len(host))]
     j = host.index(c.rank)
-    ring_all_gather_owned(c, staged, topo.column(j), brought[j])
+    doubling_all_gather_owned(c, staged, topo.column(j), brought[j])
     if len(host) == 1:
         return
 
