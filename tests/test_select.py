@@ -20,6 +20,7 @@ from shmcoll.algorithms.select import (
     Algorithm,
     Setting,
     across_hosts,
+    gather_in_columns,
     reduce_across_hosts,
     select,
     small_across_hosts,
@@ -163,6 +164,12 @@ def test_large_two_level_slices_cross_many_hosts_by_halving_and_doubling(hosts, 
     (HALVING_FROM_HOSTS, REDUCE_HALVING_FROM_BYTES, A.HALVING_DOUBLING), (1024, 1 << 30, A.HALVING_DOUBLING)])
 def test_a_large_reduce_crosses_hosts_down_a_tree_or_by_halving_when_large_among_many(hosts, slice_bytes, expected):
     assert reduce_across_hosts(slice_bytes, hosts) is expected
+
+
+@pytest.mark.parametrize("hosts, expected", [(2, A.DOUBLING_GATHER), (3, A.RING), (4, A.DOUBLING_GATHER),
+                                            (6, A.RING), (1024, A.DOUBLING_GATHER), (1023, A.RING)])
+def test_a_large_all_gathers_columns_double_among_a_power_of_two_of_hosts(hosts, expected):
+    assert gather_in_columns(hosts) is expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ each of a ring's steps waits for its left neighbour's, around the whole ring; wh
 cores the chain leaves them idle: 4 simulated hosts of one rank on 2 cores, blocks of calls
 alternating in one job, 16 MiB per rank 73.4 ms per call against the ring's 83.2 (8 pairs of 10
 faster), 4 MiB 15.9 against 17.5 (8 of 10), 1 MiB 3.68 against 3.88; 4 hosts of two ranks, 4 MiB
-per rank, even. A count of positions that is not a power of two goes around the ring."""
+per rank, even. For a power of two of positions (select.gather_in_columns)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,15 @@ import numpy as np
 
 from ..transport.base import RangeStep
 from .call import Call, chunk_count, sub_bounds
-from .ring import Bounds, ring_all_gather_owned
+from .ring import Bounds
 
 
 def doubling_all_gather_owned(c: Call, data: np.ndarray, members: Sequence[int], owned: Sequence[Bounds]) -> None:
-    """Every member ends with data[owned[p]] of every position p (ring_all_gather_owned's
-    contract), by recursive doubling where the members are a power of two."""
+    """Every member (a power of two of them) ends with data[owned[p]] of every position p, as
+    ring.ring_all_gather_owned leaves it."""
     n = len(members)
-    if n & (n - 1):
-        ring_all_gather_owned(c, data, members, owned)
-    elif n > 1:
+    assert n & (n - 1) == 0, "recursive doubling pairs a power of two of members"
+    if n > 1:
         pieces = chunk_count(max(b - a for a, b in owned), data.itemsize, c.chunk_bytes)
         steps = _doubling_schedule(tuple(members), c.rank, tuple(owned), pieces)
         c.t.send_recv_ranges(steps, c.tag, data, c.code, c.meta, c.deadline, None)

@@ -128,6 +128,7 @@ class Algorithm(enum.Enum):
     RING = "ring"  # ring.py: reduce-scatter and all-gather around a ring, bandwidth-optimal
     DOUBLING = "doubling"  # doubling_broadcast.py: a small broadcast in log2 n exchange steps
     BRUCK = "bruck"  # bruck.py: a small all-gather in log2 n steps
+    DOUBLING_GATHER = "doubling all-gather"  # doubling_gather.py: owned blocks swapped in log2 n steps
     RECURSIVE_DOUBLING = "recursive doubling"  # doubling.py: log2 n exchanges of the whole array
     HALVING_DOUBLING = "halving-doubling"  # halving.py: a ring's bytes in 2 log2 n steps (Rabenseifner)
     BINOMIAL = "binomial"  # binomial.py: a reduce in log2 n steps, each rank sending once
@@ -186,6 +187,13 @@ def reduce_across_hosts(slice_bytes: int, hosts: int) -> Algorithm:
     if hosts >= HALVING_FROM_HOSTS and slice_bytes >= REDUCE_HALVING_FROM_BYTES:
         return Algorithm.HALVING_DOUBLING
     return Algorithm.BINOMIAL
+
+
+def gather_in_columns(hosts: int) -> Algorithm:
+    """TWO_LEVEL large all-gather's middle phase among hosts of as many ranks: each column gathers
+    its members' blocks across hosts by recursive doubling among a power of two of hosts, else
+    around a ring (the same bytes; doubling_gather.py says what the ring's chain of steps costs)."""
+    return Algorithm.DOUBLING_GATHER if hosts & (hosts - 1) == 0 else Algorithm.RING
 
 
 def gather_across_hosts(total_bytes: int) -> Algorithm:

@@ -61,7 +61,14 @@ from .ring import (
     scale_if_avg,
     summed,
 )
-from .select import Algorithm, across_hosts, crossing_columns, gather_across_hosts, small_across_hosts
+from .select import (
+    Algorithm,
+    across_hosts,
+    crossing_columns,
+    gather_across_hosts,
+    gather_in_columns,
+    small_across_hosts,
+)
 from .single_copy import (
     DESCRIPTOR_BYTES,
     OneRow,
@@ -372,8 +379,8 @@ def two_level_all_gather_v(c: Call, topo: Topology, local: np.ndarray, out: np.n
 def _all_gather_in_columns(c: Call, topo: Topology, staged: np.ndarray,
                            staged_at: Sequence[tuple[int, int]]) -> None:
     """A large all-gather among hosts of as many ranks: each column (local rank j of every host)
-    gathers its members' blocks across hosts (by recursive doubling among a power of two of hosts,
-    else around a ring: doubling_gather.py), all columns at once, then each rank
+    gathers its members' blocks across hosts (select.gather_in_columns: by recursive doubling
+    among a power of two of hosts, else around a ring), all columns at once, then each rank
     reads the blocks its host peers' columns brought straight out of their arrays
     (single_copy.gather_blocks_among; where the host forbids it, around the host's ring once per
     host). Every block crosses to each other host once, as through the leaders, but in K streams,
@@ -385,7 +392,8 @@ def _all_gather_in_columns(c: Call, topo: Topology, staged: np.ndarray,
     host = topo.local_ranks(c.rank)
     brought = [tuple(staged_at[r] for r in topo.column(j)) for j in range(len(host))]
     j = host.index(c.rank)
-    doubling_all_gather_owned(c, staged, topo.column(j), brought[j])
+    doubles = gather_in_columns(len(topo.hosts)) is Algorithm.DOUBLING_GATHER
+    (doubling_all_gather_owned if doubles else ring_all_gather_owned)(c, staged, topo.column(j), brought[j])
     if len(host) == 1:
         return
 
