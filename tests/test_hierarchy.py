@@ -233,14 +233,18 @@ def test_a_large_all_gather_crosses_in_columns_and_reads_the_rest(layout, unread
 
 
 @pytest.mark.multiprocess
-def test_a_large_all_gather_among_four_hosts_doubles(monkeypatch):
-    """Four hosts of one rank: each swaps its block with its neighbour (S), then both blocks with
-    the pair beyond (2 S): recursive doubling, nothing else sent, every block everywhere."""
+@pytest.mark.parametrize("n, sent", [
+    (4, lambda rank, peer: S if peer == rank ^ 1 else 2 * S if peer == rank ^ 2 else 0),
+    (3, lambda rank, peer: 2 * S if peer == (rank + 1) % 3 else 0),
+], ids=["4-double", "3-ring"])
+def test_a_large_all_gather_among_hosts_of_one_rank_doubles_or_goes_around(n, sent, monkeypatch):
+    """Hosts of one rank each: among four, each swaps its block with its neighbour (S), then both
+    blocks with the pair beyond (2 S): recursive doubling; among three, around the ring, each
+    passing two blocks on to the next (2 S). Nothing else is sent; every block is everywhere."""
     monkeypatch.setenv("SHMCOLL_TRANSPORT", "hier")
     monkeypatch.setenv("SHMCOLL_TEST_HOSTS", "each")
-    results = run_ranks(4, _large_all_gather_in_hosts, None)
-    assert [out["tcp"] for out in results] == [[S if peer == rank ^ 1 else 2 * S if peer == rank ^ 2 else 0
-                                                for peer in range(4)] for rank in range(4)]
+    results = run_ranks(n, _large_all_gather_in_hosts, None)
+    assert [out["tcp"] for out in results] == [[sent(rank, peer) for peer in range(n)] for rank in range(n)]
 
 
 BIG = 8 << 20  # bytes: in halves, 2 slices of 4 MiB, each crossing hosts in overlap.CROSSING_PIECES pieces where cut
