@@ -21,9 +21,9 @@ once, each rank holding its host's result already), among more only the leaders 
 lowest rank, column 0) do (select.crossing_columns); the ranks of no column hear from their
 leader. A small all-gather goes the same way (each host gathers its blocks on its board, the
 columns gather every host's by Bruck); a large one among hosts of as many ranks in columns too
-(each column's blocks around a ring across hosts, then read straight out of the host peers'
-arrays), else through one leader per host. Reduce-scatter and reduce are in two_level_reduce.py,
-broadcast in two_level_broadcast.py.
+(each column's blocks gathered across hosts, by recursive doubling or around a ring, then read
+straight out of the host peers' arrays), else through one leader per host. Reduce-scatter and
+reduce are in two_level_reduce.py, broadcast in two_level_broadcast.py.
 """
 
 from __future__ import annotations
