@@ -2,7 +2,7 @@
 
 Run as root on one machine (iproute2; matplotlib for --plot):
 
-    python bench/cost_model.py measure --out bench/cost-model.json        # 2x1,...,4x2: 6 minutes here
+    python bench/cost_model.py measure --out bench/cost-model.json        # 2x1,...,4x2: 9 minutes here
     python bench/cost_model.py fit bench/cost-model.json --plot bench/cost-model.png --json /tmp/fit.json
 
 `measure` runs every across-host algorithm (ONE_SHOT, RECURSIVE_DOUBLING, RING, HALVING_DOUBLING),
@@ -52,7 +52,7 @@ from shmcoll.bench.plot import human
 from shmcoll.config import SPIN_US_VAR, Tuning, one_shot_bytes_for
 
 DEFAULT_LAYOUTS = "2x1,4x1,8x1,2x2,4x2"
-DEFAULT_SIZES = "8,1K,64K,1M,4M"
+DEFAULT_SIZES = "8,1K,64K,1M,4M,16M"
 PREDICT_SIZES = "8,1K,64K,1M,16M"
 TOLERANCE = 0.30  # the model should be within this of every measured point
 SHORT = {"one-shot": "OS", "recursive-doubling": "RD", "ring": "ring", "halving-doubling": "HD"}
@@ -281,7 +281,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     f.add_argument("--no-oversubscription", action="store_true", help="fit as if every rank had its own core")
     f.add_argument("--ranks-per-host", type=int, default=1, help="of the predictions and the plot (default 1)")
     f.add_argument("--predict-sizes", type=sizes_arg, default=sizes_arg(PREDICT_SIZES), metavar="LIST")
-    f.add_argument("--plot-sizes", type=sizes_arg, default=sizes_arg("8,64K,1M,4M"), metavar="LIST")
+    f.add_argument("--plot-sizes", type=sizes_arg, default=sizes_arg("8,64K,1M,16M"), metavar="LIST")
     f.add_argument("--top", type=int, default=1024, help="predict up to this many hosts (default 1024)")
     f.add_argument("--plot", default=None, metavar="PNG")
     f.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="the fitted parameters")

@@ -11,7 +11,8 @@ A call's time is one rank's critical path, a sum of terms with one parameter eac
            (Transport.exchanges: two hosts' one-shot, recursive doubling with the hand-offs of the
            positions past a power of two, up to SWAP_MAX_BYTES); a
            message costs a syscall on both ends, paid per message rather than per step
-  alpha_step  per step of a ring or a halving (send_recv_row: one C call each, Python around it)
+  alpha_step  per step of a ring or a halving (Transport.send_recv_ranges: a frame's header each
+           way and the wait for the peer's, all of a call's steps in one C call, duplex_row)
   alpha_py  per message sent and received through Python (one-shot among more than two hosts,
            exchanges and hand-offs past SWAP_MAX_BYTES), so ONE_SHOT's H-1
            sends count H-1 times (among 1,024 hosts no one-shot costs one latency)
@@ -139,7 +140,7 @@ def _exchanges(count: float, nbytes: int, reduced: float, native: bool) -> Steps
 
 
 def _duplexes(count: float, wire: float, reduced: float) -> Steps:
-    """A ring's or a halving's steps: one C call each (duplex), with Python around it."""
+    """A ring's or a halving's steps: a frame each way per step, the call's steps in one C call (duplex_row)."""
     return Steps(steps=count, wire=wire, reduced=reduced)
 
 
