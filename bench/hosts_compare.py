@@ -72,6 +72,7 @@ COLUMNS = {HIER: "shmcoll two-level", TCP: "shmcoll flat TCP", OPENMPI: "OpenMPI
 SKIPPED = "skipped"  # a column's status where --columns leaves it out
 LINK_PORT = 45123  # free in any fresh namespace
 LINK_SPAN = 64 << 20  # the data-sized streams' arrays: past every cache, as a large call's data
+LINK_USE_FROM = 16 << 20  # the all-reduces whose use of the link is worked out: the issue's "large messages"
 SETUP_S = 60.0     # netns.sh up/down, ip netns pids
 AGENT = """#!/bin/sh
 # mpirun's rsh agent, written by bench/hosts_compare.py: mpirun runs "AGENT HOST COMMAND" with the
@@ -381,6 +382,50 @@ def link_lines(link: dict[str, Any], hosts: Hosts) -> list[str]:
             + ", ".join(rate(x) for x in link["both_data_sized"]["streams"])]
 
 
+def crossing_bytes(hosts: int, size: int) -> float:
+    """Bytes each host must send, and receive, across hosts in an all-reduce of `size` bytes whose
+    inputs are spread over `hosts` hosts: 2 (H - 1) / H x size (S between two hosts), what a ring or
+    halving-doubling among the hosts sends, whichever rank of the host sends it."""
+    return 2 * (hosts - 1) / hosts * size
+
+
+def link_use(layouts: list[Layout], rows: dict[str, list[dict[str, Any]]],
+             link: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per layout and all-reduce of LINK_USE_FROM bytes or more, for shmcoll's two-level and
+    OpenMPI: the GB/s each way per host of crossing_bytes, and its share of the link's streams both
+    ways at once (the mean of the two directions) from a cache-hot MiB and through 64 MiB arrays."""
+    def mean(figures: list[dict[str, Any]]) -> float | None:
+        rates = [x["gbps"] for x in figures]
+        return sum(rates) / len(rates) if None not in rates else None
+    hot, data = mean(link["both"]), mean(link["both_data_sized"]["streams"])
+
+    def use(hosts: int, row: dict[str, Any], col: str) -> dict[str, float | None]:
+        gbps = crossing_bytes(hosts, row["size"]) / row[col] / 1e3 if row[col] else None
+        return {"gbps": gbps, "of_hot": gbps / hot if gbps and hot else None,
+                "of_data": gbps / data if gbps and data else None}
+    return [{"layout": lay.name, "size": row["size"], **{col: use(lay.hosts, row, col) for col in (HIER, OPENMPI)}}
+            for lay in layouts for row in rows[lay.name] if row["size"] >= LINK_USE_FROM]
+
+
+def link_use_lines(uses: list[dict[str, Any]]) -> list[str]:
+    """The table of link_use(); nothing where no size was large enough."""
+    if not uses:
+        return []
+
+    def cell(x: dict[str, float | None]) -> str:
+        if x["gbps"] is None:
+            return "-"
+        shares = " / ".join(f"{x[k]:.0%}" if x[k] is not None else "-" for k in ("of_hot", "of_data"))
+        return f"{x['gbps']:.2f} GB/s ({shares})"
+    return ["", f"## the link's use by the all-reduces of {human(LINK_USE_FROM)} and up: GB/s each way per host of "
+            "the 2 (H - 1) / H x S bytes each host must send and receive across hosts (S between 2 hosts), and "
+            "its share of the streams both ways at once (from a cache-hot MiB / through 64 MiB arrays)", "",
+            f"| layout | size | {COLUMNS[HIER]} | {COLUMNS[OPENMPI]} |", "|---|---|---|---|",
+            *(f"| {u['layout']} | {human(u['size'])} | {cell(u[HIER])} | {cell(u[OPENMPI])} |" for u in uses),
+            "", "# between namespaces the link is the kernel's copies on the cores the ranks run on: where a host "
+            "has several ranks, their work inside it takes cores from the link"]
+
+
 # ---- the run ----
 
 def layouts_arg(text: str) -> list[Layout]:
@@ -490,6 +535,9 @@ def main(argv: list[str]) -> int:
                                     "ranks_on_hosts": [lay.ranks_on(h) for h in range(lay.hosts)], "rows": rows,
                                     "columns": {c.name: c.describe() for c in cols[lay.name].values()}}
     print("\n".join(link_lines(link, hosts)), flush=True)
+    if args.collective == "all_reduce":
+        doc["link_use"] = link_use(args.layouts, {n: lay["rows"] for n, lay in doc["layouts"].items()}, link)
+        print("\n".join(link_use_lines(doc["link_use"])), flush=True)
     doc["seconds"] = time.monotonic() - t0
     print(f"\n# took {doc['seconds']:.0f} s", flush=True)
     if args.json_path:

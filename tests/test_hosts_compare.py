@@ -1,6 +1,7 @@
 """bench/hosts_compare.py for real, at its smallest: two namespace hosts with one rank each, two sizes,
 one round. Checked: the table's shape, a positive time in every shmcoll cell, the JSON saying what
-the table says, the three link figures, and nothing left of the namespaces. OpenMPI's and gloo's cells
+the table says, the three link figures (and no use of the link worked out below 16 MiB), and nothing
+left of the namespaces. OpenMPI's and gloo's cells
 are checked only where that library is installed, and no ratio's value ever: these machines are
 noisy. Needs root and `ip netns`, skipped as tests/test_netns_hosts.py skips (SHMCOLL_REQUIRE_NETNS=1
 makes that a failure).
@@ -99,6 +100,7 @@ def test_the_link_is_measured_and_the_hosts_are_gone(run):
     assert all(x["gbps"] > 0 for x in link["both_data_sized"]["streams"])
     prefix = one.group(1)[:-1]
     assert one.group(2) == prefix + "2" and leftovers(prefix) == []
+    assert doc["link_use"] == [] and "the link's use" not in out  # 64 KiB is no large all-reduce
 
 
 def test_columns_left_out_are_never_started_and_links_have_the_rate_asked(tmp_path_factory):
