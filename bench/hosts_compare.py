@@ -25,7 +25,9 @@ a NIC has: veth alone moves bytes as fast as the CPU copies them, so its "wire" 
 one Python socket stream from host 1 to host 2, and then one each way at once (GB/s per direction),
 under the congestion control shmcoll's connections take: the most one such connection carries here,
 each end sending from (or receiving into) one cache-hot MiB; and one each way at once through 64 MiB
-arrays, which every copy reads from or writes to memory, as a large call's data is.
+arrays, which every copy reads from or writes to memory, as a large call's data is. Last, for an
+all-reduce, each layout's use of the link from 16 MiB: the bytes each host must send and receive
+across hosts, 2 (H - 1) / H x S, per call time, for shmcoll and OpenMPI, against both figures.
 A library that is not installed is a column of n/a with the reason below the table. Every job is
 killed after --timeout seconds, and whatever it left in the namespaces with it. Exit status 0; 1
 when a job failed; 2 on a usage error.
@@ -72,7 +74,7 @@ COLUMNS = {HIER: "shmcoll two-level", TCP: "shmcoll flat TCP", OPENMPI: "OpenMPI
 SKIPPED = "skipped"  # a column's status where --columns leaves it out
 LINK_PORT = 45123  # free in any fresh namespace
 LINK_SPAN = 64 << 20  # the data-sized streams' arrays: past every cache, as a large call's data
-LINK_USE_FROM = 16 << 20  # the all-reduces whose use of the link is worked out: the issue's "large messages"
+LINK_USE_FROM = 16 << 20  # all-reduces from this size have their use of the link worked out: the bytes set their time
 SETUP_S = 60.0     # netns.sh up/down, ip netns pids
 AGENT = """#!/bin/sh
 # mpirun's rsh agent, written by bench/hosts_compare.py: mpirun runs "AGENT HOST COMMAND" with the
@@ -422,8 +424,8 @@ def link_use_lines(uses: list[dict[str, Any]]) -> list[str]:
             "its share of the streams both ways at once (from a cache-hot MiB / through 64 MiB arrays)", "",
             f"| layout | size | {COLUMNS[HIER]} | {COLUMNS[OPENMPI]} |", "|---|---|---|---|",
             *(f"| {u['layout']} | {human(u['size'])} | {cell(u[HIER])} | {cell(u[OPENMPI])} |" for u in uses),
-            "", "# between namespaces the link is the kernel's copies on the cores the ranks run on: where a host "
-            "has several ranks, their work inside it takes cores from the link"]
+            "", "# without --link-rate the link between namespaces is the kernel's copies on the cores the ranks run "
+            "on: more hosts, or several ranks' work inside a host, take cores from it"]
 
 
 # ---- the run ----

@@ -1,10 +1,9 @@
 """bench/hosts_compare.py for real, at its smallest: two namespace hosts with one rank each, two sizes,
 one round. Checked: the table's shape, a positive time in every shmcoll cell, the JSON saying what
 the table says, the three link figures (and no use of the link worked out below 16 MiB), and nothing
-left of the namespaces. OpenMPI's and gloo's cells
-are checked only where that library is installed, and no ratio's value ever: these machines are
-noisy. Needs root and `ip netns`, skipped as tests/test_netns_hosts.py skips (SHMCOLL_REQUIRE_NETNS=1
-makes that a failure).
+left of the namespaces. OpenMPI's and gloo's cells are checked only where that library is
+installed, and no ratio's value ever: these machines are noisy. Needs root and `ip netns`,
+skipped as tests/test_netns_hosts.py skips (SHMCOLL_REQUIRE_NETNS=1 makes that a failure).
 """
 
 from __future__ import annotations
