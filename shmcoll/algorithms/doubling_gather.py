@@ -16,6 +16,7 @@ import numpy as np
 
 from ..transport.base import RangeStep
 from .call import Call, chunk_count, sub_bounds
+from .halving import doubling_exchanges
 from .ring import Bounds
 
 
@@ -33,17 +34,15 @@ def doubling_all_gather_owned(c: Call, data: np.ndarray, members: Sequence[int],
 @functools.lru_cache(maxsize=256)
 def _doubling_schedule(members: tuple[int, ...], rank: int, owned: tuple[Bounds, ...],
                        pieces: int) -> tuple[RangeStep, ...]:
-    """The steps at this rank's position: in step k, the 2^k blocks of its aligned group out to the
-    partner, the partner's group's in, each block cut into the same number of frames at both ends;
-    the same for every call of a kind, so kept."""
-    n, p = len(members), members.index(rank)
+    """The steps at this rank's position: in step k, the blocks of the positions it holds out to the
+    partner, the partner's in (halving.doubling_exchanges, the all-gather of Rabenseifner's
+    all-reduce, whose positions' segments are contiguous where these blocks are not), each block
+    cut into the same number of frames at both ends; the same for every call of a kind, so kept."""
+    p = members.index(rank)
     steps: list[RangeStep] = []
-    distance = 1
-    while distance < n:
-        q = p ^ distance
-        ours, theirs = p & -distance, q & -distance  # the first positions of both groups
-        for i in range(distance):
-            for sent, received in zip(sub_bounds(*owned[ours + i], pieces), sub_bounds(*owned[theirs + i], pieces)):
-                steps.append((members[q], members[q], *sent, *received, False))
-        distance *= 2
+    for distance, ours, theirs in doubling_exchanges(p, len(members), (p, p + 1)):
+        partner = members[p ^ distance]
+        for i, k in zip(range(*ours), range(*theirs)):
+            for sent, received in zip(sub_bounds(*owned[i], pieces), sub_bounds(*owned[k], pieces)):
+                steps.append((partner, partner, *sent, *received, False))
     return tuple(steps)

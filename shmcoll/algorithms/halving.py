@@ -92,7 +92,7 @@ def _halving(ranks: tuple[int, ...], p: int, count: int, itemsize: int, chunk_by
     core = 1 << (len(ranks).bit_length() - 1)
     segments = segment_bounds(count, core)
     halving, span = _halving_exchanges(p, core)
-    doubling = _doubling_exchanges(p, core, span)
+    doubling = doubling_exchanges(p, core, span)
     return _Halving(_in_frames(ranks, p, halving, segments, itemsize, chunk_bytes, True),
                     _in_frames(ranks, p, doubling, segments, itemsize, chunk_bytes, False), _elements(segments, span))
 
@@ -118,7 +118,7 @@ def _halving_exchanges(p: int, core: int) -> tuple[list[Exchange], Span]:
     return steps, (first, last)
 
 
-def _doubling_exchanges(p: int, core: int, span: Span) -> list[Exchange]:
+def doubling_exchanges(p: int, core: int, span: Span) -> list[Exchange]:
     """The halving steps backwards: send the span this position holds, copy in the partner's."""
     first, last = span
     distance, steps = 1, []
